@@ -1,0 +1,25 @@
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: install test test-slow run bench clean
+
+install:  ## make .venv and install the package editable with its dev extras
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[dev]'
+
+test:  ## the fast suite (under 15 minutes on 2 CPU cores)
+	$(BIN)/python -m pytest
+
+test-slow:  ## the longer end-to-end checks
+	$(BIN)/python -m pytest -m slow
+
+run:  ## the default experiment
+	$(BIN)/python -m fsdp_exp
+
+bench:  ## framework overhead: python -m fsdp_exp against a hand-written FSDP2 loop
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf outputs/* .pytest_cache

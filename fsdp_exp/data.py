@@ -1,0 +1,113 @@
+"""conf/data/*: where the images come from, and how each rank reads its part of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+from fsdp_exp.config import ConfigError
+
+
+class ImageData:
+    """A dataset of (image, label) pairs plus how to load it. Subclasses make `dataset()`."""
+
+    num_workers: int = 0
+
+    def dataset(self) -> Dataset:
+        raise NotImplementedError
+
+    def batches(
+        self, batch_size: int, rank: int, world_size: int, seed: int, pin_memory: bool = False
+    ) -> "Batches":
+        """Endless per-rank batches. Each epoch is shuffled by `seed` and split across ranks,
+        so the ranks' batches at one step together form one global batch."""
+        dataset = self.dataset()
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+        if len(sampler) < batch_size:
+            raise ConfigError(
+                f"train.batch_size={batch_size}: larger than this rank's share of the data "
+                f"({len(sampler)} samples); lower it or use more data"
+            )
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=self.num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )
+        return Batches(loader, sampler)
+
+
+@dataclass
+class Batches:
+    loader: DataLoader
+    sampler: DistributedSampler
+    epoch: int = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            self.sampler.set_epoch(self.epoch)
+            yield from self.loader
+            self.epoch += 1
+
+
+@dataclass
+class SyntheticImages(ImageData):
+    """A fixed random pattern per class plus noise; the same for every seed-sharing rank."""
+
+    num_samples: int = 10000
+    image_size: int = 28
+    num_classes: int = 10
+    noise: float = 1.0
+    num_workers: int = 0
+    seed: int = 0
+
+    def dataset(self) -> Dataset:
+        g = torch.Generator().manual_seed(self.seed)
+        shape = (1, self.image_size, self.image_size)
+        patterns = torch.randn(self.num_classes, *shape, generator=g)
+        labels = torch.randint(0, self.num_classes, (self.num_samples,), generator=g)
+        images = patterns[labels] + self.noise * torch.randn(self.num_samples, *shape, generator=g)
+        return TensorDataset(images, labels)
+
+
+# Per-dataset pixel mean and std, from the training sets.
+_NORMALIZE = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
+
+
+@dataclass
+class TorchvisionImages(ImageData):
+    """torchvision's MNIST or FashionMNIST, read from `<root>/<name>/raw` by torchvision."""
+
+    name: str = "FashionMNIST"
+    root: str = "data"
+    download: bool = False
+    num_workers: int = 0
+    train: bool = True
+
+    def dataset(self) -> Dataset:
+        import torchvision.datasets
+
+        if self.name not in _NORMALIZE:
+            raise ConfigError(f"data.name={self.name}: choose one of {', '.join(_NORMALIZE)}")
+        cls = getattr(torchvision.datasets, self.name)
+        try:
+            source = cls(self.root, train=self.train, download=self.download)
+        except RuntimeError as err:  # torchvision: "Dataset not found. You can use download=True"
+            raw = Path(self.root) / self.name / "raw"
+            raise ConfigError(
+                f"data.root={self.root}: no {self.name} IDX files in {raw} ({err}); "
+                "put them there or set data.download=true"
+            ) from None
+        # The whole set fits in memory as tensors: no per-sample PIL decode in the hot loop.
+        mean, std = _NORMALIZE[self.name]
+        images = (source.data.unsqueeze(1).float() / 255 - mean) / std
+        return TensorDataset(images, source.targets.long())

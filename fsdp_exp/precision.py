@@ -1,0 +1,37 @@
+"""conf/precision/*: the dtypes of params, gradient reduction and model output."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, str(name).split(".")[-1])
+
+
+@dataclass
+class Precision:
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    output_dtype: str = "float32"
+
+    def fsdp_policy(self, root: bool) -> MixedPrecisionPolicy:
+        """Every dtype explicit: `reduce_dtype=None` changed meaning between torch releases.
+        The output cast belongs on the root alone; on inner units it breaks training."""
+        return MixedPrecisionPolicy(
+            param_dtype=_dtype(self.param_dtype),
+            reduce_dtype=_dtype(self.reduce_dtype),
+            output_dtype=_dtype(self.output_dtype) if root else None,
+            cast_forward_inputs=True,
+        )
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        """For an unsharded model: run forward in `param_dtype`, keep fp32 weights."""
+        dtype = _dtype(self.param_dtype)
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=dtype)

@@ -1,0 +1,72 @@
+"""The process group, the device mesh, and the few collectives the loop needs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class Ranks:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(device_type: str, timeout_s: float = 600) -> Ranks:
+    """Join the process group that torchrun or the elastic launcher described in the env.
+
+    CPU runs use gloo, GPU runs nccl with one rank per GPU. The mesh is always explicit:
+    the default follows the accelerator type, which is wrong for gloo on a GPU host.
+    """
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ["WORLD_SIZE"])
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if device_type == "cuda" else None
+        )
+    mesh = init_device_mesh(device_type, (world_size,))
+    return Ranks(rank, local_rank, world_size, device, mesh)
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def mean(value: torch.Tensor) -> float:
+    """The mean of a scalar over ranks (gloo has no AVG all-reduce: SUM, then divide)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(value)
+    total = value.detach().clone().float()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return float(total) / dist.get_world_size()
+
+
+def gather(value: float, device: torch.device) -> list[float]:
+    """One number from every rank, in rank order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [float(t) for t in every]

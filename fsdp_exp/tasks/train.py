@@ -1,0 +1,35 @@
+"""task=train: one launch of all ranks, training for train.steps steps."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from fsdp_exp import distributed
+from fsdp_exp.build import build_experiment
+
+log = logging.getLogger("fsdp_exp")
+
+
+class Train:
+    def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
+        return launcher.launch(train_rank, cfg, run_dir, nproc)
+
+
+def train_rank(cfg: dict, run_dir: Path) -> dict:
+    """One rank's whole training run; returns the run's figures (the same on every rank)."""
+    ranks = distributed.init(cfg["device"])
+    try:
+        if ranks.is_main:
+            log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
+        exp = build_experiment(cfg, ranks, run_dir)
+        summary = exp.trainer.fit()
+        exp.checkpoint.finish(exp.trainer.model, run_dir)
+        if exp.wandb is not None:
+            exp.wandb.finish(summary)
+        if exp.jsonl is not None:
+            exp.jsonl.close()
+        return summary
+    finally:
+        distributed.close()

@@ -1,0 +1,153 @@
+"""`python -m fsdp_exp`: check the overrides, compose with Hydra, start the ranks.
+
+Every override (each combination of a -m sweep) is composed and checked before Hydra makes
+an output directory, so bad input leaves nothing behind. A process that already has RANK
+and WORLD_SIZE (started by an external torchrun) acts as one worker instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fsdp_exp import config
+from fsdp_exp.config import ConfigError
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+EXIT_BAD_CONFIG = 2
+EXIT_RUN_FAILED = 1
+
+config.register()
+failed_runs: list[str] = []
+
+
+def main() -> None:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from fsdp_exp.launch.external import run_as_worker
+
+        sys.exit(run_as_worker(sys.argv[1:], compose_checked))
+    try:
+        precheck(sys.argv[1:])
+    except ConfigError as err:
+        print(f"fsdp_exp: {err}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
+    hydra_main()
+    if failed_runs:
+        print(f"fsdp_exp: {len(failed_runs)} run(s) failed:", file=sys.stderr)
+        for line in failed_runs:
+            print(f"  {line}", file=sys.stderr)
+        sys.exit(EXIT_RUN_FAILED)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from fsdp_exp.run import run_experiment
+
+    hc = HydraConfig.get()
+    summary = run_experiment(
+        cfg,
+        run_dir=Path(hc.runtime.output_dir),
+        overrides=list(hc.overrides.task),
+        choices=dict(hc.runtime.choices),
+    )
+    if summary["status"] != "ok":
+        failed_runs.append(f"{hc.runtime.output_dir}: {summary.get('error', summary['status'])}")
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose and check every run the command line asks for; raise ConfigError on the first bad one."""
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.shell_completion or args.info:
+        return
+    config_name = args.config_name or "config"
+    parsed = [parse_override(text) for text in args.overrides]
+    runs = BasicSweeper.split_arguments(parsed, None)[0] if args.multirun else [args.overrides]
+    for overrides in runs:
+        compose_checked(list(overrides), config_name)
+
+
+def parse_override(text: str) -> Override:
+    try:
+        return OverridesParser.create().parse_override(text)
+    except HydraException as err:
+        raise ConfigError(f"{text}: not a valid override ({str(err).splitlines()[0]})") from None
+
+
+def compose_checked(overrides: list[str], config_name: str = "config") -> DictConfig:
+    """The composed config for these overrides, with the hydra node, after every check."""
+    import torch
+
+    try:
+        with initialize_config_dir(CONF_DIR, version_base="1.3", job_name="fsdp_exp"):
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(explain(err, overrides, config_name)) from None
+    config.check(cfg, gpu_count=torch.cuda.device_count())
+    return cfg
+
+
+def explain(err: Exception, overrides: list[str], config_name: str) -> str:
+    """One line from a Hydra or OmegaConf composition error: the key, and what is allowed."""
+    if isinstance(err, MissingConfigException) and err.options is not None:
+        group, _, name = (err.missing_cfg_file or "").rpartition("/")
+        return f"{group}={name}: no such option; choose one of: {', '.join(err.options)}"
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    key = getattr(cause, "full_key", None)
+    first_line = str(getattr(cause, "msg", None) or cause).strip().split("\n")[0]
+    if key is None:
+        match = re.search(r"argument '([^']+)'", first_line)
+        if "Ambiguous value" in first_line and match:
+            return f"{match.group(1)}: a list of values is a sweep; add -m (--multirun)"
+        return first_line
+    if "Could not override" in first_line or "Key '" in first_line:
+        parent, _, leaf = key.rpartition(".")
+        others = [o for o in overrides if o.lstrip("+~").split("=")[0] != key]
+        keys = known_keys(parent, others, config_name)
+        return f"{key}: unknown key; {parent or 'the top level'} has: {keys}"
+    value = getattr(cause, "value", None)
+    return f"{key}={'' if value is None else value}: {reason(first_line)}"
+
+
+def reason(omegaconf_message: str) -> str:
+    for pattern, text in [
+        (r"converted to Integer", "must be an integer"),
+        (r"converted to Float", "must be a number"),
+        (r"not a valid bool", "must be true or false"),
+        (r"is not Optional", "must have a value (null is not allowed)"),
+        (r"is not a subclass of", "is a group of settings; set one of its keys instead"),
+    ]:
+        if re.search(pattern, omegaconf_message):
+            return text
+    match = re.search(r"expected one of \[([^\]]*)\]", omegaconf_message)
+    if match:
+        return f"choose one of: {match.group(1)}"
+    return omegaconf_message
+
+
+def known_keys(parent: str, overrides: list[str], config_name: str) -> str:
+    """The keys of node `parent` in the config the other overrides choose (for the message)."""
+    try:
+        with initialize_config_dir(CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name, overrides=overrides)
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        return ", ".join(sorted(str(k) for k in node.keys() if not str(k).startswith("_")))
+    except Exception:  # noqa: BLE001 - only used to word an error message
+        return "see `python -m fsdp_exp --cfg job`"
+
+
+if __name__ == "__main__":
+    main()

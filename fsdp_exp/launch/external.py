@@ -1,0 +1,67 @@
+"""Under an external `torchrun --nproc_per_node=N -m fsdp_exp ...`: this process is one rank.
+
+Every rank composes the same config; rank 0 picks the run directory and shares it, so the
+ranks of one run write into one directory, as with the built-in launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from hydra.core.utils import setup_globals
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from fsdp_exp import distributed
+from fsdp_exp.config import ConfigError
+from fsdp_exp.launch.worker import setup_rank
+from fsdp_exp.metrics import write_summary
+from fsdp_exp.run import resolve_device
+
+
+def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -> int:
+    rank = int(os.environ["RANK"])
+    if any(arg in ("-m", "--multirun") for arg in argv):
+        if rank == 0:
+            print("fsdp_exp: -m (--multirun) does not run under torchrun; sweep without torchrun", file=sys.stderr)
+        return 2
+    setup_globals()  # Hydra's ${now:...} resolver, used by hydra.run.dir
+    try:
+        cfg = compose(argv)
+    except ConfigError as err:
+        if rank == 0:
+            print(f"fsdp_exp: {err}", file=sys.stderr)
+        return 2
+    run_dir_text = str(OmegaConf.select(cfg, "hydra.run.dir"))  # resolves ${now:...}
+    with open_dict(cfg):
+        del cfg["hydra"]  # the rest of it only resolves inside Hydra's own runtime
+    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    resolved["device"] = resolve_device(resolved["device"], torch.cuda.device_count())
+    resolved["wandb"]["tags"] = list(resolved["wandb"]["tags"]) + argv
+
+    distributed.init(resolved["device"])
+    shared = [run_dir_text]
+    dist.broadcast_object_list(shared, src=0)
+    run_dir = Path(shared[0])
+    if rank == 0:
+        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+        OmegaConf.save(OmegaConf.create(argv), run_dir / ".hydra" / "overrides.yaml")
+    dist.barrier()
+    setup_rank(run_dir, rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+    from fsdp_exp.tasks.train import train_rank
+
+    try:
+        figures = train_rank(resolved, run_dir)
+    except Exception as err:
+        if rank == 0:
+            write_summary(run_dir, {"status": "failed", "error": f"{type(err).__name__}: {err}"})
+        raise
+    if rank == 0:
+        write_summary(run_dir, {"status": "ok", **figures, "overrides": argv, "device": resolved["device"]})
+    return 0

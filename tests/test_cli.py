@@ -1,0 +1,61 @@
+"""`python -m fsdp_exp` end to end, as a user types it, in a fresh directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
+
+
+def test_default_experiment_trains_to_the_end(tmp_path: Path) -> None:
+    """No overrides at all: the default experiment, wandb offline, no network, no GPU."""
+    result = run_cli(cwd=tmp_path, timeout=400, extra_env={"WANDB_API_KEY": ""})
+    assert result.returncode == 0, result.stderr
+    (out,) = (tmp_path / "outputs").glob("*/*")  # outputs/<date>/<time>
+
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "ok"
+    assert summary["steps"] == 50 and summary["world_size"] == 2
+    assert summary["samples_per_s"] > 0 and summary["peak_mem_gb"] > 0
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [10, 20, 30, 40, 50]
+    assert {"step", "loss", "samples_per_s", "lr", "step_time_s", "peak_mem_gb"} <= records[0].keys()
+    assert records[-1]["loss"] < 0.7 * records[0]["loss"], "the synthetic data must be learnable"
+    assert summary["final_loss"] == records[-1]["loss"]
+
+    assert {"config.yaml", "overrides.yaml", "hydra.yaml"} <= {p.name for p in (out / ".hydra").iterdir()}
+    assert "step 50/50" in (out / "rank0.log").read_text()
+    assert (out / "rank1.log").exists()
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), "wandb offline run missing"
+
+
+def test_sweep_over_sharding_and_precision(tmp_path: Path) -> None:
+    result = run_cli(
+        "-m", "sharding=full,grad_op", "precision=fp32,bf16", *SMALL_VIT, "train.steps=3",
+        "train.log_every=1", cwd=tmp_path, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    runs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in runs] == ["0", "1", "2", "3"]
+    seen = set()
+    for run in runs:
+        summary = read_json(run / "summary.json")
+        assert summary["status"] == "ok", summary
+        seen.add((summary["choices"]["sharding"], summary["choices"]["precision"]))
+        assert len(read_jsonl(run / "metrics.jsonl")) == 3
+    assert seen == {("full", "fp32"), ("full", "bf16"), ("grad_op", "fp32"), ("grad_op", "bf16")}
+
+
+def test_offload_and_fp16_train(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_cli(
+        "sharding=full", "offload=true", "precision=fp16", *SMALL_VIT, "train.steps=4",
+        "train.log_every=2", f"hydra.run.dir={out}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "ok" and summary["world_size"] == 2
+    assert all(r["loss"] == r["loss"] for r in read_jsonl(out / "metrics.jsonl")), "NaN loss"
+    assert json.loads((out / "summary.json").read_text())["choices"]["precision"] == "fp16"

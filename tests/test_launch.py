@@ -1,0 +1,58 @@
+"""Ranks are started by torch's elastic launcher, or by an external torchrun."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_exp.launch import RunFailed
+from fsdp_exp.launch.local import LocalLauncher
+from tests import rank_tasks
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
+
+
+def test_local_launcher_returns_rank0_result(tmp_path: Path) -> None:
+    result = LocalLauncher().launch(rank_tasks.report_rank, {"x": 1}, tmp_path, nproc=2)
+    assert result == {"rank": 0, "world_size": 2, "x": 1}
+
+
+def test_a_failing_rank_stops_the_run_within_seconds(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    with pytest.raises(RunFailed) as err:
+        LocalLauncher().launch(rank_tasks.rank1_raises_while_rank0_waits, {}, tmp_path, nproc=2)
+    assert time.perf_counter() - start < 30, "rank 0 stayed blocked in its collective"
+    message = str(err.value)
+    assert message.startswith("rank 1 failed: ValueError: boom on rank 1")
+    assert "rank1.log" in message and "\n" not in message
+
+
+def test_under_external_torchrun_each_process_is_one_rank(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_cli(
+        "--nproc_per_node=2", "-m", "fsdp_exp", *SMALL_VIT, "train.steps=3", "train.log_every=1",
+        f"hydra.run.dir={out}",
+        cwd=tmp_path, module=("-m", "torch.distributed.run"),
+    )
+    assert result.returncode == 0, result.stderr
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["steps"] == 3
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    assert (out / ".hydra" / "config.yaml").exists()
+    assert (out / "rank0.log").exists() and (out / "rank1.log").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["run"], "both ranks must write one run directory"
+
+
+def test_a_failing_run_exits_nonzero_with_one_error_line(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_cli(
+        *SMALL_VIT, "data=fashion_mnist", f"data.root={tmp_path / 'empty'}", f"hydra.run.dir={out}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "rank 0 failed: ConfigError: data.root=" in result.stderr + result.stdout
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "failed" and "data.download=true" in summary["error"]
+    assert "Traceback" in (out / "rank0.log").read_text(), "the rank's log keeps the traceback"

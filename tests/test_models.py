@@ -1,0 +1,34 @@
+"""The models are what the config says they are."""
+
+from __future__ import annotations
+
+import torch
+from torchvision.models.vision_transformer import EncoderBlock
+
+from fsdp_exp.cli import compose_checked
+from fsdp_exp.models import build_model
+
+
+def test_default_vit_matches_the_spec() -> None:
+    model, blocks = build_model(compose_checked([]).model)
+    assert blocks == (EncoderBlock,)
+    assert sum(isinstance(m, EncoderBlock) for m in model.modules()) == 10
+    assert model.conv_proj.in_channels == 1 and model.conv_proj.kernel_size == (7, 7)
+    assert model.hidden_dim == 128 and model.mlp_dim == 128
+    assert model.encoder.layers[0].self_attention.num_heads == 2
+    assert model(torch.randn(3, 1, 28, 28)).shape == (3, 10)
+
+
+def test_cnn_is_one_fsdp_unit_and_gives_logits() -> None:
+    model, blocks = build_model(compose_checked(["model=cnn"]).model)
+    assert blocks == ()
+    assert model(torch.randn(3, 1, 28, 28)).shape == (3, 10)
+
+
+def test_same_seed_same_weights() -> None:
+    cfg = compose_checked([]).model
+    torch.manual_seed(0)
+    a, _ = build_model(cfg)
+    torch.manual_seed(0)
+    b, _ = build_model(cfg)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

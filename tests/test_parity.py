@@ -1,0 +1,59 @@
+"""Sharded training is the same training: 2-rank FSDP2 against a 1-process unsharded run.
+
+Both see the same global batch at every step (2 ranks x 32 against 1 x 64). The optimizer
+is SGD with momentum: its update is linear in the gradient, so a mis-reduced gradient (for
+example summed instead of averaged, gloo's known bug) shows at once. Adam would hide a
+scaled gradient, and it turns the rounding noise of mathematically-zero gradients (the
+attention key bias) into lr-sized steps, which says nothing about sharding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import SMALL_VIT, read_jsonl, run_cli
+
+STEPS = 6
+COMMON = [
+    *SMALL_VIT,
+    f"train.steps={STEPS}",
+    "train.log_every=1",
+    "train.lr=0.05",
+    "optimizer._target_=torch.optim.SGD",
+    "+optimizer.momentum=0.9",
+    "checkpoint.export_full=true",
+]
+TOLERANCE = 1e-5
+
+
+def train(tmp: Path, name: str, *overrides: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    out = tmp / name
+    result = run_cli(*COMMON, *overrides, f"hydra.run.dir={out}", cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    return losses, load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    return train(tmp_path_factory.mktemp("ref"), "none", "sharding=none", "train.batch_size=64")
+
+
+@pytest.mark.parametrize("sharding", ["full", "grad_op"])
+def test_two_ranks_match_one_unsharded_process(reference, sharding: str, tmp_path: Path) -> None:
+    ref_losses, ref_weights = reference
+    losses, weights = train(tmp_path, sharding, f"sharding={sharding}", "train.batch_size=32")
+
+    assert ref_losses[-1] < ref_losses[0], "the reference run must actually learn"
+    for step, (ref, got) in enumerate(zip(ref_losses, losses), start=1):
+        assert abs(got - ref) / abs(ref) < TOLERANCE, f"step {step}: loss {got} vs {ref}"
+    assert weights.keys() == ref_weights.keys()
+    for name, ref in ref_weights.items():
+        diff = ((weights[name] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        assert diff < TOLERANCE, f"{name}: relative difference {diff:.2e}"
+

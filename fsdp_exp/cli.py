@@ -62,7 +62,7 @@ def hydra_main(cfg: DictConfig) -> None:
         cfg,
         run_dir=Path(hc.runtime.output_dir),
         overrides=list(hc.overrides.task),
-        choices=dict(hc.runtime.choices),
+        choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")},
     )
     if summary["status"] != "ok":
         failed_runs.append(f"{hc.runtime.output_dir}: {summary.get('error', summary['status'])}")

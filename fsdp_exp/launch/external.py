@@ -52,7 +52,7 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
         OmegaConf.save(OmegaConf.create(argv), run_dir / ".hydra" / "overrides.yaml")
     dist.barrier()
-    setup_rank(run_dir, rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    setup_rank(run_dir, rank)
 
     from fsdp_exp.tasks.train import train_rank
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -50,7 +52,8 @@ class LocalLauncher:
             options["shutdown_timeout"] = 5
         quiet_elastic()
         try:
-            results = elastic_launch(LaunchConfig(**options), run_rank)(task, cfg, str(run_dir))
+            with threads_per_rank(nproc):
+                results = elastic_launch(LaunchConfig(**options), run_rank)(task, cfg, str(run_dir))
         except ChildFailedError as err:
             rank, failure = err.get_first_failure()
             raise RunFailed(
@@ -58,6 +61,20 @@ class LocalLauncher:
                 f"(log: {rank_log_path(run_dir, rank)})"
             ) from None
         return results[0]
+
+
+@contextlib.contextmanager
+def threads_per_rank(nproc: int) -> Iterator[None]:
+    """Split the cores between the ranks through OMP_NUM_THREADS, as torchrun does, but
+    in the environment the ranks start with (the elastic launcher leaves it unset)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
 
 
 def failure_line(message: Any) -> str:

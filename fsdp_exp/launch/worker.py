@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 log = logging.getLogger("fsdp_exp")
@@ -18,7 +17,7 @@ def rank_log_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}.log"
 
 
-def setup_rank(run_dir: Path, rank: int, ranks_on_node: int) -> None:
+def setup_rank(run_dir: Path, rank: int) -> None:
     """Every rank logs to rank<N>.log; only rank 0 also speaks on the console.
 
     Ranks other than 0 send their whole stdout/stderr (C++ warnings and tracebacks too)
@@ -48,15 +47,12 @@ def setup_rank(run_dir: Path, rank: int, ranks_on_node: int) -> None:
     file_only = logging.getLogger("fsdp_exp.rank_file")
     file_only.handlers = [handlers[0]]
     file_only.propagate = False
-    # torchrun sets this; the elastic launcher does not. Ranks on one CPU share its cores.
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
 
 
 @record
 def run_rank(task: Callable[[dict, Path], Any], cfg: dict, run_dir: str) -> Any:
     """The elastic launcher's entry point: `task(cfg, run_dir)` on this rank."""
-    setup_rank(Path(run_dir), int(os.environ["RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    setup_rank(Path(run_dir), int(os.environ["RANK"]))
     try:
         return task(cfg, Path(run_dir))
     except Exception:

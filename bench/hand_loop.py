@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision.models.vision_transformer import EncoderBlock
 
-from fsdp_exp.data import SyntheticImages
+from fsdp_exp.data.images import SyntheticImages
 from fsdp_exp.models.vit import build_vit
 
 parser = argparse.ArgumentParser()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_exp.config import ConfigError
-from fsdp_exp.data import _NORMALIZE, SyntheticImages, TorchvisionImages
+from fsdp_exp.data.images import _NORMALIZE, SyntheticImages, TorchvisionImages
 from tests.conftest import read_json, run_cli
 
 

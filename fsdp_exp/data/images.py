@@ -1,66 +1,18 @@
-"""conf/data/*: where the images come from, and how each rank reads its part of them."""
+"""Image data: synthetic class patterns, and torchvision's MNIST and FashionMNIST."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
-
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from fsdp_exp.config import ConfigError
-
-
-class ImageData:
-    """A dataset of (image, label) pairs plus how to load it. Subclasses make `dataset()`."""
-
-    num_workers: int = 0
-
-    def dataset(self) -> Dataset:
-        raise NotImplementedError
-
-    def batches(
-        self, batch_size: int, rank: int, world_size: int, seed: int, pin_memory: bool = False
-    ) -> "Batches":
-        """Endless per-rank batches. Each epoch is shuffled by `seed` and split across ranks,
-        so the ranks' batches at one step together form one global batch."""
-        dataset = self.dataset()
-        sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
-        )
-        if len(sampler) < batch_size:
-            raise ConfigError(
-                f"train.batch_size={batch_size}: larger than this rank's share of the data "
-                f"({len(sampler)} samples); lower it or use more data"
-            )
-        loader = DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            drop_last=True,
-            num_workers=self.num_workers,
-            pin_memory=pin_memory,
-            persistent_workers=self.num_workers > 0,
-        )
-        return Batches(loader, sampler)
+from fsdp_exp.data import TrainData
 
 
 @dataclass
-class Batches:
-    loader: DataLoader
-    sampler: DistributedSampler
-    epoch: int = 0
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            self.sampler.set_epoch(self.epoch)
-            yield from self.loader
-            self.epoch += 1
-
-
-@dataclass
-class SyntheticImages(ImageData):
+class SyntheticImages(TrainData):
     """A fixed random pattern per class plus noise; the same for every seed-sharing rank."""
 
     num_samples: int = 10000
@@ -84,7 +36,7 @@ _NORMALIZE = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
 
 
 @dataclass
-class TorchvisionImages(ImageData):
+class TorchvisionImages(TrainData):
     """torchvision's MNIST or FashionMNIST, read from `<root>/<name>/raw` by torchvision."""
 
     name: str = "FashionMNIST"

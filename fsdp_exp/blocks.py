@@ -1,0 +1,45 @@
+"""Per-block transforms applied before sharding: activation checkpointing and compile."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+from fsdp_exp.config import ConfigError
+
+
+def block_names(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list[str]:
+    return [name for name, m in model.named_modules() if name and blocks and isinstance(m, blocks)]
+
+
+def checkpoint_blocks(model: nn.Module, names: list[str]) -> None:
+    """Recompute each block's activations in backward instead of keeping them.
+
+    The wrapper takes the block's place, so sharding it shards the block; its state-dict
+    keys are those of the plain model.
+    """
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        parent.register_module(child, checkpoint_wrapper(parent.get_submodule(child),
+                                                         checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+
+def compile_blocks(model: nn.Module, names: list[str]) -> None:
+    """torch.compile each block (the whole model when it names no blocks)."""
+    for name in names or [""]:
+        model.get_submodule(name).compile()
+
+
+def check_compile(device_type: str) -> None:
+    """Refuse train.compile=true where torch.compile cannot run."""
+    problem = None
+    if not torch._dynamo.is_dynamo_supported():
+        problem = "torch.compile does not support this Python or platform"
+    elif device_type == "cpu" and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+        problem = "torch.compile on CPU needs a C++ compiler (g++ or clang++) on PATH"
+    if problem:
+        raise ConfigError(f"train.compile=true: {problem}; set train.compile=false")

@@ -1,0 +1,178 @@
+"""conf/sharding/*: how the model's parameters, gradients and optimizer state are spread.
+
+Each option is a plan with `check(world_size, ...)`, run before any rank starts, and
+`apply(model, units, device, precision, offload)`, run on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from fsdp_exp.config import ConfigError
+from fsdp_exp.precision import Precision
+from fsdp_exp.sharding.wrap import WRAP_POLICIES, select_units
+
+
+@dataclass
+class FullyShard:
+    """FSDP2 on a 1-D mesh: `fully_shard` each unit (see `sharding.wrap`), then the root.
+
+    reshard_after_forward: True is ZeRO-3 (`full`), False is ZeRO-2 (`grad_op`), an int
+    reshards to groups of that many ranks after forward.
+    """
+
+    reshard_after_forward: bool | int = True
+    wrap: str = "blocks"
+    min_params: int = 100_000
+    shards_params = True
+    distributed = True
+
+    def shard_size(self, world_size: int) -> int:
+        return world_size
+
+    def check(self, world_size: int, has_blocks: bool, offload: bool) -> None:
+        if self.wrap not in WRAP_POLICIES:
+            raise ConfigError(f"sharding.wrap={self.wrap}: choose one of: {', '.join(WRAP_POLICIES)}")
+        if "blocks" in self.wrap and not has_blocks:
+            raise ConfigError(
+                f"sharding.wrap={self.wrap}: this model names no block classes (model.blocks is "
+                "empty); use sharding.wrap=size or root"
+            )
+        if self.min_params < 1:
+            raise ConfigError(f"sharding.min_params={self.min_params}: must be at least 1")
+        raf, shards = self.reshard_after_forward, self.shard_size(world_size)
+        if not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1 or shards % raf):
+            raise ConfigError(
+                f"sharding.reshard_after_forward={raf}: true, false, or a group size that divides "
+                f"the {shards} ranks each parameter is sharded over"
+            )
+
+    def mesh(self, device: torch.device, world_size: int) -> DeviceMesh:
+        return init_device_mesh(device.type, (world_size,))
+
+    def select_units(self, model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list[str]:
+        return select_units(model, blocks, self.wrap, self.min_params)
+
+    def apply(self, model: nn.Module, units: list[str], device: torch.device,
+              precision: Precision, offload: bool) -> nn.Module:
+        import torch.distributed as dist
+
+        mesh = self.mesh(device, dist.get_world_size())
+        # pin_memory needs a GPU; on a CPU-only mesh it fails inside fully_shard.
+        offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+        for name in units:
+            fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                        mp_policy=precision.fsdp_policy(root=False), offload_policy=offload_policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                    mp_policy=precision.fsdp_policy(root=True), offload_policy=offload_policy)
+        if device.type == "cpu":
+            # gloo's AVG reduce-scatter can mis-average gradients (pytorch#162338): reduce
+            # with SUM and let FSDP divide by the world size itself.
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
+        return model
+
+
+@dataclass
+class HybridShard(FullyShard):
+    """HSDP: replicate over `replicate` groups, shard within each (a 2-D mesh)."""
+
+    replicate: int = 2
+
+    def shard_size(self, world_size: int) -> int:
+        return world_size // self.replicate
+
+    def check(self, world_size: int, has_blocks: bool, offload: bool) -> None:
+        if self.replicate < 1 or world_size % self.replicate:
+            raise ConfigError(
+                f"sharding.replicate={self.replicate}: must divide the world size ({world_size} ranks)"
+            )
+        super().check(world_size, has_blocks, offload)
+
+    def mesh(self, device: torch.device, world_size: int) -> DeviceMesh:
+        return init_device_mesh(
+            device.type, (self.replicate, world_size // self.replicate),
+            mesh_dim_names=("replicate", "shard"),
+        )
+
+
+class DDP:
+    """PyTorch DistributedDataParallel: a full replica per rank, gradients all-reduced."""
+
+    shards_params = False
+    distributed = True
+
+    def check(self, world_size: int, has_blocks: bool, offload: bool) -> None:
+        if offload:
+            raise ConfigError(
+                "offload=true: sharding=ddp keeps a full replica on every rank; "
+                "use sharding=full, grad_op or hybrid"
+            )
+
+    def select_units(self, model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list[str]:
+        return []
+
+    def apply(self, model: nn.Module, units: list[str], device: torch.device,
+              precision: Precision, offload: bool) -> nn.Module:
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return Autocast(ddp, precision, device.type) if precision.param_dtype != "float32" else ddp
+
+
+class NoSharding(DDP):
+    """One process with the whole model: the reference the others must match. It trains
+    the same global batch as the ranks it stands in for (see `train.batch_size`)."""
+
+    distributed = False
+
+    def check(self, world_size: int, has_blocks: bool, offload: bool) -> None:
+        if offload:
+            raise ConfigError("offload=true: needs a sharded model (sharding=full, grad_op or hybrid), not sharding=none")
+
+    def apply(self, model: nn.Module, units: list[str], device: torch.device,
+              precision: Precision, offload: bool) -> nn.Module:
+        return Autocast(model, precision, device.type) if precision.param_dtype != "float32" else model
+
+
+class Autocast(nn.Module):
+    """Runs the wrapped model's forward in the precision's compute dtype (DDP and none)."""
+
+    def __init__(self, model: nn.Module, precision: Precision, device_type: str):
+        super().__init__()
+        self.module = model
+        self.precision = precision
+        self.device_type = device_type
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast(self.device_type):
+            return self.module(*args).float()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model without autocast or DDP wrappers, so state-dict keys match."""
+    while isinstance(model, (Autocast, DistributedDataParallel)):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Around one micro-batch's forward and backward: reduce gradients across ranks only
+    when `enabled` (the last micro-batch of an accumulated step)."""
+    inner = model.module if isinstance(model, Autocast) else model
+    if isinstance(inner, FSDPModule):
+        inner.set_requires_gradient_sync(enabled)
+        yield
+    elif isinstance(inner, DistributedDataParallel) and not enabled:
+        with inner.no_sync():
+            yield
+    else:
+        yield

@@ -37,7 +37,7 @@ def main() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from fsdp_exp.launch.external import run_as_worker
 
-        sys.exit(run_as_worker(sys.argv[1:], compose_checked))
+        sys.exit(run_as_worker(sys.argv[1:], compose_config))
     try:
         precheck(sys.argv[1:])
     except ConfigError as err:
@@ -91,12 +91,20 @@ def compose_checked(overrides: list[str], config_name: str = "config") -> DictCo
     """The composed config for these overrides, with the hydra node, after every check."""
     import torch
 
+    from fsdp_exp.run import prepare
+
+    cfg = compose_config(overrides, config_name)
+    prepare(cfg, torch.cuda.device_count(), overrides)
+    return cfg
+
+
+def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
+    """The composed config with the hydra node; composition errors as one-line ConfigErrors."""
     try:
         with initialize_config_dir(CONF_DIR, version_base="1.3", job_name="fsdp_exp"):
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(explain(err, overrides, config_name)) from None
-    config.check(cfg, gpu_count=torch.cuda.device_count())
     return cfg
 
 

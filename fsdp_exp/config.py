@@ -27,6 +27,19 @@ class Device(Enum):
     cuda = "cuda"
 
 
+class InitDevice(Enum):
+    cpu = "cpu"
+    meta = "meta"
+
+
+class GptSize(Enum):
+    tiny = "tiny"
+    small = "small"
+    medium = "medium"
+    large = "large"
+    xl = "xl"
+
+
 class WandbMode(Enum):
     online = "online"
     offline = "offline"
@@ -38,11 +51,12 @@ class WandbMode(Enum):
 class ModelSchema:
     _target_: str = MISSING
     blocks: list[str] = field(default_factory=list)  # class names, each instance one FSDP unit
-    num_classes: int = MISSING
+    init_device: InitDevice = InitDevice.cpu
 
 
 @dataclass
 class VitSchema(ModelSchema):
+    num_classes: int = MISSING
     image_size: int = MISSING
     patch_size: int = MISSING
     num_layers: int = MISSING
@@ -53,8 +67,17 @@ class VitSchema(ModelSchema):
 
 @dataclass
 class CnnSchema(ModelSchema):
+    num_classes: int = MISSING
     dropout1: float = MISSING
     dropout2: float = MISSING
+
+
+@dataclass
+class GptSchema(ModelSchema):
+    size: GptSize = MISSING
+    vocab_size: int = MISSING
+    block_size: int = MISSING
+    dropout: float = MISSING
 
 
 # ---- data ----------------------------------------------------------------------------
@@ -74,6 +97,20 @@ class SyntheticSchema(DataSchema):
 
 
 @dataclass
+class SyntheticTokensSchema(DataSchema):
+    num_samples: int = MISSING
+    seq_len: int = MISSING
+    vocab_size: int = MISSING
+    seed: int = MISSING
+
+
+@dataclass
+class TextSchema(DataSchema):
+    path: str | None = None
+    seq_len: int = MISSING
+
+
+@dataclass
 class TorchvisionSchema(DataSchema):
     name: str = MISSING
     root: str = MISSING
@@ -84,11 +121,18 @@ class TorchvisionSchema(DataSchema):
 @dataclass
 class FullyShardSchema:
     _target_: str = MISSING
-    reshard_after_forward: bool = MISSING
+    reshard_after_forward: Any = MISSING  # true, false, or a group size
+    wrap: str = MISSING  # blocks | size | blocks+size | root
+    min_params: int = MISSING
 
 
 @dataclass
-class NoShardingSchema:
+class HybridShardSchema(FullyShardSchema):
+    replicate: int = MISSING
+
+
+@dataclass
+class ReplicateSchema:  # ddp and none
     _target_: str = MISSING
 
 
@@ -98,6 +142,8 @@ class PrecisionSchema:
     param_dtype: DType = MISSING
     reduce_dtype: DType = MISSING
     output_dtype: DType = MISSING
+    loss_scaling: bool = MISSING
+    initial_scale: float = 2.0**16
 
 
 @dataclass
@@ -124,6 +170,9 @@ class TrainSchema:
     batch_size: int = MISSING
     lr: float = MISSING
     log_every: int = MISSING
+    grad_accum: int = MISSING
+    activation_checkpointing: bool = MISSING
+    compile: bool = MISSING
 
 
 @dataclass
@@ -165,10 +214,14 @@ def register() -> None:
     for group, name, node in [
         ("model", "vit", VitSchema),
         ("model", "cnn", CnnSchema),
+        ("model", "gpt", GptSchema),
         ("data", "synthetic", SyntheticSchema),
+        ("data", "synthetic_tokens", SyntheticTokensSchema),
+        ("data", "text", TextSchema),
         ("data", "torchvision", TorchvisionSchema),
         ("sharding", "fully_shard", FullyShardSchema),
-        ("sharding", "none", NoShardingSchema),
+        ("sharding", "hybrid", HybridShardSchema),
+        ("sharding", "replicate", ReplicateSchema),
         ("precision", "precision", PrecisionSchema),
         ("checkpoint", "checkpoint", CheckpointSchema),
         ("launcher", "local", LauncherSchema),
@@ -214,21 +267,30 @@ def _refuse_unknown_keys(node: DictConfig, path: str = "") -> None:
 
 
 def check(cfg: DictConfig, gpu_count: int) -> None:
-    """Refuse values that type-check but cannot run. `gpu_count`: GPUs on this machine."""
+    """Refuse values that type-check but cannot run. `gpu_count`: GPUs on this machine.
+
+    Checks that need the world size or the sharding plan live in `fsdp_exp.run.prepare`.
+    """
     _refuse_unknown_keys(cfg)
-    for key in ("train.steps", "train.batch_size", "train.log_every", "data.num_samples"):
-        if key != "data.num_samples" or "num_samples" in cfg.data:
+    for key in ("train.steps", "train.batch_size", "train.log_every", "train.grad_accum"):
+        _at_least(cfg, key, 1)
+    for key in ("data.num_samples", "data.seq_len", "model.block_size", "model.vocab_size"):
+        if OmegaConf.select(cfg, key) is not None:
             _at_least(cfg, key, 1)
     _at_least(cfg, "metrics.warmup_steps", 0)
     _at_least(cfg, "data.num_workers", 0)
     if cfg.train.lr <= 0:
         raise ConfigError(f"train.lr={cfg.train.lr}: must be greater than 0")
+    if cfg.train.batch_size % cfg.train.grad_accum:
+        raise ConfigError(
+            f"train.grad_accum={cfg.train.grad_accum}: must divide train.batch_size="
+            f"{cfg.train.batch_size} (each step is grad_accum micro-batches of equal size)"
+        )
 
     device = cfg.device.value if isinstance(cfg.device, Enum) else str(cfg.device)
     if device == "cuda" and gpu_count == 0:
         raise ConfigError("device=cuda: this machine has no GPU; use device=auto or device=cpu")
     on_gpu = device == "cuda" or (device == "auto" and gpu_count > 0)
-
     nproc = cfg.launcher.nproc_per_node
     if nproc != "auto" and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
         raise ConfigError(f"launcher.nproc_per_node={nproc}: must be auto or an integer >= 1")
@@ -236,14 +298,23 @@ def check(cfg: DictConfig, gpu_count: int) -> None:
         raise ConfigError(
             f"launcher.nproc_per_node={nproc}: only {gpu_count} GPU(s) here, one rank per GPU"
         )
+    _check_model_fits_data(cfg)
 
-    unsharded = cfg.sharding._target_.endswith(".NoSharding")
-    if unsharded and cfg.offload:
-        raise ConfigError(
-            "offload=true: needs a sharded model (sharding=full or grad_op), not sharding=none"
-        )
-    if unsharded and isinstance(nproc, int) and nproc > 1:
-        raise ConfigError(
-            f"launcher.nproc_per_node={nproc}: sharding=none trains one unsharded replica; "
-            "use 1 (or auto)"
-        )
+
+def _check_model_fits_data(cfg: DictConfig) -> None:
+    language_model = "vocab_size" in cfg.model
+    token_data = "seq_len" in cfg.data
+    if language_model and not token_data:
+        raise ConfigError("data: this model reads tokens; use data=synthetic_tokens or data=text")
+    if token_data and not language_model:
+        raise ConfigError("data: this model reads images; use data=synthetic, mnist or fashion_mnist")
+    if language_model:
+        if cfg.data.seq_len > cfg.model.block_size:
+            raise ConfigError(
+                f"data.seq_len={cfg.data.seq_len}: longer than model.block_size={cfg.model.block_size}"
+            )
+        data_vocab = cfg.data.get("vocab_size", 256)  # text: byte-level tokens
+        if data_vocab > cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size}: smaller than the data's {data_vocab} tokens"
+            )

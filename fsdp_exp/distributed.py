@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 @dataclass
@@ -17,7 +16,6 @@ class Ranks:
     local_rank: int
     world_size: int
     device: torch.device
-    mesh: DeviceMesh
 
     @property
     def is_main(self) -> bool:
@@ -27,8 +25,8 @@ class Ranks:
 def init(device_type: str, timeout_s: float = 600) -> Ranks:
     """Join the process group that torchrun or the elastic launcher described in the env.
 
-    CPU runs use gloo, GPU runs nccl with one rank per GPU. The mesh is always explicit:
-    the default follows the accelerator type, which is wrong for gloo on a GPU host.
+    CPU runs use gloo, GPU runs nccl with one rank per GPU. The sharding plan makes its
+    own device mesh from `device.type`, never from the accelerator's default.
     """
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -41,11 +39,9 @@ def init(device_type: str, timeout_s: float = 600) -> Ranks:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if device_type == "cuda" else None
-        )
-    mesh = init_device_mesh(device_type, (world_size,))
-    return Ranks(rank, local_rank, world_size, device, mesh)
+        device_id = device if device_type == "cuda" else None
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+    return Ranks(rank, local_rank, world_size, device)
 
 
 def close() -> None:

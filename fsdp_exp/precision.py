@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -18,6 +19,8 @@ class Precision:
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     output_dtype: str = "float32"
+    loss_scaling: bool = False
+    initial_scale: float = 2.0**16
 
     def fsdp_policy(self, root: bool) -> MixedPrecisionPolicy:
         """Every dtype explicit: `reduce_dtype=None` changed meaning between torch releases.
@@ -35,3 +38,10 @@ class Precision:
         if dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device_type, dtype=dtype)
+
+    def grad_scaler(self, device_type: str) -> ShardedGradScaler | None:
+        """Dynamic loss scaling for fp16. The sharded scaler agrees on inf/nan across
+        ranks, so every rank skips the same steps and the shards stay consistent."""
+        if not self.loss_scaling:
+            return None
+        return ShardedGradScaler(device=device_type, init_scale=self.initial_scale)

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_exp import config
+from fsdp_exp.blocks import check_compile
+from fsdp_exp.config import ConfigError
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.metrics import write_summary
 
@@ -27,6 +31,47 @@ def resolve_device(device: str, gpu_count: int) -> str:
     return device
 
 
+@dataclass
+class RunPlan:
+    """What the driver starts: how many ranks, and the resolved config they receive."""
+
+    cfg: dict
+    nproc: int
+    launcher: Any
+    task: Any
+
+
+def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | None = None,
+            world_size: int | None = None) -> RunPlan:
+    """Check everything that can be checked before a rank starts, and resolve the config.
+
+    `sharding=none` runs one process on the global batch of the ranks it stands in for,
+    so its losses are the reference the sharded runs must match. `world_size`: given
+    by an external torchrun; otherwise the launcher decides.
+    """
+    config.check(cfg, gpu_count)
+    # The hydra node, when present, only resolves inside Hydra's own runtime.
+    experiment = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    resolved = OmegaConf.to_container(experiment, resolve=True, enum_to_str=True)
+    assert isinstance(resolved, dict)
+    resolved["device"] = resolve_device(resolved["device"], gpu_count)
+    resolved["wandb"]["tags"] = list(resolved["wandb"]["tags"]) + overrides
+    resolved["wandb"]["group"] = resolved["wandb"]["group"] or group
+
+    launcher = instantiate(cfg.launcher)
+    sharding = instantiate(cfg.sharding)
+    world = world_size or launcher.ranks(on_gpu=resolved["device"] == "cuda")
+    sharding.check(world, has_blocks=bool(cfg.model.blocks), offload=cfg.offload)
+    if resolved["model"]["init_device"] == "meta" and not sharding.shards_params:
+        raise ConfigError("model.init_device=meta: needs sharding=full, grad_op or hybrid to shard the model")
+    if cfg.train.compile:
+        check_compile(resolved["device"])
+    nproc = world if sharding.distributed else 1
+    if not sharding.distributed:
+        resolved["train"]["batch_size"] *= world
+    return RunPlan(resolved, nproc, launcher, instantiate(cfg.task))
+
+
 def run_experiment(
     cfg: DictConfig,
     run_dir: Path,
@@ -34,25 +79,13 @@ def run_experiment(
     choices: dict[str, str],
     group: str | None = None,
 ) -> dict:
-    gpu_count = torch.cuda.device_count()
-    config.check(cfg, gpu_count)
-    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    assert isinstance(resolved, dict)
-    resolved.pop("hydra", None)
-    resolved["device"] = resolve_device(resolved["device"], gpu_count)
-    resolved["wandb"]["tags"] = list(resolved["wandb"]["tags"]) + overrides
-    resolved["wandb"]["group"] = resolved["wandb"]["group"] or group
-
-    launcher = instantiate(cfg.launcher)
-    sharding = instantiate(cfg.sharding)
-    nproc = launcher.ranks(on_gpu=resolved["device"] == "cuda", shards_params=sharding.shards_params)
-    task = instantiate(cfg.task)
-
+    plan = prepare(cfg, torch.cuda.device_count(), overrides, group)
+    nproc = plan.nproc
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"overrides": overrides, "choices": choices, "device": resolved["device"]}
+    record = {"overrides": overrides, "choices": choices, "device": plan.cfg["device"]}
     start = time.perf_counter()
     try:
-        figures = task.run(resolved, run_dir, launcher, nproc)
+        figures = plan.task.run(plan.cfg, run_dir, plan.launcher, nproc)
         summary = {"status": "ok", **figures}
     except RunFailed as err:
         log.error("%s", err)

@@ -20,14 +20,14 @@ def test_default_config_composes_and_passes_checks() -> None:
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["sharding=foo"], "sharding=foo: no such option; choose one of: full, grad_op, none"),
+        (["sharding=foo"], "sharding=foo: no such option; choose one of: ddp, full, grad_op, hybrid, none"),
         (["train.steps=abc"], "train.steps=abc: must be an integer"),
         (["train.lr=fast"], "train.lr=fast: must be a number"),
         (["offload=maybe"], "offload=maybe: must be true or false"),
         (["wandb.mode=loud"], "wandb.mode=loud: choose one of: online, offline, disabled"),
         (["precision.param_dtype=int8"], "choose one of: float32, bfloat16, float16"),
-        (["train.foo=1"], "train.foo: unknown key; train has: batch_size, log_every, lr, steps"),
-        (["+train.foo=1"], "train.foo: unknown key; train has: batch_size, log_every, lr, steps"),
+        (["train.foo=1"], "train.foo: unknown key; train has: activation_checkpointing, batch_size, compile, grad_accum"),
+        (["+train.foo=1"], "train.foo: unknown key; train has: activation_checkpointing, batch_size, compile, grad_accum"),
         (["model=cnn", "model.num_layers=3"], "model.num_layers: unknown key; model has: blocks, dropout1"),
         (["train.batch_size=0"], "train.batch_size=0: must be at least 1"),
         (["train.steps=-3"], "train.steps=-3: must be at least 1"),
@@ -35,7 +35,20 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["launcher.nproc_per_node=zero"], "launcher.nproc_per_node=zero: must be auto or an integer >= 1"),
         (["launcher.nproc_per_node=0"], "launcher.nproc_per_node=0: must be auto or an integer >= 1"),
         (["offload=true", "sharding=none"], "offload=true: needs a sharded model"),
-        (["sharding=none", "launcher.nproc_per_node=2"], "sharding=none trains one unsharded replica"),
+        (["offload=true", "sharding=ddp"], "offload=true: sharding=ddp keeps a full replica on every rank"),
+        (["sharding=hybrid", "sharding.replicate=3"], "sharding.replicate=3: must divide the world size (2 ranks)"),
+        (["sharding=hybrid", "launcher.nproc_per_node=4", "sharding.reshard_after_forward=4"],
+         "sharding.reshard_after_forward=4: true, false, or a group size that divides the 2 ranks"),
+        (["sharding.reshard_after_forward=3"], "sharding.reshard_after_forward=3: true, false, or a group size"),
+        (["model.blocks=[]"], "sharding.wrap=blocks: this model names no block classes"),
+        (["sharding.wrap=layers"], "sharding.wrap=layers: choose one of: blocks, size, blocks+size, root"),
+        (["train.grad_accum=3"], "train.grad_accum=3: must divide train.batch_size=32"),
+        (["train.grad_accum=0"], "train.grad_accum=0: must be at least 1"),
+        (["model=gpt", "data=synthetic_tokens", "model.size=huge"], "model.size=huge: choose one of: tiny, small, medium, large, xl"),
+        (["model=gpt"], "data: this model reads tokens; use data=synthetic_tokens or data=text"),
+        (["data=text"], "data: this model reads images"),
+        (["model=gpt", "data=text", "data.seq_len=2048"], "data.seq_len=2048: longer than model.block_size=1024"),
+        (["model.init_device=meta", "sharding=ddp"], "model.init_device=meta: needs sharding=full, grad_op or hybrid"),
         (["sharding=full,grad_op"], "sharding=full,grad_op: a list of values is a sweep; add -m"),
         (["train.steps=[1"], "train.steps=[1: not a valid override"),
     ],
@@ -53,6 +66,20 @@ def test_more_ranks_than_gpus_is_refused() -> None:
     cfg = compose_checked(["device=auto", "launcher.nproc_per_node=3"])  # fine on CPU
     with pytest.raises(ConfigError, match="launcher.nproc_per_node=3: only 2 GPU"):
         check(cfg, gpu_count=2)
+
+
+def test_compile_is_refused_where_it_cannot_work(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A PATH with no C++ compiler: torch.compile's CPU backend could not build kernels."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ConfigError, match="train.compile=true: torch.compile on CPU needs a C\\+\\+ compiler"):
+        precheck(["train.compile=true"])
+
+
+def test_sharding_none_stands_in_for_the_ranks_it_replaces() -> None:
+    from fsdp_exp.run import prepare
+
+    plan = prepare(compose_checked(["sharding=none", "launcher.nproc_per_node=3"]), 0, [])
+    assert plan.nproc == 1 and plan.cfg["train"]["batch_size"] == 3 * 32
 
 
 def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:

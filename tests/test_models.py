@@ -19,9 +19,9 @@ def test_default_vit_matches_the_spec() -> None:
     assert model(torch.randn(3, 1, 28, 28)).shape == (3, 10)
 
 
-def test_cnn_is_one_fsdp_unit_and_gives_logits() -> None:
+def test_cnn_shards_layer_by_layer_and_gives_logits() -> None:
     model, blocks = build_model(compose_checked(["model=cnn"]).model)
-    assert blocks == ()
+    assert blocks == (torch.nn.Conv2d, torch.nn.Linear)
     assert model(torch.randn(3, 1, 28, 28)).shape == (3, 10)
 
 

@@ -1,6 +1,7 @@
-"""Sharded training is the same training: 2-rank FSDP2 against a 1-process unsharded run.
+"""Sharded training is the same training: 2-rank runs against a 1-process unsharded run.
 
-Both see the same global batch at every step (2 ranks x 32 against 1 x 64). The optimizer
+All see the same global batch at every step: 2 ranks x 16, and `sharding=none`, which
+trains the global batch of the 2 ranks it stands in for in one process. The optimizer
 is SGD with momentum: its update is linear in the gradient, so a mis-reduced gradient (for
 example summed instead of averaged, gloo's known bug) shows at once. Adam would hide a
 scaled gradient, and it turns the rounding noise of mathematically-zero gradients (the
@@ -20,6 +21,7 @@ from tests.conftest import SMALL_VIT, read_jsonl, run_cli
 STEPS = 6
 COMMON = [
     *SMALL_VIT,
+    "train.batch_size=16",
     f"train.steps={STEPS}",
     "train.log_every=1",
     "train.lr=0.05",
@@ -41,13 +43,27 @@ def train(tmp: Path, name: str, *overrides: str) -> tuple[list[float], dict[str,
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory):
-    return train(tmp_path_factory.mktemp("ref"), "none", "sharding=none", "train.batch_size=64")
+    return train(tmp_path_factory.mktemp("ref"), "none", "sharding=none")
 
 
-@pytest.mark.parametrize("sharding", ["full", "grad_op"])
-def test_two_ranks_match_one_unsharded_process(reference, sharding: str, tmp_path: Path) -> None:
+SETUPS = {
+    "full": ["sharding=full"],
+    "grad_op": ["sharding=grad_op"],
+    "hybrid_1x2": ["sharding=hybrid", "sharding.replicate=1"],
+    "hybrid_2x1": ["sharding=hybrid", "sharding.replicate=2"],
+    "ddp": ["sharding=ddp"],
+    "grad_accum": ["sharding=full", "train.grad_accum=4"],
+    "activation_checkpointing": ["sharding=full", "train.activation_checkpointing=true"],
+    "meta_init": ["sharding=full", "model.init_device=meta"],
+    "wrap_size": ["sharding=grad_op", "sharding.wrap=blocks+size", "sharding.min_params=1000"],
+    "wrap_root": ["sharding=full", "sharding.wrap=root"],
+}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_two_ranks_match_one_unsharded_process(reference, setup: str, tmp_path: Path) -> None:
     ref_losses, ref_weights = reference
-    losses, weights = train(tmp_path, sharding, f"sharding={sharding}", "train.batch_size=32")
+    losses, weights = train(tmp_path, setup, *SETUPS[setup])
 
     assert ref_losses[-1] < ref_losses[0], "the reference run must actually learn"
     for step, (ref, got) in enumerate(zip(ref_losses, losses), start=1):
@@ -76,8 +92,21 @@ def test_default_model_and_adamw_give_the_same_losses(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr
         return [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
 
-    ref = losses("none", "sharding=none", "train.batch_size=64")
-    got = losses("full", "sharding=full", "train.batch_size=32")
+    ref = losses("none", "sharding=none")
+    got = losses("full", "sharding=full")
     assert ref[-1] < 0.8 * ref[0]
     for step, (a, b) in enumerate(zip(ref, got), start=1):
         assert abs(a - b) / abs(a) < TOLERANCE, f"step {step}: {b} vs {a}"
+
+
+@pytest.mark.slow
+def test_reshard_to_groups_of_two_on_four_ranks(tmp_path: Path) -> None:
+    """reshard_after_forward=2 on 4 ranks: parameters stay gathered in pairs between
+    forward and backward. Same losses and weights as one process on the same batch."""
+    four = ["launcher.nproc_per_node=4"]
+    ref_losses, ref_weights = train(tmp_path, "none4", "sharding=none", *four)
+    losses, weights = train(tmp_path, "pairs", "sharding=full", "sharding.reshard_after_forward=2", *four)
+    for a, b in zip(ref_losses, losses):
+        assert abs(a - b) / abs(a) < TOLERANCE
+    for name, ref in ref_weights.items():
+        assert ((weights[name] - ref).norm() / ref.norm()).item() < TOLERANCE, name

@@ -20,7 +20,7 @@ from fsdp_exp import distributed
 from fsdp_exp.config import ConfigError
 from fsdp_exp.launch.worker import setup_rank
 from fsdp_exp.metrics import write_summary
-from fsdp_exp.run import resolve_device
+from fsdp_exp.run import prepare
 
 
 def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -> int:
@@ -30,18 +30,20 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
             print("fsdp_exp: -m (--multirun) does not run under torchrun; sweep without torchrun", file=sys.stderr)
         return 2
     setup_globals()  # Hydra's ${now:...} resolver, used by hydra.run.dir
+    world_size = int(os.environ["WORLD_SIZE"])
     try:
         cfg = compose(argv)
+        run_dir_text = str(OmegaConf.select(cfg, "hydra.run.dir"))  # resolves ${now:...}
+        with open_dict(cfg):
+            del cfg["hydra"]  # the rest of it only resolves inside Hydra's own runtime
+        plan = prepare(cfg, torch.cuda.device_count(), argv, world_size=world_size)
+        if plan.nproc == 1 and world_size > 1:
+            raise ConfigError("sharding=none: runs one process; start it without torchrun")
     except ConfigError as err:
         if rank == 0:
             print(f"fsdp_exp: {err}", file=sys.stderr)
         return 2
-    run_dir_text = str(OmegaConf.select(cfg, "hydra.run.dir"))  # resolves ${now:...}
-    with open_dict(cfg):
-        del cfg["hydra"]  # the rest of it only resolves inside Hydra's own runtime
-    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    resolved["device"] = resolve_device(resolved["device"], torch.cuda.device_count())
-    resolved["wandb"]["tags"] = list(resolved["wandb"]["tags"]) + argv
+    resolved = plan.cfg
 
     distributed.init(resolved["device"])
     shared = [run_dir_text]

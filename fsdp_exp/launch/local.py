@@ -24,9 +24,8 @@ CPU_RANKS = 2  # what `auto` means on a machine without GPUs
 class LocalLauncher:
     nproc_per_node: Any = "auto"
 
-    def ranks(self, on_gpu: bool, shards_params: bool) -> int:
-        if not shards_params:
-            return 1
+    def ranks(self, on_gpu: bool) -> int:
+        """The world size: `nproc_per_node`, or for `auto` one rank per GPU (2 on CPU)."""
         if self.nproc_per_node != "auto":
             return int(self.nproc_per_node)
         return torch.cuda.device_count() if on_gpu else CPU_RANKS

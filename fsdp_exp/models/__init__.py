@@ -1,4 +1,5 @@
-"""conf/model/*: each option names a builder (`_target_`), its arguments, and `blocks`."""
+"""conf/model/*: each option names a builder (`_target_`), its arguments, `blocks` and
+`init_device`."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from torch import nn
 def build_model(cfg: Mapping[str, Any]) -> tuple[nn.Module, tuple[type[nn.Module], ...]]:
     """The model, and the classes whose instances become their own FSDP unit.
 
-    `blocks` describes how to shard the model, not how to build it, so it is kept
-    away from the builder's arguments.
+    `blocks` and `init_device` describe how to shard and place the model, not how to
+    build it, so they are kept away from the builder's arguments.
     """
-    args = {key: value for key, value in cfg.items() if key != "blocks"}
+    args = {key: value for key, value in cfg.items() if key not in ("blocks", "init_device")}
     blocks = tuple(get_class(name) for name in cfg["blocks"])
     return instantiate(args), blocks

@@ -24,7 +24,7 @@ def train_rank(cfg: dict, run_dir: Path) -> dict:
         if ranks.is_main:
             log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
         exp = build_experiment(cfg, ranks, run_dir)
-        summary = exp.trainer.fit()
+        summary = exp.trainer.fit() | {"fsdp_units": exp.fsdp_units}
         exp.checkpoint.finish(exp.trainer.model, run_dir)
         if exp.wandb is not None:
             exp.wandb.finish(summary)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from fsdp_exp import distributed
 from fsdp_exp.distributed import Ranks
-from fsdp_exp.metrics import peak_memory_gb
+from fsdp_exp.metrics.memory import MemoryMonitor
 from fsdp_exp.sharding import gradient_sync
 
 
@@ -19,11 +20,19 @@ class Sink(Protocol):
     def log(self, record: dict) -> None: ...
 
 
+class StepHooks(Protocol):
+    """Called around every step (a profiler, a progress bar)."""
+
+    def before_step(self, step: int) -> None: ...
+    def after_step(self, step: int) -> None: ...
+
+
 class Trainer:
     """Trains `model` for `steps` optimizer steps; every rank measures, `sinks` (rank 0) write.
 
-    Every `log_every` steps (and at the last) the loss is averaged over ranks and a
-    record goes to each sink. Nothing else synchronises the ranks in the hot loop.
+    Every `log_every` steps (and at the last) the loss is averaged over ranks and one
+    record goes to each sink. A record's window never mixes warm-up steps with later ones,
+    and the summary's averages leave the warm-up steps out.
     """
 
     def __init__(
@@ -40,9 +49,13 @@ class Trainer:
         grad_accum: int = 1,
         grad_scaler: torch.amp.GradScaler | None = None,
         tokens_per_sample: int = 0,
+        flops_per_step: int = 0,
+        peak_tflops: float | None = None,
+        hooks: Iterable[StepHooks] = (),
     ):
         """`batches` yields micro-batches of `batch_size // grad_accum` samples; one step
-        takes `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s."""
+        takes `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
+        `flops_per_step`: this rank's FLOPs per optimizer step; with `peak_tflops`, MFU."""
         self.model = model
         self.optimizer = optimizer
         self.batches = batches
@@ -55,6 +68,11 @@ class Trainer:
         self.grad_accum = grad_accum
         self.grad_scaler = grad_scaler
         self.tokens_per_sample = tokens_per_sample
+        self.flops_per_step = flops_per_step
+        self.peak_tflops = peak_tflops
+        self.hooks = list(hooks)
+        self.memory = MemoryMonitor(ranks.device)
+        self.data_wait_s = 0.0
 
     def _sync(self) -> None:
         if self.ranks.device.type == "cuda":
@@ -67,13 +85,19 @@ class Trainer:
         logits = self.model(inputs).float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
+    def _next(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        batch = next(batches)
+        self.data_wait_s += time.perf_counter() - start
+        return batch
+
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; gradients are reduced across
         ranks only after the last. Returns the step's mean loss on this rank."""
         total = torch.zeros((), device=self.ranks.device)
         for micro in range(self.grad_accum):
             with gradient_sync(self.model, enabled=micro == self.grad_accum - 1):
-                loss = self.loss(*next(batches)) / self.grad_accum
+                loss = self.loss(*self._next(batches)) / self.grad_accum
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             total += loss.detach()
         if self.grad_scaler:
@@ -85,58 +109,95 @@ class Trainer:
         return total
 
     def fit(self) -> dict:
-        """Train; return the run's figures (steady-state means leave out warm-up steps)."""
+        """Train; return the run's figures: steady-state means and the run's peaks."""
         self.model.train()
         batches = iter(self.batches)
-        loss = torch.zeros(())
-        start = window_start = time.perf_counter()
-        steady_start = start if self.warmup_steps == 0 else None
-        window_first_step, losses = 1, []
+        window = _Window(first_step=1, start=time.perf_counter(), data_wait_s=0.0)
+        self.memory.start_window()
+        totals = {"steady": _Totals(), "all": _Totals()}
+        run_peaks: dict[str, list[float]] = {}
+        record: dict = {}
         for step in range(1, self.steps + 1):
+            for hook in self.hooks:
+                hook.before_step(step)
             loss = self.train_step(batches)
-            if step == self.warmup_steps:
-                self._sync()
-                steady_start = time.perf_counter()
-            if step % self.log_every == 0 or step == self.steps:
-                mean_loss = distributed.mean(loss)
-                self._sync()
-                now = time.perf_counter()
-                window_steps = step - window_first_step + 1
-                record = {
-                    "step": step,
-                    "loss": mean_loss,
-                    "lr": self.optimizer.param_groups[0]["lr"],
-                    "samples_per_s": self.global_batch * window_steps / (now - window_start),
-                    "step_time_s": (now - window_start) / window_steps,
-                    "peak_mem_gb": max(distributed.gather(peak_memory_gb(self.ranks.device), self.ranks.device)),
-                }
-                if self.tokens_per_sample:
-                    record["tokens_per_s"] = record["samples_per_s"] * self.tokens_per_sample
-                if self.grad_scaler:
-                    record["loss_scale"] = self.grad_scaler.get_scale()
-                losses.append(mean_loss)
-                for sink in self.sinks:
-                    sink.log(record)
-                window_start, window_first_step = now, step + 1
-        self._sync()
-        end = time.perf_counter()
-        if steady_start is None or end <= steady_start:  # all steps were warm-up
-            steady_start, steady_steps = start, self.steps
-        else:
-            steady_steps = self.steps - self.warmup_steps
-        per_rank_peak = distributed.gather(peak_memory_gb(self.ranks.device), self.ranks.device)
-        samples_per_s = self.global_batch * steady_steps / (end - steady_start)
+            for hook in self.hooks:
+                hook.after_step(step)
+            logged = step % self.log_every == 0 or step == self.steps
+            if logged or step == self.warmup_steps:  # a window never straddles warm-up
+                record, per_rank = self._record(step, loss, window)
+                for key, values in per_rank.items():
+                    run_peaks[key] = [max(a, b) for a, b in zip(run_peaks.get(key, values), values)]
+                for name in ("steady", "all") if step > self.warmup_steps else ("all",):
+                    totals[name].add(step - window.first_step + 1, record)
+                if logged:
+                    for sink in self.sinks:
+                        sink.log(record)
+                window = _Window(first_step=step + 1, start=time.perf_counter(), data_wait_s=self.data_wait_s)
+                self.memory.start_window()
+        steady = totals["steady"] if totals["steady"].steps else totals["all"]
         summary = {
             "steps": self.steps,
-            "final_loss": losses[-1],
-            "samples_per_s": samples_per_s,
-            "steps_per_s": steady_steps / (end - steady_start),
+            "final_loss": record["loss"],
             "world_size": self.ranks.world_size,
             "global_batch_size": self.global_batch,
-            "peak_mem_gb": max(per_rank_peak),
-            "peak_mem_gb_per_rank": per_rank_peak,
-            "train_time_s": end - start,
+            "warmup_only": not totals["steady"].steps,
+            **self._means(steady),
+            **{key: max(values) for key, values in run_peaks.items()},
+            "peak_mem_gb_per_rank": run_peaks["peak_mem_gb"],
+        }
+        return summary
+
+    def _record(self, step: int, loss: torch.Tensor, window: _Window) -> tuple[dict, dict[str, list[float]]]:
+        """The record for the window ending at `step`, and its memory peaks per rank."""
+        mean_loss = distributed.mean(loss)
+        self._sync()
+        elapsed = time.perf_counter() - window.start
+        per_rank = {k: distributed.gather(v, self.ranks.device) for k, v in self.memory.window_peaks().items()}
+        record = {
+            "step": step,
+            "loss": mean_loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            **self._means(_Totals(step - window.first_step + 1, elapsed, self.data_wait_s - window.data_wait_s)),
+            **{key: max(values) for key, values in per_rank.items()},
+            "peak_mem_gb_per_rank": per_rank["peak_mem_gb"],
+        }
+        if self.grad_scaler:
+            record["loss_scale"] = self.grad_scaler.get_scale()
+        if step <= self.warmup_steps:
+            record["warmup"] = True
+        return record, per_rank
+
+    def _means(self, t: _Totals) -> dict:
+        """Throughput figures over `t.steps` steps that took `t.time_s`."""
+        means = {
+            "samples_per_s": self.global_batch * t.steps / t.time_s,
+            "steps_per_s": t.steps / t.time_s,
+            "step_time_s": t.time_s / t.steps,
+            "data_wait_share": t.data_wait_s / t.time_s,
         }
         if self.tokens_per_sample:
-            summary["tokens_per_s"] = samples_per_s * self.tokens_per_sample
-        return summary
+            means["tokens_per_s"] = means["samples_per_s"] * self.tokens_per_sample
+        if self.flops_per_step:
+            means["tflops_per_device"] = self.flops_per_step * t.steps / t.time_s / 1e12
+            means["mfu"] = means["tflops_per_device"] / self.peak_tflops if self.peak_tflops else None
+        return means
+
+
+@dataclass
+class _Window:
+    first_step: int
+    start: float
+    data_wait_s: float
+
+
+@dataclass
+class _Totals:
+    steps: int = 0
+    time_s: float = 0.0
+    data_wait_s: float = 0.0
+
+    def add(self, steps: int, record: dict) -> None:
+        self.steps += steps
+        self.time_s += record["step_time_s"] * steps
+        self.data_wait_s += record["data_wait_share"] * record["step_time_s"] * steps

@@ -1,0 +1,57 @@
+"""Peak memory of this rank over a window of steps.
+
+GPU: the caching allocator's peaks (allocated, active, reserved) and its retry and OOM
+counts. CPU: the process's peak resident memory (VmHWM), reset at each window where the
+kernel allows it (/proc/self/clear_refs), else the peak since the process started.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+GB = 2**30
+
+
+class MemoryMonitor:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu_resets = device.type == "cpu" and _reset_cpu_peak()
+
+    def start_window(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.cpu_resets:
+            _reset_cpu_peak()
+
+    def window_peaks(self) -> dict[str, float]:
+        """`peak_mem_gb` (allocated on GPU, resident on CPU) and, on GPU, the other stats."""
+        if self.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            return {
+                "peak_mem_gb": stats.get("allocated_bytes.all.peak", 0) / GB,
+                "peak_active_gb": stats.get("active_bytes.all.peak", 0) / GB,
+                "peak_reserved_gb": stats.get("reserved_bytes.all.peak", 0) / GB,
+                "alloc_retries": float(stats.get("num_alloc_retries", 0)),
+                "ooms": float(stats.get("num_ooms", 0)),
+            }
+        return {"peak_mem_gb": _cpu_peak_bytes() / GB}
+
+
+def _cpu_peak_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_cpu_peak() -> bool:
+    """Writing 5 to clear_refs resets VmHWM to the current resident size (Linux >= 4.0)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False

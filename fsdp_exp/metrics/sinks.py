@@ -1,0 +1,148 @@
+"""Where each run's figures go: metrics.jsonl, the console, wandb, and summary.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fsdp_exp")
+
+
+class JsonLines:
+    """metrics.jsonl: one JSON object per logged step, flushed as it is written."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a", buffering=1)
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def record_line(record: dict, total_steps: int) -> str:
+    parts = [f"step {record['step']:>{len(str(total_steps))}}/{total_steps}", f"loss {record['loss']:.4f}"]
+    if "tokens_per_s" in record:
+        parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    parts.append(f"{record['samples_per_s']:,.1f} samples/s")
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {record['mfu']:.1%}")
+    elif "tflops_per_device" in record:
+        parts.append(f"{record['tflops_per_device']:.3f} TFLOP/s")
+    parts.append(f"peak {record['peak_mem_gb']:.2f} GB")
+    return "  ".join(parts)
+
+
+class Progress:
+    """Rank 0's console: a live bar on a terminal, a plain line per record otherwise."""
+
+    def __init__(self, total_steps: int, live: bool | None = None):
+        self.total_steps = total_steps
+        self.bar: Any = None
+        if sys.stdout.isatty() if live is None else live:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stdout)
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log(self, record: dict) -> None:
+        line = record_line(record, self.total_steps)
+        if self.bar is not None:
+            self.bar.set_postfix_str(line.split("  ", 1)[1], refresh=True)
+            logging.getLogger("fsdp_exp.rank_file").info(line)
+        else:
+            log.info(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """`auto`: online when an API key is configured (WANDB_API_KEY or ~/.netrc), else offline."""
+    if mode != "auto":
+        return mode
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
+    return "online" if has_key else "offline"
+
+
+class Wandb:
+    """Mirrors the records to one wandb run. A wandb failure is one warning; training goes on."""
+
+    def __init__(self, mode: str, project: str, entity: str | None, group: str | None,
+                 tags: list[str], config: dict, run_dir: Path, job_type: str):
+        self.run: Any = None
+        if mode == "disabled":
+            return
+        try:
+            import wandb
+
+            self.run = wandb.init(
+                mode=mode, project=project, entity=entity, group=group,
+                tags=[t[:64] for t in tags] or None,  # wandb caps a tag at 64 characters
+                config=config, dir=str(run_dir), job_type=job_type, name=run_dir.name,
+                settings=wandb.Settings(silent=True, console="off"),
+            )
+        except Exception as err:  # noqa: BLE001 - any wandb failure must not stop training
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            warnings.warn(f"wandb ({mode}) failed, training goes on without it: {type(err).__name__}: {first_line}")
+
+    def log(self, record: dict) -> None:
+        if self.run is not None:
+            values = {k: v for k, v in record.items() if k != "step" and not isinstance(v, list)}
+            self.run.log(values, step=record["step"])
+
+    def finish(self, summary: dict) -> None:
+        if self.run is None:
+            return
+        self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, (list, dict))})
+        self.run.finish()
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    path = Path(run_dir) / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
+
+
+SETUP_GROUPS = ("task", "model", "data", "sharding", "precision")
+
+
+def summary_table(summary: dict) -> str:
+    """The run on one screen: what ran, how fast, how much memory."""
+    def fmt(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    rows = [
+        ("status", summary.get("status")),
+        ("setup", " ".join(f"{k}={v}" for k, v in summary.get("choices", {}).items() if k in SETUP_GROUPS)),
+        ("world size", summary.get("world_size")),
+        ("steps", summary.get("steps")),
+        ("final loss", fmt(summary.get("final_loss"), ".4f")),
+        ("samples/s", fmt(summary.get("samples_per_s"), ",.1f")),
+        ("tokens/s", fmt(summary.get("tokens_per_s"), ",.0f")),
+        ("step time", fmt(summary.get("step_time_s"), ".4f") + " s"),
+        ("data wait", fmt(summary.get("data_wait_share"), ".1%")),
+        ("TFLOP/s per device", fmt(summary.get("tflops_per_device"), ".3f")),
+        ("MFU", fmt(summary.get("mfu"), ".1%")),
+        ("peak memory (max)", fmt(summary.get("peak_mem_gb"), ".2f") + " GB"),
+        ("per rank", ", ".join(f"{v:.2f}" for v in summary.get("peak_mem_gb_per_rank", [])) + " GB"),
+        ("wall time", fmt(summary.get("wall_s"), ".1f") + " s"),
+    ]
+    rows = [(k, v) for k, v in rows if v not in (None, "", "-", "- GB", " GB")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,69 @@
+"""conf/profile/*: optional profiling of a window of training steps.
+
+profile=memory writes, per rank, a torch profiler memory timeline (HTML) over steps
+[start_step, start_step + steps), and on a GPU a CUDA memory snapshot (pickle) that
+pytorch.org/memory_viz reads. A GPU run that runs out of memory dumps a snapshot anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("fsdp_exp")
+
+
+class NoProfile:
+    def attach(self, run_dir: Path, rank: int, device: torch.device) -> None:
+        pass
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int) -> None:
+        pass
+
+
+@dataclass
+class MemoryProfile(NoProfile):
+    start_step: int = 3
+    steps: int = 2
+
+    def attach(self, run_dir: Path, rank: int, device: torch.device) -> None:
+        self.run_dir, self.rank, self.device = Path(run_dir), rank, device
+        self.profiler: Any = None
+
+    def before_step(self, step: int) -> None:
+        if step != self.start_step:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        self.profiler = torch.profiler.profile(
+            activities=activities, profile_memory=True, record_shapes=True, with_stack=True
+        )
+        self.profiler.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.profiler is None or step != self.start_step + self.steps - 1:
+            return
+        self.profiler.__exit__(None, None, None)
+        device = str(self.device) if self.device.type == "cuda" else "cpu"
+        timeline = self.run_dir / f"memory_timeline_rank{self.rank}.html"
+        self.profiler.export_memory_timeline(str(timeline), device=device)
+        if self.device.type == "cuda":
+            dump_cuda_snapshot(self.run_dir / f"memory_snapshot_rank{self.rank}.pickle")
+            torch.cuda.memory._record_memory_history(enabled=None)
+        log.info("memory profile of steps %d-%d: %s", self.start_step, step, timeline)
+        self.profiler = None
+
+
+def dump_cuda_snapshot(path: Path) -> None:
+    """The CUDA caching allocator's state (and its history, when recorded) for memory_viz."""
+    if torch.cuda.is_available():
+        torch.cuda.memory._dump_snapshot(str(path))

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks
 from fsdp_exp.distributed import Ranks
-from fsdp_exp.metrics import Console, JsonLines, Wandb
+from fsdp_exp.metrics.flops import count_step_flops, device_peak_tflops, gpt_flops_per_token
+from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
 from fsdp_exp.models import build_model
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes
@@ -36,7 +37,8 @@ class Experiment:
     checkpoint: Any
     wandb: Wandb | None
     jsonl: JsonLines | None
-    fsdp_units: list[dict]
+    progress: Progress | None
+    figures: dict  # what is known before training: FSDP units, FLOPs per step
 
 
 def rank0_first(ranks: Ranks, make: Callable[[], T]) -> T:
@@ -99,18 +101,7 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path) -> Experiment:
                              pin_memory=ranks.device.type == "cuda"),
     )
 
-    sinks: list = []
-    jsonl = wandb = None
-    if ranks.is_main:
-        if fsdp_units:
-            log.info("FSDP units: %s", ", ".join(f"{u['module']} ({u['params']:,})" for u in fsdp_units))
-        jsonl = JsonLines(run_dir / "metrics.jsonl")
-        w = cfg["wandb"]
-        wandb = Wandb(
-            mode=w["mode"], project=w["project"], entity=w["entity"], group=w["group"],
-            tags=w["tags"], config=cfg, run_dir=run_dir, job_type="train",
-        )
-        sinks = [jsonl, Console(train["steps"]), wandb]
+    figures: dict = {"fsdp_units": fsdp_units}
     trainer = Trainer(
         model=model,
         optimizer=optimizer,
@@ -120,9 +111,47 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path) -> Experiment:
         batch_size=train["batch_size"],
         log_every=train["log_every"],
         warmup_steps=cfg["metrics"]["warmup_steps"],
-        sinks=sinks,
         grad_accum=train["grad_accum"],
         grad_scaler=precision.grad_scaler(ranks.device.type),
         tokens_per_sample=data.tokens_per_sample,
+        peak_tflops=device_peak_tflops(ranks.device, precision.param_dtype, cfg["metrics"]["peak_tflops"]),
     )
-    return Experiment(trainer, instantiate(cfg["checkpoint"]), wandb, jsonl, fsdp_units)
+    figures.update(count_flops(trainer, batches, cfg, micro_batch))
+    trainer.flops_per_step = figures["flops_per_step"]
+
+    profile = instantiate(cfg["profile"])
+    profile.attach(run_dir, ranks.rank, ranks.device)
+    trainer.hooks.append(profile)
+    jsonl = wandb = progress = None
+    if ranks.is_main:
+        if fsdp_units:
+            log.info("FSDP units: %s", ", ".join(f"{u['module']} ({u['params']:,})" for u in fsdp_units))
+        jsonl = JsonLines(run_dir / "metrics.jsonl")
+        w = cfg["wandb"]
+        wandb = Wandb(
+            mode=w["mode"], project=w["project"], entity=w["entity"], group=w["group"],
+            tags=w["tags"], config=cfg, run_dir=run_dir, job_type=w["job_type"],
+        )
+        progress = Progress(train["steps"])
+        trainer.sinks = [jsonl, progress, wandb]
+        trainer.hooks.append(progress)
+    return Experiment(trainer, instantiate(cfg["checkpoint"]), wandb, jsonl, progress, figures)
+
+
+def count_flops(trainer: Trainer, batches: Any, cfg: dict, micro_batch: int) -> dict:
+    """This rank's FLOPs per optimizer step, counted once on a batch shaped like the real
+    ones (so the data order is untouched); for `gpt`, also the analytic 6N count."""
+    inputs, targets = batches.loader.dataset[0]
+    shaped = (inputs.expand(micro_batch, *inputs.shape).contiguous(),
+              targets.expand(micro_batch, *targets.shape).contiguous())
+    flops = count_step_flops(trainer.model, lambda: trainer.loss(*shaped)) * trainer.grad_accum
+    figures = {"flops_per_step": flops}
+    model = cfg["model"]
+    if "vocab_size" in model:
+        from fsdp_exp.models.gpt import GPT_SIZES
+
+        shape = GPT_SIZES[model["size"]]
+        seq_len = inputs.shape[-1]
+        per_token = gpt_flops_per_token(shape["n_layer"], shape["n_embd"], model["vocab_size"], seq_len)
+        figures["flops_per_step_analytic"] = per_token * seq_len * micro_batch * trainer.grad_accum
+    return figures

@@ -54,15 +54,18 @@ def main() -> None:
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from fsdp_exp.run import run_experiment
 
     hc = HydraConfig.get()
+    sweep = hc.mode == RunMode.MULTIRUN
     summary = run_experiment(
         cfg,
         run_dir=Path(hc.runtime.output_dir),
         overrides=list(hc.overrides.task),
         choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")},
+        group=Path(hc.sweep.dir).as_posix().replace("/", "_") if sweep else None,
     )
     if summary["status"] != "ok":
         failed_runs.append(f"{hc.runtime.output_dir}: {summary.get('error', summary['status'])}")

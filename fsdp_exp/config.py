@@ -41,6 +41,7 @@ class GptSize(Enum):
 
 
 class WandbMode(Enum):
+    auto = "auto"
     online = "online"
     offline = "offline"
     disabled = "disabled"
@@ -178,6 +179,18 @@ class TrainSchema:
 @dataclass
 class MetricsSchema:
     warmup_steps: int = MISSING
+    peak_tflops: float | None = None
+
+
+@dataclass
+class ProfileSchema:
+    _target_: str = MISSING
+
+
+@dataclass
+class MemoryProfileSchema(ProfileSchema):
+    start_step: int = MISSING
+    steps: int = MISSING
 
 
 @dataclass
@@ -204,6 +217,7 @@ class ExperimentSchema:
     train: TrainSchema = MISSING
     optimizer: Any = MISSING
     metrics: MetricsSchema = MISSING
+    profile: ProfileSchema = MISSING
     wandb: WandbSchema = MISSING
 
 
@@ -226,6 +240,9 @@ def register() -> None:
         ("checkpoint", "checkpoint", CheckpointSchema),
         ("launcher", "local", LauncherSchema),
         ("task", "task", TaskSchema),
+        ("profile", "none", ProfileSchema),
+        ("profile", "memory", MemoryProfileSchema),
+        ("wandb", "wandb", WandbSchema),
     ]:
         cs.store(group=f"schema/{group}", name=name, node=node)
 
@@ -278,6 +295,16 @@ def check(cfg: DictConfig, gpu_count: int) -> None:
         if OmegaConf.select(cfg, key) is not None:
             _at_least(cfg, key, 1)
     _at_least(cfg, "metrics.warmup_steps", 0)
+    if cfg.metrics.peak_tflops is not None and cfg.metrics.peak_tflops <= 0:
+        raise ConfigError(f"metrics.peak_tflops={cfg.metrics.peak_tflops}: must be greater than 0")
+    if "start_step" in cfg.profile:
+        _at_least(cfg, "profile.start_step", 1)
+        _at_least(cfg, "profile.steps", 1)
+        if cfg.profile.start_step + cfg.profile.steps - 1 > cfg.train.steps:
+            raise ConfigError(
+                f"profile.start_step={cfg.profile.start_step}: the window of {cfg.profile.steps} "
+                f"step(s) must end by train.steps={cfg.train.steps}"
+            )
     _at_least(cfg, "data.num_workers", 0)
     if cfg.train.lr <= 0:
         raise ConfigError(f"train.lr={cfg.train.lr}: must be greater than 0")

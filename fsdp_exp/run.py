@@ -20,7 +20,8 @@ from fsdp_exp import config
 from fsdp_exp.blocks import check_compile
 from fsdp_exp.config import ConfigError
 from fsdp_exp.launch import RunFailed
-from fsdp_exp.metrics import write_summary
+from fsdp_exp.metrics.environment import environment
+from fsdp_exp.metrics.sinks import resolve_wandb_mode, summary_table, write_summary
 
 log = logging.getLogger("fsdp_exp")
 
@@ -42,7 +43,7 @@ class RunPlan:
 
 
 def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | None = None,
-            world_size: int | None = None) -> RunPlan:
+            world_size: int | None = None, job_type: str = "train") -> RunPlan:
     """Check everything that can be checked before a rank starts, and resolve the config.
 
     `sharding=none` runs one process on the global batch of the ranks it stands in for,
@@ -55,8 +56,9 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     resolved = OmegaConf.to_container(experiment, resolve=True, enum_to_str=True)
     assert isinstance(resolved, dict)
     resolved["device"] = resolve_device(resolved["device"], gpu_count)
-    resolved["wandb"]["tags"] = list(resolved["wandb"]["tags"]) + overrides
-    resolved["wandb"]["group"] = resolved["wandb"]["group"] or group
+    wandb = resolved["wandb"]
+    wandb.update(mode=resolve_wandb_mode(wandb["mode"]), tags=list(wandb["tags"]) + overrides,
+                 group=wandb["group"] or group, job_type=job_type)
 
     launcher = instantiate(cfg.launcher)
     sharding = instantiate(cfg.sharding)
@@ -69,6 +71,7 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     nproc = world if sharding.distributed else 1
     if not sharding.distributed:
         resolved["train"]["batch_size"] *= world
+    resolved["environment"] = environment(resolved["device"], nproc, overrides)
     return RunPlan(resolved, nproc, launcher, instantiate(cfg.task))
 
 
@@ -79,10 +82,11 @@ def run_experiment(
     choices: dict[str, str],
     group: str | None = None,
 ) -> dict:
-    plan = prepare(cfg, torch.cuda.device_count(), overrides, group)
+    plan = prepare(cfg, torch.cuda.device_count(), overrides, group, job_type=choices.get("task", "train"))
     nproc = plan.nproc
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"overrides": overrides, "choices": choices, "device": plan.cfg["device"]}
+    record = {"overrides": overrides, "choices": choices, "device": plan.cfg["device"],
+              "environment": plan.cfg["environment"]}
     start = time.perf_counter()
     try:
         figures = plan.task.run(plan.cfg, run_dir, plan.launcher, nproc)
@@ -96,9 +100,5 @@ def run_experiment(
     summary.update(record, wall_s=time.perf_counter() - start)
     write_summary(run_dir, summary)
     if summary["status"] == "ok":
-        log.info(
-            "done: %d steps, final loss %.4f, %.1f samples/s, peak %.2f GB per rank -> %s",
-            summary["steps"], summary["final_loss"], summary["samples_per_s"],
-            summary["peak_mem_gb"], run_dir / "summary.json",
-        )
+        log.info("%s\n%s", run_dir / "summary.json", summary_table(summary))
     return summary

@@ -24,7 +24,7 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["train.steps=abc"], "train.steps=abc: must be an integer"),
         (["train.lr=fast"], "train.lr=fast: must be a number"),
         (["offload=maybe"], "offload=maybe: must be true or false"),
-        (["wandb.mode=loud"], "wandb.mode=loud: choose one of: online, offline, disabled"),
+        (["wandb.mode=loud"], "wandb.mode=loud: choose one of: auto, online, offline, disabled"),
         (["precision.param_dtype=int8"], "choose one of: float32, bfloat16, float16"),
         (["train.foo=1"], "train.foo: unknown key; train has: activation_checkpointing, batch_size, compile, grad_accum"),
         (["+train.foo=1"], "train.foo: unknown key; train has: activation_checkpointing, batch_size, compile, grad_accum"),

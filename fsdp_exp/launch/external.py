@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from fsdp_exp import distributed
 from fsdp_exp.config import ConfigError
 from fsdp_exp.launch.worker import setup_rank
-from fsdp_exp.metrics import write_summary
+from fsdp_exp.metrics.sinks import write_summary
 from fsdp_exp.run import prepare
 
 

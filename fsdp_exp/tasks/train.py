@@ -6,8 +6,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fsdp_exp import distributed
 from fsdp_exp.build import build_experiment
+from fsdp_exp.profile import dump_cuda_snapshot
 
 log = logging.getLogger("fsdp_exp")
 
@@ -24,7 +27,14 @@ def train_rank(cfg: dict, run_dir: Path) -> dict:
         if ranks.is_main:
             log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
         exp = build_experiment(cfg, ranks, run_dir)
-        summary = exp.trainer.fit() | {"fsdp_units": exp.fsdp_units}
+        try:
+            summary = exp.trainer.fit() | exp.figures
+        except torch.OutOfMemoryError:
+            dump_cuda_snapshot(run_dir / f"oom_snapshot_rank{ranks.rank}.pickle")
+            raise
+        finally:
+            if exp.progress is not None:
+                exp.progress.close()
         exp.checkpoint.finish(exp.trainer.model, run_dir)
         if exp.wandb is not None:
             exp.wandb.finish(summary)

@@ -1,0 +1,133 @@
+"""The figures a run reports are real: throughput, memory, FLOPs, the environment, wandb."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_exp.data.images import SyntheticImages
+from fsdp_exp.distributed import Ranks
+from fsdp_exp.metrics.sinks import Progress, summary_table
+from fsdp_exp.models.vit import build_vit
+from fsdp_exp.trainer import Trainer
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A real 1-rank gloo process group in this process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def test_samples_per_s_agrees_with_wall_time(one_rank_group: Ranks) -> None:
+    torch.manual_seed(0)
+    model = build_vit(28, 7, 4, 2, 128, 128, 10)
+    batches = SyntheticImages(num_samples=2048).batches(64, 0, 1, seed=0)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters()), batches, one_rank_group,
+                      steps=12, batch_size=64, log_every=4)
+    start = time.perf_counter()
+    summary = trainer.fit()
+    wall = time.perf_counter() - start
+    assert summary["samples_per_s"] == pytest.approx(12 * 64 / wall, rel=0.05)
+    assert 0 <= summary["data_wait_share"] < 1
+    assert summary["warmup_only"] is False
+
+
+def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_cli(*SMALL_VIT, "train.steps=6", "train.log_every=1", "metrics.warmup_steps=2",
+                     f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r.get("warmup", False) for r in records] == [True, True, False, False, False, False]
+    steady = records[2:]
+    expected = 64 * len(steady) / sum(r["step_time_s"] for r in steady)  # 2 ranks x 32
+    summary = read_json(out / "summary.json")
+    assert summary["samples_per_s"] == pytest.approx(expected, rel=1e-6)
+    assert summary["peak_mem_gb"] == max(r["peak_mem_gb"] for r in records)
+    assert len(summary["peak_mem_gb_per_rank"]) == 2
+    env = summary["environment"]
+    assert env["torch"] == torch.__version__ and env["world_size"] == 2
+    assert env["overrides"] == summary["overrides"] and "git_commit" in env
+    assert summary["mfu"] is None, "a CPU has no known peak: no MFU rather than a wrong one"
+    assert summary["tflops_per_device"] > 0
+
+
+def test_peak_memory_rises_with_batch_size(tmp_path: Path) -> None:
+    peaks = {}
+    for batch in (4, 512):
+        out = tmp_path / str(batch)
+        result = run_cli(*SMALL_VIT, "sharding=none", "launcher.nproc_per_node=1", "train.steps=3",
+                         f"train.batch_size={batch}", "data.num_samples=1024", f"hydra.run.dir={out}",
+                         cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        peaks[batch] = read_json(out / "summary.json")["peak_mem_gb"]
+    assert peaks[512] > peaks[4] + 0.05, peaks
+
+
+def test_flops_are_counted_and_match_the_analytic_count_for_gpt(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_cli("model=gpt", "model.vocab_size=256", "data=synthetic_tokens", "data.seq_len=64",
+                     "train.batch_size=4", "train.steps=2", "metrics.peak_tflops=2.0",
+                     "wandb.mode=disabled", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = read_json(out / "summary.json")
+    assert summary["flops_per_step"] == pytest.approx(summary["flops_per_step_analytic"], rel=0.1)
+    assert summary["mfu"] == pytest.approx(summary["tflops_per_device"] / 2.0)
+
+
+def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_cli(*SMALL_VIT, "wandb.mode=offline", "train.steps=4", "train.log_every=2",
+                     f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (log_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    data = log_file.read_bytes()  # wandb's record log: protobuf strings are stored as-is
+    metric_keys = (b"samples_per_s", b"peak_mem_gb", b"step_time_s", b"data_wait_share", b"loss")
+    summary_and_config = (b"final_loss", b"environment", b"model.num_layers=2")  # the tag too
+    for key in metric_keys + summary_and_config:
+        assert key in data, key
+
+
+def test_a_wandb_failure_is_one_warning_and_training_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_cli(*SMALL_VIT[:1], "wandb.mode=online", "train.steps=2", f"hydra.run.dir={out}",
+                     cwd=tmp_path, extra_env={"WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9",
+                                            "WANDB_INIT_TIMEOUT": "10"})
+    assert result.returncode == 0, result.stderr
+    assert read_json(out / "summary.json")["status"] == "ok"
+    assert (result.stdout + result.stderr).count("wandb (online) failed") == 1
+
+
+def test_memory_profile_writes_a_timeline_per_rank(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_cli(*SMALL_VIT, "profile=memory", "train.steps=4", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        html = (out / f"memory_timeline_rank{rank}.html").read_text()
+        assert "<html" in html.lower() and len(html) > 1000
+
+
+def test_progress_bar_and_summary_table(capsys: pytest.CaptureFixture) -> None:
+    bar = Progress(total_steps=4, live=True)
+    for step in (1, 2):
+        bar.after_step(step)
+    bar.log({"step": 2, "loss": 1.5, "samples_per_s": 100.0, "peak_mem_gb": 1.25})
+    bar.close()
+    out = capsys.readouterr().out
+    assert "2/4" in out and "loss" not in out.split("|")[0] and "1.25 GB" in out
+    table = summary_table({"status": "ok", "steps": 4, "final_loss": 1.5, "samples_per_s": 100.0,
+                           "peak_mem_gb": 1.25, "peak_mem_gb_per_rank": [1.25, 1.0], "mfu": None})
+    assert "samples/s" in table and "1.25, 1.00 GB" in table and "MFU" not in table

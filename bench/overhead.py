@@ -67,7 +67,8 @@ def main() -> None:
             theirs = hand_loop(args.steps, args.batch_size, args.warmup, nproc)
             ratios.append(ours / theirs)
             print(f"{rep:>3}  {ours:>16.3f}  {theirs:>17.3f}  {ratios[-1]:>6.3f}", flush=True)
-    print(f"median ratio fsdp_exp / hand loop: {statistics.median(ratios):.3f} (goal: >= 0.97)")
+    print(f"median ratio fsdp_exp / hand loop: {statistics.median(ratios):.3f} "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f}; goal: >= 0.97)")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,7 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path) -> Experiment:
     if ranks.is_main:
         if fsdp_units:
             log.info("FSDP units: %s", ", ".join(f"{u['module']} ({u['params']:,})" for u in fsdp_units))
+        log_flops(figures)
         jsonl = JsonLines(run_dir / "metrics.jsonl")
         w = cfg["wandb"]
         wandb = Wandb(
@@ -136,6 +137,19 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path) -> Experiment:
         trainer.sinks = [jsonl, progress, wandb]
         trainer.hooks.append(progress)
     return Experiment(trainer, instantiate(cfg["checkpoint"]), wandb, jsonl, progress, figures)
+
+
+def log_flops(figures: dict) -> None:
+    counted, analytic = figures["flops_per_step"], figures.get("flops_per_step_analytic")
+    if analytic is None:
+        log.info("FLOPs per step on each rank: %.3g (counted)", counted)
+        return
+    ratio = counted / analytic
+    log.info("FLOPs per step on each rank: %.3g counted, %.3g by the 6N formula (ratio %.3f)",
+             counted, analytic, ratio)
+    if abs(ratio - 1) > 0.1:
+        log.warning("counted and analytic FLOPs differ by %.0f%%: TFLOP/s and MFU use the counted figure",
+                    abs(ratio - 1) * 100)
 
 
 def count_flops(trainer: Trainer, batches: Any, cfg: dict, micro_batch: int) -> dict:

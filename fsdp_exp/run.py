@@ -71,7 +71,6 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     nproc = world if sharding.distributed else 1
     if not sharding.distributed:
         resolved["train"]["batch_size"] *= world
-    resolved["environment"] = environment(resolved["device"], nproc, overrides)
     return RunPlan(resolved, nproc, launcher, instantiate(cfg.task))
 
 
@@ -84,6 +83,7 @@ def run_experiment(
 ) -> dict:
     plan = prepare(cfg, torch.cuda.device_count(), overrides, group, job_type=choices.get("task", "train"))
     nproc = plan.nproc
+    plan.cfg["environment"] = environment(plan.cfg["device"], nproc, overrides)
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"overrides": overrides, "choices": choices, "device": plan.cfg["device"],
               "environment": plan.cfg["environment"]}

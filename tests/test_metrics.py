@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-import os
 import socket
 import time
 from pathlib import Path

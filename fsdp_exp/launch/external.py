@@ -20,6 +20,7 @@ from fsdp_exp import distributed
 from fsdp_exp.config import ConfigError
 from fsdp_exp.launch.worker import setup_rank
 from fsdp_exp.metrics.sinks import write_summary
+from fsdp_exp.metrics.environment import environment
 from fsdp_exp.run import prepare
 
 
@@ -44,6 +45,7 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
             print(f"fsdp_exp: {err}", file=sys.stderr)
         return 2
     resolved = plan.cfg
+    resolved["environment"] = environment(resolved["device"], world_size, argv)
 
     distributed.init(resolved["device"])
     shared = [run_dir_text]

@@ -39,13 +39,21 @@ def record_line(record: dict, total_steps: int) -> str:
     return "  ".join(parts)
 
 
+def _is_sized_terminal() -> bool:
+    """A terminal wide enough to draw a bar (a pty with no size reports 0 columns)."""
+    try:
+        return sys.stdout.isatty() and os.get_terminal_size(sys.stdout.fileno()).columns > 0
+    except (OSError, ValueError):
+        return False
+
+
 class Progress:
     """Rank 0's console: a live bar on a terminal, a plain line per record otherwise."""
 
     def __init__(self, total_steps: int, live: bool | None = None):
         self.total_steps = total_steps
         self.bar: Any = None
-        if sys.stdout.isatty() if live is None else live:
+        if _is_sized_terminal() if live is None else live:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stdout)
@@ -98,7 +106,8 @@ class Wandb:
             )
         except Exception as err:  # noqa: BLE001 - any wandb failure must not stop training
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            warnings.warn(f"wandb ({mode}) failed, training goes on without it: {type(err).__name__}: {first_line}")
+            warnings.warn(  # noqa: B028 - the caller is wandb setup, not user code
+                f"wandb ({mode}) failed, training goes on without it: {type(err).__name__}: {first_line}")
 
     def log(self, record: dict) -> None:
         if self.run is not None:
@@ -130,6 +139,7 @@ def summary_table(summary: dict) -> str:
     rows = [
         ("status", summary.get("status")),
         ("setup", " ".join(f"{k}={v}" for k, v in summary.get("choices", {}).items() if k in SETUP_GROUPS)),
+        ("overrides", " ".join(summary.get("overrides", []))),
         ("world size", summary.get("world_size")),
         ("steps", summary.get("steps")),
         ("final loss", fmt(summary.get("final_loss"), ".4f")),

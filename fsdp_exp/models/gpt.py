@@ -96,7 +96,7 @@ class GPT(nn.Module):
     def _init_weights(self, n_layer: int) -> None:
         """GPT-2's init. The residual output projections are scaled down by depth so that
         the residual stream's variance does not grow with the number of layers."""
-        for name, module in self.named_modules():
+        for module in self.modules():
             if module is self.lm_head:
                 continue  # same tensor as wte.weight, initialised once there
             if isinstance(module, (nn.Linear, nn.Embedding)):

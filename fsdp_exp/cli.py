@@ -31,6 +31,7 @@ EXIT_RUN_FAILED = 1
 
 config.register()
 failed_runs: list[str] = []
+runs_started = 0
 
 
 def main() -> None:
@@ -44,10 +45,11 @@ def main() -> None:
         print(f"fsdp_exp: {err}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
     hydra_main()
-    if failed_runs:
-        print(f"fsdp_exp: {len(failed_runs)} run(s) failed:", file=sys.stderr)
+    if failed_runs and runs_started > 1:  # a single run has already said why
+        print(f"fsdp_exp: {len(failed_runs)} of {runs_started} runs failed:", file=sys.stderr)
         for line in failed_runs:
             print(f"  {line}", file=sys.stderr)
+    if failed_runs:
         sys.exit(EXIT_RUN_FAILED)
 
 
@@ -58,6 +60,8 @@ def hydra_main(cfg: DictConfig) -> None:
 
     from fsdp_exp.run import run_experiment
 
+    global runs_started
+    runs_started += 1
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
     summary = run_experiment(

@@ -194,6 +194,11 @@ class MemoryProfileSchema(ProfileSchema):
 
 
 @dataclass
+class MemorySchema:
+    limit_gb: float | None = None
+
+
+@dataclass
 class WandbSchema:
     mode: WandbMode = MISSING
     project: str = MISSING
@@ -217,6 +222,7 @@ class ExperimentSchema:
     train: TrainSchema = MISSING
     optimizer: Any = MISSING
     metrics: MetricsSchema = MISSING
+    memory: MemorySchema = MISSING
     profile: ProfileSchema = MISSING
     wandb: WandbSchema = MISSING
 

@@ -20,6 +20,7 @@ from fsdp_exp import config
 from fsdp_exp.blocks import check_compile
 from fsdp_exp.config import ConfigError
 from fsdp_exp.launch import RunFailed
+from fsdp_exp.memory import check_limit
 from fsdp_exp.metrics.environment import environment
 from fsdp_exp.metrics.sinks import resolve_wandb_mode, summary_table, write_summary
 
@@ -69,6 +70,7 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     if cfg.train.compile:
         check_compile(resolved["device"])
     nproc = world if sharding.distributed else 1
+    check_limit(cfg.memory.limit_gb, resolved["device"], 1 if resolved["device"] == "cuda" else nproc)
     if not sharding.distributed:
         resolved["train"]["batch_size"] *= world
     return RunPlan(resolved, nproc, launcher, instantiate(cfg.task))
@@ -93,7 +95,8 @@ def run_experiment(
         summary = {"status": "ok", **figures}
     except RunFailed as err:
         log.error("%s", err)
-        summary = {"status": "failed", "error": str(err), "world_size": nproc}
+        status = "oom" if "OutOfMemory:" in str(err) else "failed"
+        summary = {"status": status, "error": str(err), "world_size": nproc}
     except KeyboardInterrupt:
         write_summary(run_dir, {"status": "interrupted", "world_size": nproc, **record})
         raise

@@ -6,10 +6,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fsdp_exp import distributed
 from fsdp_exp.build import build_experiment
+from fsdp_exp.memory import OutOfMemory, allocation_failure, apply_limit, is_out_of_memory
 from fsdp_exp.profile import dump_cuda_snapshot
 
 log = logging.getLogger("fsdp_exp")
@@ -23,15 +22,14 @@ class Train:
 def train_rank(cfg: dict, run_dir: Path) -> dict:
     """One rank's whole training run; returns the run's figures (the same on every rank)."""
     ranks = distributed.init(cfg["device"])
+    limit_gb = cfg["memory"]["limit_gb"]
     try:
+        apply_limit(limit_gb, ranks.device)
         if ranks.is_main:
             log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
         exp = build_experiment(cfg, ranks, run_dir)
         try:
             summary = exp.trainer.fit() | exp.figures
-        except torch.OutOfMemoryError:
-            dump_cuda_snapshot(run_dir / f"oom_snapshot_rank{ranks.rank}.pickle")
-            raise
         finally:
             if exp.progress is not None:
                 exp.progress.close()
@@ -41,5 +39,11 @@ def train_rank(cfg: dict, run_dir: Path) -> dict:
         if exp.jsonl is not None:
             exp.jsonl.close()
         return summary
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
+        dump_cuda_snapshot(run_dir / f"oom_snapshot_rank{ranks.rank}.pickle")
+        limit = f" under memory.limit_gb={limit_gb}" if limit_gb else ""
+        raise OutOfMemory(f"ran out of memory{limit}: {allocation_failure(err)}") from err
     finally:
         distributed.close()

@@ -76,3 +76,17 @@ def test_compiled_blocks_train(tmp_path: Path) -> None:
                      cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr
     assert read_json(out / "summary.json")["status"] == "ok"
+
+
+def test_meta_init_keeps_gpt_tied_embeddings(tmp_path: Path) -> None:
+    """Meta init must give the tied wte/lm_head model a plain build gives: same losses."""
+    losses = {}
+    for init in ("cpu", "meta"):
+        out = tmp_path / init
+        result = run_cli("model=gpt", "model.vocab_size=256", "data=text", "data.seq_len=32",
+                         "train.batch_size=4", "train.steps=4", "train.log_every=1",
+                         f"model.init_device={init}", "wandb.mode=disabled", f"hydra.run.dir={out}",
+                         cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        losses[init] = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert losses["meta"] == pytest.approx(losses["cpu"], rel=1e-6)

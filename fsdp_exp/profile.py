@@ -55,7 +55,12 @@ class MemoryProfile(NoProfile):
         self.profiler.__exit__(None, None, None)
         device = str(self.device) if self.device.type == "cuda" else "cpu"
         timeline = self.run_dir / f"memory_timeline_rank{self.rank}.html"
-        self.profiler.export_memory_timeline(str(timeline), device=device)
+        try:
+            self.profiler.export_memory_timeline(str(timeline), device=device)
+        except AssertionError as err:  # torch's categorising pass can trip on in-place ops
+            trace = self.run_dir / f"trace_rank{self.rank}.json"
+            self.profiler.export_chrome_trace(str(trace))
+            write_allocation_timeline(trace, timeline, self.rank, reason=str(err).splitlines()[0][:120])
         if self.device.type == "cuda":
             dump_cuda_snapshot(self.run_dir / f"memory_snapshot_rank{self.rank}.pickle")
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -67,3 +72,33 @@ def dump_cuda_snapshot(path: Path) -> None:
     """The CUDA caching allocator's state (and its history, when recorded) for memory_viz."""
     if torch.cuda.is_available():
         torch.cuda.memory._dump_snapshot(str(path))
+
+
+def write_allocation_timeline(trace: Path, html: Path, rank: int, reason: str) -> None:
+    """An HTML plot of total allocated memory over time, from the trace's [memory] events."""
+    import base64
+    import io
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = [e for e in json.loads(trace.read_text()).get("traceEvents", [])
+              if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+    events.sort(key=lambda e: e["ts"])
+    start = events[0]["ts"] if events else 0
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot([(e["ts"] - start) / 1e3 for e in events], [e["args"]["Total Allocated"] / 2**20 for e in events])
+    ax.set(xlabel="time (ms)", ylabel="allocated (MiB)", title=f"rank {rank}: allocated memory")
+    image = io.BytesIO()
+    fig.savefig(image, format="png", bbox_inches="tight")
+    plt.close(fig)
+    encoded = base64.b64encode(image.getvalue()).decode()
+    html.write_text(
+        f"<html><head><title>memory timeline, rank {rank}</title></head><body>"
+        f"<p>Total allocated memory from {len(events)} allocator events ({trace.name}). torch's "
+        f"categorised timeline was not available: {reason}</p>"
+        f'<img src="data:image/png;base64,{encoded}"></body></html>'
+    )

@@ -129,3 +129,18 @@ def test_progress_bar_and_summary_table(capsys: pytest.CaptureFixture) -> None:
     table = summary_table({"status": "ok", "steps": 4, "final_loss": 1.5, "samples_per_s": 100.0,
                            "peak_mem_gb": 1.25, "peak_mem_gb_per_rank": [1.25, 1.0], "mfu": None})
     assert "samples/s" in table and "1.25, 1.00 GB" in table and "MFU" not in table
+
+
+def test_allocation_timeline_from_a_real_trace(tmp_path: Path) -> None:
+    """The fallback view, used when torch's categorised timeline trips on an op."""
+    from fsdp_exp.profile import write_allocation_timeline
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.randn(512, 512)
+        b = a @ a
+        del a, b
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    write_allocation_timeline(tmp_path / "trace.json", tmp_path / "t.html", rank=0, reason="why")
+    html = (tmp_path / "t.html").read_text()
+    assert "allocator events" in html and "why" in html and "data:image/png;base64," in html
+    assert " 0 allocator events" not in html

@@ -19,7 +19,7 @@ from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config
@@ -111,11 +111,11 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
         with initialize_config_dir(CONF_DIR, version_base="1.3", job_name="fsdp_exp"):
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(explain(err, overrides, config_name)) from None
+        raise ConfigError(explain(err)) from None
     return cfg
 
 
-def explain(err: Exception, overrides: list[str], config_name: str) -> str:
+def explain(err: Exception) -> str:
     """One line from a Hydra or OmegaConf composition error: the key, and what is allowed."""
     if isinstance(err, MissingConfigException) and err.options is not None:
         group, _, name = (err.missing_cfg_file or "").rpartition("/")
@@ -129,10 +129,7 @@ def explain(err: Exception, overrides: list[str], config_name: str) -> str:
             return f"{match.group(1)}: a list of values is a sweep; add -m (--multirun)"
         return first_line
     if "Could not override" in first_line or "Key '" in first_line:
-        parent, _, leaf = key.rpartition(".")
-        others = [o for o in overrides if o.lstrip("+~").split("=")[0] != key]
-        keys = known_keys(parent, others, config_name)
-        return f"{key}: unknown key; {parent or 'the top level'} has: {keys}"
+        return str(config.unknown_key(key, getattr(cause, "object_type", None)))
     value = getattr(cause, "value", None)
     return f"{key}={'' if value is None else value}: {reason(first_line)}"
 
@@ -151,17 +148,6 @@ def reason(omegaconf_message: str) -> str:
     if match:
         return f"choose one of: {match.group(1)}"
     return omegaconf_message
-
-
-def known_keys(parent: str, overrides: list[str], config_name: str) -> str:
-    """The keys of node `parent` in the config the other overrides choose (for the message)."""
-    try:
-        with initialize_config_dir(CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name, overrides=overrides)
-        node = OmegaConf.select(cfg, parent) if parent else cfg
-        return ", ".join(sorted(str(k) for k in node.keys() if not str(k).startswith("_")))
-    except Exception:  # noqa: BLE001 - only used to word an error message
-        return "see `python -m fsdp_exp --cfg job`"
 
 
 if __name__ == "__main__":

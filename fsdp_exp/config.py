@@ -259,16 +259,18 @@ class ConfigError(Exception):
 
 
 def _at_least(cfg: DictConfig, key: str, low: int) -> None:
-    value = _get(cfg, key)
+    value = OmegaConf.select(cfg, key)
     if value < low:
         raise ConfigError(f"{key}={value}: must be at least {low}")
 
 
-def _get(cfg: DictConfig, key: str) -> Any:
-    node: Any = cfg
-    for part in key.split("."):
-        node = node[part]
-    return node
+def unknown_key(key: str, schema: Any) -> ConfigError:
+    """The error for `key`, which the node's schema does not have: it lists the keys it does."""
+    parent = key.rpartition(".")[0] or "the top level"
+    if not is_dataclass(schema):  # a free-form node, such as optimizer
+        return ConfigError(f"{key}: not in {parent}; add a new key with +{key}=...")
+    allowed = sorted(f.name for f in fields(schema) if not f.name.startswith("_"))
+    return ConfigError(f"{key}: unknown key; {parent} has: {', '.join(allowed)}")
 
 
 def _refuse_unknown_keys(node: DictConfig, path: str = "") -> None:
@@ -278,11 +280,7 @@ def _refuse_unknown_keys(node: DictConfig, path: str = "") -> None:
         allowed = {f.name for f in fields(schema)}
         for key in node.keys():
             if key not in allowed and not (path == "" and key == "hydra"):
-                where = path or "the top level"
-                raise ConfigError(
-                    f"{path + '.' if path else ''}{key}: unknown key; {where} has: "
-                    + ", ".join(sorted(k for k in allowed if not k.startswith("_")))
-                )
+                raise unknown_key(f"{path}.{key}" if path else str(key), schema)
     for key in node.keys():
         child = node._get_node(key)
         if isinstance(child, DictConfig) and key != "hydra":

@@ -125,7 +125,7 @@ def test_progress_bar_and_summary_table(capsys: pytest.CaptureFixture) -> None:
     bar.log({"step": 2, "loss": 1.5, "samples_per_s": 100.0, "peak_mem_gb": 1.25})
     bar.close()
     out = capsys.readouterr().out
-    assert "2/4" in out and "loss" not in out.split("|")[0] and "1.25 GB" in out
+    assert "2/4" in out and "loss 1.5000" in out and "100.0 samples/s" in out and "1.25 GB" in out
     table = summary_table({"status": "ok", "steps": 4, "final_loss": 1.5, "samples_per_s": 100.0,
                            "peak_mem_gb": 1.25, "peak_mem_gb_per_rank": [1.25, 1.0], "mfu": None})
     assert "samples/s" in table and "1.25, 1.00 GB" in table and "MFU" not in table

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
@@ -63,8 +64,6 @@ class FullyShard:
 
     def apply(self, model: nn.Module, units: list[str], device: torch.device,
               precision: Precision, offload: bool) -> nn.Module:
-        import torch.distributed as dist
-
         mesh = self.mesh(device, dist.get_world_size())
         # pin_memory needs a GPU; on a CPU-only mesh it fails inside fully_shard.
         offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()

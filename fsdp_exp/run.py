@@ -71,9 +71,11 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
         check_compile(resolved["device"])
     nproc = world if sharding.distributed else 1
     check_limit(cfg.memory.limit_gb, resolved["device"], 1 if resolved["device"] == "cuda" else nproc)
+    task = instantiate(cfg.task)
+    task.check(resolved)
     if not sharding.distributed:
         resolved["train"]["batch_size"] *= world
-    return RunPlan(resolved, nproc, launcher, instantiate(cfg.task))
+    return RunPlan(resolved, nproc, launcher, task)
 
 
 def run_experiment(
@@ -95,7 +97,7 @@ def run_experiment(
         summary = {"status": "ok", **figures}
     except RunFailed as err:
         log.error("%s", err)
-        status = "oom" if "OutOfMemory:" in str(err) else "failed"
+        status = "oom" if err.out_of_memory else "failed"
         summary = {"status": status, "error": str(err), "world_size": nproc}
     except KeyboardInterrupt:
         write_summary(run_dir, {"status": "interrupted", "world_size": nproc, **record})

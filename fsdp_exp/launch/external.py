@@ -19,9 +19,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from fsdp_exp import distributed
 from fsdp_exp.config import ConfigError
 from fsdp_exp.launch.worker import setup_rank
-from fsdp_exp.metrics.sinks import write_summary
 from fsdp_exp.metrics.environment import environment
+from fsdp_exp.metrics.sinks import write_summary
 from fsdp_exp.run import prepare
+from fsdp_exp.tasks.train import Train, train_rank
 
 
 def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -> int:
@@ -40,6 +41,9 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
         plan = prepare(cfg, torch.cuda.device_count(), argv, world_size=world_size)
         if plan.nproc == 1 and world_size > 1:
             raise ConfigError("sharding=none: runs one process; start it without torchrun")
+        if not isinstance(plan.task, Train):
+            raise ConfigError("task=max_batch: starts fresh ranks for every probe, so it cannot run under "
+                              "torchrun; run it as python -m fsdp_exp task=max_batch ...")
     except ConfigError as err:
         if rank == 0:
             print(f"fsdp_exp: {err}", file=sys.stderr)
@@ -57,8 +61,6 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
         OmegaConf.save(OmegaConf.create(argv), run_dir / ".hydra" / "overrides.yaml")
     dist.barrier()
     setup_rank(run_dir, rank)
-
-    from fsdp_exp.tasks.train import train_rank
 
     try:
         figures = train_rank(resolved, run_dir)

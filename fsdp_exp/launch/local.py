@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import signal
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError,
+    ProcessFailure,
+)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdp_exp.launch import RunFailed
@@ -30,11 +35,13 @@ class LocalLauncher:
             return int(self.nproc_per_node)
         return torch.cuda.device_count() if on_gpu else CPU_RANKS
 
-    def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int) -> Any:
+    def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
+               time_limit_s: float | None = None) -> Any:
         """Run `task(cfg, run_dir)` on `nproc` fresh ranks; rank 0's return value.
 
         When any rank fails, the agent stops the others within about a second, and
-        RunFailed names the first failed rank, its error and its log file.
+        RunFailed names the rank whose failure explains the run, its error and its log.
+        Ranks still running after `time_limit_s` are killed (the kernel's SIGALRM).
         """
         options: dict[str, Any] = dict(
             min_nodes=1,
@@ -52,14 +59,32 @@ class LocalLauncher:
         quiet_elastic()
         try:
             with threads_per_rank(nproc):
-                results = elastic_launch(LaunchConfig(**options), run_rank)(task, cfg, str(run_dir))
+                alarm_s = math.ceil(time_limit_s) if time_limit_s else None
+                results = elastic_launch(LaunchConfig(**options), run_rank)(task, cfg, str(run_dir), alarm_s)
         except ChildFailedError as err:
-            rank, failure = err.get_first_failure()
-            raise RunFailed(
-                f"rank {rank} failed: {failure_line(failure.message)} "
-                f"(log: {rank_log_path(run_dir, rank)})"
-            ) from None
+            raise run_failed(err.failures, run_dir, time_limit_s) from None
         return results[0]
+
+
+def run_failed(failures: dict[int, ProcessFailure], run_dir: Path, time_limit_s: float | None) -> RunFailed:
+    """The failure that explains the run. Its cause comes first: an out-of-memory on any
+    rank, then the earliest error, and only then a rank stopped by a signal, which is
+    usually the agent stopping the ranks that were left waiting in a collective."""
+    def line(failure: ProcessFailure) -> str:
+        return failure_line(failure.message)
+
+    def order(item: tuple[int, ProcessFailure]) -> tuple:
+        rank, failure = item
+        return ("OutOfMemory:" not in line(failure), failure.exitcode < 0, failure.timestamp, rank)
+
+    rank, failure = min(failures.items(), key=order)
+    log_file = rank_log_path(run_dir, rank)
+    killed_by = failure.signal_name() if failure.exitcode < 0 else None
+    if failure.exitcode == -signal.SIGALRM and time_limit_s:
+        return RunFailed(f"rank {rank} ran past the time limit of {time_limit_s:g} s (log: {log_file})",
+                         timed_out=True, killed_by=killed_by)
+    return RunFailed(f"rank {rank} failed: {line(failure)} (log: {log_file})",
+                     out_of_memory="OutOfMemory:" in line(failure), killed_by=killed_by)
 
 
 @contextlib.contextmanager

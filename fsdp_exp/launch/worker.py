@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -47,14 +49,23 @@ def setup_rank(run_dir: Path, rank: int) -> None:
     file_only = logging.getLogger("fsdp_exp.rank_file")
     file_only.handlers = [handlers[0]]
     file_only.propagate = False
+    file_only.info("rank %d is pid %d on %s", rank, os.getpid(), socket.gethostname())
 
 
 @record
-def run_rank(task: Callable[[dict, Path], Any], cfg: dict, run_dir: str) -> Any:
-    """The elastic launcher's entry point: `task(cfg, run_dir)` on this rank."""
+def run_rank(task: Callable[[dict, Path], Any], cfg: dict, run_dir: str, time_limit_s: int | None = None) -> Any:
+    """The elastic launcher's entry point: `task(cfg, run_dir)` on this rank.
+
+    `time_limit_s`: the kernel ends this process with SIGALRM after that long, even when
+    it is stuck inside a collective or a C++ call that never returns to Python.
+    """
     setup_rank(Path(run_dir), int(os.environ["RANK"]))
+    if time_limit_s:
+        signal.alarm(time_limit_s)
     try:
         return task(cfg, Path(run_dir))
     except Exception:
         logging.getLogger("fsdp_exp.rank_file").exception("this rank failed")
         raise
+    finally:
+        signal.alarm(0)

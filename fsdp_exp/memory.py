@@ -7,6 +7,7 @@ under the limit, so an allocation past it fails for real. Either failure is an O
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 from pathlib import Path
@@ -17,13 +18,23 @@ from fsdp_exp.config import ConfigError
 
 GB = 2**30
 
+# CPU under a limit: (resident, data segment) bytes when the limit was set.
+_cpu_baseline: tuple[int, int] | None = None
+
 
 class OutOfMemory(RuntimeError):
     """A rank ran out of memory (a real allocation failure, on GPU or CPU)."""
 
 
+# Under the CPU limit, memory also runs out outside torch's allocator: a new thread's stack
+# cannot be mapped (EAGAIN, e.g. when autograd starts its worker thread), or C++ new fails.
+_CPU_LIMIT_FAILURES = ("Resource temporarily unavailable", "Cannot allocate memory", "std::bad_alloc")
+
+
 def is_out_of_memory(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(err)
+    if isinstance(err, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(err):
+        return True
+    return _cpu_baseline is not None and any(text in str(err) for text in _CPU_LIMIT_FAILURES)
 
 
 def allocation_failure(err: BaseException) -> str:
@@ -61,6 +72,7 @@ def apply_limit(limit_gb: float | None, device: torch.device) -> None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * GB / total), device)
         return
+    map_large_blocks()
     data, resident = _status_bytes("VmData:"), _status_bytes("VmRSS:")
     headroom = int(limit_gb * GB) - resident
     if headroom <= 0:
@@ -70,6 +82,43 @@ def apply_limit(limit_gb: float | None, device: torch.device) -> None:
         )
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     resource.setrlimit(resource.RLIMIT_DATA, (data + headroom, hard))
+    global _cpu_baseline
+    _cpu_baseline = (resident, data)
+
+
+def peak_under_limit_gb() -> float | None:
+    """CPU under memory.limit_gb: this rank's peak as the limit counts it, so that it
+    crosses limit_gb exactly where an allocation starts to fail.
+
+    That is the resident memory when the limit was set plus the peak growth of the data
+    segment since. The peak data segment is the peak address space (VmPeak) less what is
+    not data (code, libraries, stacks), which stays put during training. Resident memory
+    would not do: it also counts library code paged in while training (tens of MB), which
+    the limit does not.
+    """
+    if _cpu_baseline is None:
+        return None
+    resident, data = _cpu_baseline
+    peak_data = _status_bytes("VmPeak:") - (_status_bytes("VmSize:") - _status_bytes("VmData:"))
+    return (resident + peak_data - data) / GB
+
+
+def map_large_blocks() -> None:
+    """Make CPU peak memory a function of the work, not of the allocator's history.
+
+    glibc's malloc raises its mmap threshold by itself each time a large block is freed, so
+    later tensors come from a heap that keeps freed memory: resident memory, and where an
+    allocation fails, then drift by tens of MB from run to run. A fixed threshold maps every
+    block over 64 KiB from the kernel and returns it on free, which makes peak memory
+    affine in the batch size and the out-of-memory boundary sharp. Only glibc has mallopt.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold, m_arena_max = -3, -8
+    libc.mallopt(m_mmap_threshold, 64 * 1024)
+    libc.mallopt(m_arena_max, 2)
 
 
 def _status_bytes(key: str) -> int:

@@ -145,6 +145,7 @@ class Trainer:
             **self._means(steady),
             **{key: max(values) for key, values in run_peaks.items()},
             "peak_mem_gb_per_rank": run_peaks["peak_mem_gb"],
+            "held_mem_gb": max(distributed.gather(self.memory.held_gb(), self.ranks.device)),
         }
         return summary
 

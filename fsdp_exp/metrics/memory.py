@@ -38,11 +38,24 @@ class MemoryMonitor:
             }
         return {"peak_mem_gb": _cpu_peak_bytes() / GB}
 
+    def held_gb(self) -> float:
+        """Memory in use now; between steps that is parameters and optimizer state."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) / GB
+        return _status_kb("VmRSS:") * 1024 / GB
+
+
+def _status_kb(key: str) -> int | None:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1])
+    return None
+
 
 def _cpu_peak_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
+    kb = _status_kb("VmHWM:")
+    if kb is not None:
+        return kb * 1024
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

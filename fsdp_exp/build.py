@@ -16,11 +16,18 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
 
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks
 from fsdp_exp.distributed import Ranks
-from fsdp_exp.metrics.flops import count_step_flops, device_peak_tflops, gpt_flops_per_token
+from fsdp_exp.metrics.flops import (
+    count_step_flops,
+    device_peak_tflops,
+    gpt_flops_per_token,
+)
 from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
 from fsdp_exp.models import build_model
 from fsdp_exp.sharding import unwrap

@@ -8,7 +8,10 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 
 from fsdp_exp.sharding import unwrap
 

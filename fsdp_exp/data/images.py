@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 from torch.utils.data import Dataset, TensorDataset
 

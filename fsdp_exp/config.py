@@ -199,6 +199,15 @@ class MemorySchema:
 
 
 @dataclass
+class MaxBatchSchema:
+    steps_per_probe: int = MISSING
+    probe_timeout: float = MISSING
+    resolution: int = MISSING
+    margin: float = MISSING
+    search_up_to: int = MISSING
+
+
+@dataclass
 class WandbSchema:
     mode: WandbMode = MISSING
     project: str = MISSING
@@ -223,6 +232,7 @@ class ExperimentSchema:
     optimizer: Any = MISSING
     metrics: MetricsSchema = MISSING
     memory: MemorySchema = MISSING
+    max_batch: MaxBatchSchema = MISSING
     profile: ProfileSchema = MISSING
     wandb: WandbSchema = MISSING
 
@@ -310,6 +320,7 @@ def check(cfg: DictConfig, gpu_count: int) -> None:
                 f"step(s) must end by train.steps={cfg.train.steps}"
             )
     _at_least(cfg, "data.num_workers", 0)
+    _check_max_batch(cfg.max_batch)
     if cfg.train.lr <= 0:
         raise ConfigError(f"train.lr={cfg.train.lr}: must be greater than 0")
     if cfg.train.batch_size % cfg.train.grad_accum:
@@ -330,6 +341,21 @@ def check(cfg: DictConfig, gpu_count: int) -> None:
             f"launcher.nproc_per_node={nproc}: only {gpu_count} GPU(s) here, one rank per GPU"
         )
     _check_model_fits_data(cfg)
+
+
+def _check_max_batch(settings: DictConfig) -> None:
+    if settings.steps_per_probe < 2:
+        raise ConfigError(f"max_batch.steps_per_probe={settings.steps_per_probe}: must be at least 2 "
+                          "(the second step holds the optimizer state the first one made)")
+    if settings.probe_timeout <= 0:
+        raise ConfigError(f"max_batch.probe_timeout={settings.probe_timeout}: must be greater than 0 (seconds)")
+    if settings.resolution < 1:
+        raise ConfigError(f"max_batch.resolution={settings.resolution}: must be at least 1")
+    if not 0 <= settings.margin < 1:
+        raise ConfigError(f"max_batch.margin={settings.margin}: must be at least 0 and below 1")
+    if settings.search_up_to < settings.resolution:
+        raise ConfigError(f"max_batch.search_up_to={settings.search_up_to}: must be at least "
+                          f"max_batch.resolution={settings.resolution}")
 
 
 def _check_model_fits_data(cfg: DictConfig) -> None:

@@ -141,6 +141,8 @@ def summary_table(summary: dict) -> str:
         ("setup", " ".join(f"{k}={v}" for k, v in summary.get("choices", {}).items() if k in SETUP_GROUPS)),
         ("overrides", " ".join(summary.get("overrides", []))),
         ("world size", summary.get("world_size")),
+        ("max batch", summary.get("max_batch_size")),
+        ("recommended batch", summary.get("recommended_batch_size")),
         ("steps", summary.get("steps")),
         ("final loss", fmt(summary.get("final_loss"), ".4f")),
         ("samples/s", fmt(summary.get("samples_per_s"), ",.1f")),
@@ -153,6 +155,6 @@ def summary_table(summary: dict) -> str:
         ("per rank", ", ".join(f"{v:.2f}" for v in summary.get("peak_mem_gb_per_rank", [])) + " GB"),
         ("wall time", fmt(summary.get("wall_s"), ".1f") + " s"),
     ]
-    rows = [(k, v) for k, v in rows if v not in (None, "", "-", "- GB", " GB")]
+    rows = [(k, v) for k, v in rows if v not in (None, "", "-", "- GB", " GB", "- s")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -8,13 +8,22 @@ from typing import Any
 
 from fsdp_exp import distributed
 from fsdp_exp.build import build_experiment
-from fsdp_exp.memory import OutOfMemory, allocation_failure, apply_limit, is_out_of_memory
+from fsdp_exp.memory import (
+    OutOfMemory,
+    allocation_failure,
+    apply_limit,
+    is_out_of_memory,
+    peak_under_limit_gb,
+)
 from fsdp_exp.profile import dump_cuda_snapshot
 
 log = logging.getLogger("fsdp_exp")
 
 
 class Train:
+    def check(self, cfg: dict) -> None:
+        """Nothing beyond the checks every run gets."""
+
     def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
         return launcher.launch(train_rank, cfg, run_dir, nproc)
 
@@ -30,6 +39,9 @@ def train_rank(cfg: dict, run_dir: Path) -> dict:
         exp = build_experiment(cfg, ranks, run_dir)
         try:
             summary = exp.trainer.fit() | exp.figures
+            under_limit = peak_under_limit_gb()
+            if under_limit is not None:
+                summary["peak_under_limit_gb"] = max(distributed.gather(under_limit, ranks.device))
         finally:
             if exp.progress is not None:
                 exp.progress.close()

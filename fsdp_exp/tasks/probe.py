@@ -1,0 +1,120 @@
+"""One probe of task=max_batch: a short, real training run at one batch size, on fresh ranks.
+
+A probe is started by the run's launcher like any run, in its own directory
+(`<run>/probes/<n>_b<batch>/`, with its rank logs, metrics.jsonl and summary.json), so
+an out-of-memory rank can never poison the allocator or hang a collective for the next one.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_exp.launch import RunFailed
+from fsdp_exp.metrics.sinks import write_summary
+from fsdp_exp.tasks.batch_search import Outcome
+from fsdp_exp.tasks.train import train_rank
+
+
+@dataclass
+class Probe:
+    batch_size: int
+    status: str  # ok | oom | failed
+    reason: str | None = None
+    peak_mem_gb: float | None = None  # the largest over the ranks
+    peak_mem_gb_per_rank: list[float] | None = None
+    peak_reserved_gb: float | None = None  # GPU: what the allocator held, which the cap limits
+    peak_under_limit_gb: float | None = None  # CPU: the peak as memory.limit_gb counts it
+    held_mem_gb: float | None = None
+    samples_per_s: float | None = None
+    predicted_peak_gb: float | None = None
+    wall_s: float = 0.0
+    dir: str = ""
+    killed: bool = False  # stopped by a signal from outside, not by its own error
+
+    def limited_peak_gb(self) -> float | None:
+        """The peak that the memory limit caps: reserved memory on GPU, the limit's own
+        count on CPU (fsdp_exp.memory.peak_under_limit_gb)."""
+        for peak in (self.peak_under_limit_gb, self.peak_reserved_gb, self.peak_mem_gb):
+            if peak is not None:
+                return peak
+        return None
+
+    def outcome(self) -> Outcome:
+        return Outcome(self.batch_size, self.status == "ok", self.limited_peak_gb(), self.held_mem_gb)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, record: dict) -> "Probe":
+        known = {k: v for k, v in record.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def line(self) -> str:
+        if self.status != "ok":
+            return f"batch {self.batch_size}: {self.status} ({self.reason}) [{self.wall_s:.0f} s]"
+        return (f"batch {self.batch_size}: ok, peak {self.peak_mem_gb:.3f} GB, "
+                f"{self.samples_per_s:,.1f} samples/s [{self.wall_s:.0f} s]")
+
+
+def probe_config(cfg: dict, batch_size: int, steps: int, world_size: int, limit_gb: Any = "same") -> dict:
+    """The run's config, trimmed to a probe: `steps` steps at `batch_size`, the first of
+    them warm-up, no profile, export or wandb run of its own."""
+    probe = copy.deepcopy(cfg)
+    probe["train"].update(batch_size=batch_size, steps=steps, log_every=steps)
+    probe["metrics"]["warmup_steps"] = 1
+    probe["profile"] = {"_target_": "fsdp_exp.profile.NoProfile"}
+    probe["checkpoint"]["export_full"] = False
+    probe["wandb"]["mode"] = "disabled"
+    if limit_gb != "same":
+        probe["memory"]["limit_gb"] = limit_gb
+    if "num_samples" in probe["data"]:  # generated data: enough for one global batch
+        probe["data"]["num_samples"] = max(probe["data"]["num_samples"], batch_size * world_size)
+    probe.pop("environment", None)
+    probe.pop("max_batch", None)
+    return probe
+
+
+def fingerprint(cfg: dict, world_size: int, steps: int) -> str:
+    """Probes made under the same fingerprint can be reused: same setup but the batch."""
+    probe = probe_config(cfg, 1, steps, world_size)
+    probe["wandb"] = None  # tags and mode differ between runs; they change no probe
+    probe["data"].pop("num_samples", None)  # follows the batch
+    text = json.dumps({"cfg": probe, "world_size": world_size}, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def run_probe(cfg: dict, batch_size: int, probe_dir: Path, launcher: Any, world_size: int,
+              steps: int, timeout_s: float, limit_gb: Any = "same") -> Probe:
+    """Train `steps` steps at `batch_size` on fresh ranks; the outcome, never an exception
+    for a rank's failure (KeyboardInterrupt still stops the search)."""
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb)
+    start = time.perf_counter()
+    try:
+        figures = launcher.launch(train_rank, run_cfg, probe_dir, world_size, time_limit_s=timeout_s)
+        probe = Probe(
+            batch_size, "ok",
+            peak_mem_gb=figures["peak_mem_gb"],
+            peak_mem_gb_per_rank=figures["peak_mem_gb_per_rank"],
+            peak_reserved_gb=figures.get("peak_reserved_gb"),
+            peak_under_limit_gb=figures.get("peak_under_limit_gb"),
+            held_mem_gb=figures["held_mem_gb"],
+            samples_per_s=figures["samples_per_s"],
+        )
+        summary = {"status": "ok", **figures}
+    except RunFailed as err:
+        status = "oom" if err.out_of_memory else "failed"
+        reason = f"ran past max_batch.probe_timeout={timeout_s:g} s" if err.timed_out else str(err)
+        probe = Probe(batch_size, status, reason=reason, killed=err.killed_by is not None and not err.timed_out)
+        summary = {"status": status, "error": reason}
+    probe.wall_s = time.perf_counter() - start
+    probe.dir = f"{probe_dir.parent.name}/{probe_dir.name}"
+    write_summary(probe_dir, {**summary, "batch_size": batch_size, "wall_s": probe.wall_s})
+    return probe

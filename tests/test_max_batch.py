@@ -1,0 +1,159 @@
+"""task=max_batch end to end: real probes on 2 gloo ranks under a real per-rank memory limit."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SMALL_VIT, read_json, run_cli
+
+LIMIT = "memory.limit_gb=1.1"
+# Probes train 3 steps, the first of them warm-up; a direct run does the same.
+AS_A_PROBE = ["train.steps=3", "train.log_every=3", "metrics.warmup_steps=1"]
+
+
+def probe_dirs(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "probes").iterdir())
+
+
+def test_the_boundary_trains_and_one_step_more_runs_out_of_memory(tmp_path: Path) -> None:
+    """Resolution 4 (0.8 MB here): what a rank holds before its limit is set varies by ~0.1 MB
+    from run to run, which can move a boundary of resolution 1 by one sample."""
+    run_dir = tmp_path / "search"
+    args = ["task=max_batch", LIMIT, "model.num_layers=2", "max_batch.resolution=4", "wandb.mode=offline",
+            f"hydra.run.dir={run_dir}"]
+    found = run_cli(*args, cwd=tmp_path, timeout=400)
+    assert found.returncode == 0, found.stderr[-3000:]
+    record = read_json(run_dir / "max_batch.json")
+    size = record["max_batch_size"]
+    assert size is not None and size > 64
+    assert record["bounded_by"] == "oom"
+    statuses = {p["batch_size"]: p["status"] for p in record["probes"]}
+    assert size % 4 == 0 and statuses[size] == "ok" and statuses[size + 4] == "oom"
+    assert record["probe_count"] == len(record["probes"]) <= 8
+    assert 0 < record["recommended_batch_size"] < size
+    model = record["memory_model"]
+    for probe in record["probes"]:
+        if probe["status"] == "ok":  # the fitted line predicts every measured peak to 1%
+            assert probe["peak_under_limit_gb"] == pytest.approx(probe["predicted_peak_gb"], rel=0.01)
+    assert model["slope_gb_per_sample"] > 0
+    assert (run_dir / "max_batch.png").read_bytes()[:4] == b"\x89PNG"
+    summary = read_json(run_dir / "summary.json")
+    assert summary["status"] == "ok" and summary["max_batch_size"] == size
+    assert f"max batch: {size} per rank on 2 rank(s) ({size + 4} ran out of memory under memory.limit_gb=1.1)" in found.stdout
+    tables = list((run_dir / "wandb").glob("offline-run-*/files/media/table/probes_*.table.json"))
+    assert len(tables) == 1 and str(size) in tables[0].read_text()
+
+    # The same setup trained directly, outside the search: both sides of the boundary hold.
+    ok = run_cli(*SMALL_VIT, LIMIT, *AS_A_PROBE, f"train.batch_size={size}", f"hydra.run.dir={tmp_path / 'at'}",
+                 cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    past = run_cli(*SMALL_VIT, LIMIT, *AS_A_PROBE, f"train.batch_size={size + 4}",
+                   f"hydra.run.dir={tmp_path / 'past'}", cwd=tmp_path)
+    assert past.returncode == 1
+    assert read_json(tmp_path / "past" / "summary.json")["status"] == "oom"
+
+    # Run again into the same directory: every probe is reused, none is run.
+    again = run_cli(*args, cwd=tmp_path, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"reusing {record['probe_count']} probe(s)" in again.stdout
+    assert len(probe_dirs(run_dir)) == record["probe_count"]
+    assert read_json(run_dir / "max_batch.json")["max_batch_size"] == size
+
+
+def rank_pid(log_file: Path) -> int | None:
+    """The pid a rank writes at the top of its log ("rank 1 is pid 1234 on host")."""
+    match = re.search(r"rank \d+ is pid (\d+)", log_file.read_text()) if log_file.is_file() else None
+    return int(match.group(1)) if match else None
+
+
+def test_a_killed_probe_is_recorded_and_the_search_finishes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "search"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    search = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_exp", "task=max_batch", LIMIT, *SMALL_VIT, "max_batch.resolution=32",
+         "max_batch.search_up_to=256", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        victim = None
+        while victim is None and time.monotonic() < deadline and search.poll() is None:
+            second = list((run_dir / "probes").glob("02_b*/rank1.log")) if (run_dir / "probes").is_dir() else []
+            victim = rank_pid(second[0]) if second else None
+            time.sleep(0.1)
+        assert victim is not None, "the second probe never started"
+        os.kill(victim, signal.SIGKILL)
+        output, _ = search.communicate(timeout=240)
+    finally:
+        search.kill()
+    assert search.returncode == 0, output[-3000:]
+    record = read_json(run_dir / "max_batch.json")
+    killed = [p for p in record["probes"] if p["status"] == "failed"]
+    assert len(killed) == 1 and "SIGKILL" in killed[0]["reason"] and killed[0]["killed"]
+    retried = [p for p in record["probes"] if p["batch_size"] == killed[0]["batch_size"] and p["status"] == "ok"]
+    assert len(retried) == 1  # tried once more, and it fit
+    assert record["max_batch_size"] == 256 and record["bounded_by"] == "search_up_to"
+    assert len(probe_dirs(run_dir)) == len(record["probes"])
+
+
+def test_a_limit_below_batch_one_says_what_batch_one_needs(tmp_path: Path) -> None:
+    run_dir = tmp_path / "search"
+    result = run_cli("task=max_batch", "memory.limit_gb=0.5", *SMALL_VIT, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 1
+    line = next(line for line in result.stdout.splitlines() if "below what batch 1 needs" in line)
+    need = float(re.search(r"below what batch 1 needs \(([0-9.]+) GB per rank, measured without the limit\)", line)[1])
+    assert need > 0.5
+    record = read_json(run_dir / "max_batch.json")
+    assert record["max_batch_size"] is None and record["probes"][0]["status"] == "oom"
+    assert record["need_without_limit"]["status"] == "ok"
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["device=cpu"], "memory.limit_gb: task=max_batch on CPU needs a per-rank limit"),
+    ([LIMIT, "train.grad_accum=2"], "train.grad_accum=2: task=max_batch searches the batch of one forward"),
+    ([LIMIT, "max_batch.steps_per_probe=1"], "max_batch.steps_per_probe=1: must be at least 2"),
+    ([LIMIT, "max_batch.margin=1.5"], "max_batch.margin=1.5: must be at least 0 and below 1"),
+    (["memory.limit_gb=100000"], "memory.limit_gb=100000.0: above the device's memory"),
+])
+def test_bad_input_is_one_line_before_any_probe(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_cli("task=max_batch", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert message in result.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_under_torchrun_max_batch_is_refused(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "fsdp_exp", "task=max_batch",
+         LIMIT, *SMALL_VIT], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "fsdp_exp: task=max_batch: starts fresh ranks for every probe, so it cannot run under torchrun" in result.stderr
+
+
+@pytest.mark.slow
+def test_full_sharding_fits_a_larger_batch_than_ddp(tmp_path: Path) -> None:
+    """Parameters, gradients and Adam state dominate this ViT; full sharding splits them over
+    the 2 ranks, DDP keeps all of them on each."""
+    sweep = tmp_path / "sweep"
+    wide_vit = ["model.num_layers=4", "model.hidden_dim=512", "model.mlp_dim=2048", "model.num_heads=4"]
+    result = run_cli("-m", "task=max_batch", "sharding=ddp,full", "memory.limit_gb=1.4", *wide_vit,
+                     "max_batch.resolution=16", "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+                     timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ddp, full = (read_json(sweep / n / "max_batch.json") for n in ("0", "1"))
+    assert ddp["max_batch_size"] and full["max_batch_size"]
+    assert full["max_batch_size"] > 1.3 * ddp["max_batch_size"]
+    compared = run_cli(str(sweep), cwd=tmp_path, module=("-m", "fsdp_exp.compare"))
+    assert compared.returncode == 0, compared.stderr
+    assert f"| sharding=ddp | max_batch | ok | {ddp['max_batch_size']:,}" in compared.stdout
+    assert f"| sharding=full | max_batch | ok | {full['max_batch_size']:,}" in compared.stdout

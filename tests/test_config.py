@@ -52,7 +52,7 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["memory.limit_gb=0"], "memory.limit_gb=0.0: must be greater than 0"),
         (["memory.limit_gb=100000"], "memory.limit_gb=100000.0: above the device's memory (2 ranks share"),
         (["optimizer.momentum=0.9"], "optimizer.momentum: not in optimizer; add a new key with +optimizer.momentum=..."),
-        (["foo=1"], "foo: unknown key; the top level has: checkpoint, data, device, launcher, memory, metrics"),
+        (["foo=1"], "foo: unknown key; the top level has: checkpoint, data, device, launcher, max_batch, memory, metrics"),
         (["sharding=full,grad_op"], "sharding=full,grad_op: a list of values is a sweep; add -m"),
         (["train.steps=[1"], "train.steps=[1: not a valid override"),
     ],

@@ -58,6 +58,7 @@ def compare(*paths: Path, out: Path) -> tuple[int, list[dict], str]:
     return code, read_csv(out / "comparison.csv"), (out / "comparison.md").read_text()
 
 
+@pytest.mark.slow
 def test_compare_a_real_sweep(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = run_cli("-m", "sharding=ddp,full", "train.steps=3", "train.log_every=1", "metrics.warmup_steps=1",

@@ -23,6 +23,7 @@ def probe_dirs(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "probes").iterdir())
 
 
+@pytest.mark.slow
 def test_the_boundary_trains_and_one_step_more_runs_out_of_memory(tmp_path: Path) -> None:
     """Resolution 4 (0.8 MB here): what a rank holds before its limit is set varies by ~0.1 MB
     from run to run, which can move a boundary of resolution 1 by one sample."""

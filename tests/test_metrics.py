@@ -63,6 +63,7 @@ def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
     assert summary["tflops_per_device"] > 0
 
 
+@pytest.mark.slow
 def test_peak_memory_rises_with_batch_size(tmp_path: Path) -> None:
     peaks = {}
     for batch in (4, 512):
@@ -99,6 +100,7 @@ def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:
         assert key in data, key
 
 
+@pytest.mark.slow
 def test_a_wandb_failure_is_one_warning_and_training_goes_on(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli(*SMALL_VIT[:1], "wandb.mode=online", "train.steps=2", f"hydra.run.dir={out}",
@@ -109,6 +111,7 @@ def test_a_wandb_failure_is_one_warning_and_training_goes_on(tmp_path: Path) -> 
     assert (result.stdout + result.stderr).count("wandb (online) failed") == 1
 
 
+@pytest.mark.slow
 def test_memory_profile_writes_a_timeline_per_rank(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli(*SMALL_VIT, "profile=memory", "train.steps=4", f"hydra.run.dir={out}", cwd=tmp_path)

@@ -18,7 +18,7 @@ from fsdp_exp.config import ConfigError
 
 GB = 2**30
 
-# CPU under a limit: (resident, data segment) bytes when the limit was set.
+# CPU under a limit: (anonymous resident, data segment) bytes when the limit was set.
 _cpu_baseline: tuple[int, int] | None = None
 
 
@@ -73,7 +73,9 @@ def apply_limit(limit_gb: float | None, device: torch.device) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gb * GB / total), device)
         return
     map_large_blocks()
-    data, resident = _status_bytes("VmData:"), _status_bytes("VmRSS:")
+    # Anonymous memory only: resident library code depends on what the page cache holds,
+    # so counting it would move the limit from one run to the next.
+    data, resident = _status_bytes("VmData:"), _status_bytes("RssAnon:")
     headroom = int(limit_gb * GB) - resident
     if headroom <= 0:
         raise OutOfMemory(
@@ -90,7 +92,7 @@ def peak_under_limit_gb() -> float | None:
     """CPU under memory.limit_gb: this rank's peak as the limit counts it, so that it
     crosses limit_gb exactly where an allocation starts to fail.
 
-    That is the resident memory when the limit was set plus the peak growth of the data
+    That is the anonymous resident memory when the limit was set plus the peak growth of the data
     segment since. The peak data segment is the peak address space (VmPeak) less what is
     not data (code, libraries, stacks), which stays put during training. Resident memory
     would not do: it also counts library code paged in while training (tens of MB), which

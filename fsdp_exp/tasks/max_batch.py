@@ -159,7 +159,8 @@ class Sweep:
             "need_without_limit": self.need.to_json() if self.need else None,
             "probe_count": len(self.probes),
             "probes_reused": self.reused,
-            "wall_s": time.perf_counter() - self.start,
+            "wall_s": time.perf_counter() - self.start,  # this run's, after any reused probes
+            "probe_wall_s": sum(p.wall_s for p in self.probes) + (self.need.wall_s if self.need else 0.0),
             "fingerprint": self.fingerprint,
         }
         path = self.run_dir / RECORD
@@ -187,7 +188,8 @@ def answer_line(record: dict, limit_gb: float | None) -> str:
         why = f"{size + record['resolution']} {'ran out of memory' if record['bounded_by'] == 'oom' else 'failed'} under {under}"
     speed = f"{record['samples_per_s']:,.1f} samples/s" if record["samples_per_s"] else "no throughput"
     return (f"max batch: {size} per rank on {ranks} rank(s) ({why}); recommended {record['recommended_batch_size']} "
-            f"({record['margin']:.0%} margin); {speed} at {size}; {record['probe_count']} probes in {record['wall_s']:.0f} s")
+            f"({record['margin']:.0%} margin); {speed} at {size}; {record['probe_count']} probes, "
+            f"{record['probe_wall_s']:.0f} s of probing")
 
 
 def setup_line(cfg: dict) -> str:

@@ -59,7 +59,7 @@ class Probe:
     def line(self) -> str:
         if self.status != "ok":
             return f"batch {self.batch_size}: {self.status} ({self.reason}) [{self.wall_s:.0f} s]"
-        return (f"batch {self.batch_size}: ok, peak {self.peak_mem_gb:.3f} GB, "
+        return (f"batch {self.batch_size}: ok, peak {self.limited_peak_gb():.3f} GB, "
                 f"{self.samples_per_s:,.1f} samples/s [{self.wall_s:.0f} s]")
 
 

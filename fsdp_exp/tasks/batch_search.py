@@ -96,9 +96,6 @@ class BatchSearch:
         fit = [o.batch_size for o in outcomes if o.fits and (hi is None or o.batch_size < hi)]
         return max(fit, default=0), hi
 
-    def done(self, outcomes: Sequence[Outcome]) -> bool:
-        return self.next_size(outcomes) is None
-
     def next_size(self, outcomes: Sequence[Outcome]) -> int | None:
         """The batch size to probe next, or None when the boundary is known (or the
         smallest size does not fit at all)."""

@@ -72,7 +72,7 @@ class Sweep:
                 retry = self.probe(size)
                 retry.killed = False  # a second kill counts as a failure at this size
                 self.save(None)
-        lo, hi = self.search.bracket(self.outcomes())
+        lo, _ = self.search.bracket(self.outcomes())
         if lo == 0:
             self.save(None)
             raise RunFailed(self.first_size_does_not_fit())
@@ -136,7 +136,7 @@ class Sweep:
             probe.predicted_peak_gb = model.peak_gb(probe.batch_size) if model else None
         measure = next((m for m in ("peak_under_limit_gb", "peak_reserved_gb", "peak_mem_gb")
                         if any(getattr(p, m) is not None for p in self.probes)), "peak_mem_gb")
-        lo, hi = self.search.bracket(self.outcomes())
+        _, hi = self.search.bracket(self.outcomes())
         at_max = next((p for p in reversed(self.probes) if p.batch_size == boundary and p.status == "ok"), None)
         after = next((p for p in self.probes if p.batch_size == hi), None)
         record = {

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks
+from fsdp_exp.checkpoint import TrainState
 from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.flops import (
     count_step_flops,
@@ -30,6 +31,7 @@ from fsdp_exp.metrics.flops import (
 )
 from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
 from fsdp_exp.models import build_model
+from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes
 from fsdp_exp.trainer import Trainer
@@ -93,7 +95,8 @@ def build_model_for_training(cfg: dict, sharding: Any, precision: Any, ranks: Ra
     return model, fsdp_units
 
 
-def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path) -> Experiment:
+def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path, resume: Path | None = None) -> Experiment:
+    """Every object of the run on this rank; with `resume`, restored from that checkpoint."""
     precision = instantiate(cfg["precision"])
     sharding = instantiate(cfg["sharding"])
     model, fsdp_units = build_model_for_training(cfg, sharding, precision, ranks)
@@ -109,6 +112,8 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path) -> Experiment:
     )
 
     figures: dict = {"fsdp_units": fsdp_units}
+    grad_scaler = precision.grad_scaler(ranks.device.type)
+    schedule = lr_schedule(optimizer, train["lr_schedule"], train["lr_warmup_steps"], train["steps"])
     trainer = Trainer(
         model=model,
         optimizer=optimizer,
@@ -119,12 +124,24 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path) -> Experiment:
         log_every=train["log_every"],
         warmup_steps=cfg["metrics"]["warmup_steps"],
         grad_accum=train["grad_accum"],
-        grad_scaler=precision.grad_scaler(ranks.device.type),
+        grad_scaler=grad_scaler,
+        lr_schedule=schedule,
         tokens_per_sample=data.tokens_per_sample,
         peak_tflops=device_peak_tflops(ranks.device, precision.param_dtype, cfg["metrics"]["peak_tflops"]),
     )
     figures.update(count_flops(trainer, batches, cfg, micro_batch))
     trainer.flops_per_step = figures["flops_per_step"]
+
+    # After the FLOP count, whose forward pass draws dropout masks: the restored RNG
+    # state is then the one the saved run had at its next step.
+    checkpoint = instantiate(cfg["checkpoint"])
+    state = TrainState(model, optimizer, ranks, cfg["model"], batches, schedule, grad_scaler)
+    checkpoint.attach(state)
+    trainer.checkpoint = checkpoint
+    if resume is not None:
+        trainer.start_step = state.load(resume)
+        if ranks.is_main:
+            log.info("resumed from %s at step %d", resume, trainer.start_step)
 
     profile = instantiate(cfg["profile"])
     profile.attach(run_dir, ranks.rank, ranks.device)
@@ -135,15 +152,17 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path) -> Experiment:
             log.info("FSDP units: %s", ", ".join(f"{u['module']} ({u['params']:,})" for u in fsdp_units))
         log_flops(figures)
         jsonl = JsonLines(run_dir / "metrics.jsonl")
+        if resume is not None:  # earlier records stay; readers take the last record of a step
+            jsonl.log({"event": "resumed", "step": trainer.start_step, "checkpoint": str(resume)})
         w = cfg["wandb"]
         wandb = Wandb(
             mode=w["mode"], project=w["project"], entity=w["entity"], group=w["group"],
             tags=w["tags"], config=cfg, run_dir=run_dir, job_type=w["job_type"],
         )
-        progress = Progress(train["steps"])
+        progress = Progress(train["steps"], done=trainer.start_step)
         trainer.sinks = [jsonl, progress, wandb]
         trainer.hooks.append(progress)
-    return Experiment(trainer, instantiate(cfg["checkpoint"]), wandb, jsonl, progress, figures)
+    return Experiment(trainer, checkpoint, wandb, jsonl, progress, figures)
 
 
 def log_flops(figures: dict) -> None:
@@ -162,7 +181,7 @@ def log_flops(figures: dict) -> None:
 def count_flops(trainer: Trainer, batches: Any, cfg: dict, micro_batch: int) -> dict:
     """This rank's FLOPs per optimizer step, counted once on a batch shaped like the real
     ones (so the data order is untouched); for `gpt`, also the analytic 6N count."""
-    inputs, targets = batches.loader.dataset[0]
+    inputs, targets = batches.dataset[0]
     shaped = (inputs.expand(micro_batch, *inputs.shape).contiguous(),
               targets.expand(micro_batch, *targets.shape).contiguous())
     flops = count_step_flops(trainer.model, lambda: trainer.loss(*shaped)) * trainer.grad_accum

@@ -40,6 +40,16 @@ class GptSize(Enum):
     xl = "xl"
 
 
+class LrSchedule(Enum):
+    constant = "constant"
+    cosine = "cosine"
+
+
+class ExportFormat(Enum):
+    safetensors = "safetensors"
+    pt = "pt"
+
+
 class WandbMode(Enum):
     auto = "auto"
     online = "online"
@@ -108,6 +118,7 @@ class SyntheticTokensSchema(DataSchema):
 @dataclass
 class TextSchema(DataSchema):
     path: str | None = None
+    eval_path: str | None = None
     seq_len: int = MISSING
 
 
@@ -154,14 +165,37 @@ class CheckpointSchema:
 
 
 @dataclass
+class DCPCheckpointSchema(CheckpointSchema):
+    mode: str = MISSING  # sync | async | async_pinned ("async" cannot be an Enum name)
+    every: int = MISSING
+    keep: int | None = None
+    dir: str | None = None
+    overwrite: bool = False
+
+
+@dataclass
 class LauncherSchema:
     _target_: str = MISSING
     nproc_per_node: Any = MISSING  # "auto" or an int >= 1
+    max_restarts: int = 0
 
 
 @dataclass
 class TaskSchema:
     _target_: str = MISSING
+
+
+@dataclass
+class ExportSchema(TaskSchema):
+    checkpoint: str | None = None
+    format: ExportFormat = MISSING
+
+
+@dataclass
+class EvalSchema(TaskSchema):
+    weights: str | None = None
+    batch_size: int = MISSING
+    show: int = MISSING
 
 
 # ---- top level -------------------------------------------------------------------------
@@ -174,6 +208,8 @@ class TrainSchema:
     grad_accum: int = MISSING
     activation_checkpointing: bool = MISSING
     compile: bool = MISSING
+    lr_schedule: LrSchedule = MISSING
+    lr_warmup_steps: int = MISSING
 
 
 @dataclass
@@ -235,6 +271,7 @@ class ExperimentSchema:
     max_batch: MaxBatchSchema = MISSING
     profile: ProfileSchema = MISSING
     wandb: WandbSchema = MISSING
+    resume: str | None = None
 
 
 def register() -> None:
@@ -254,8 +291,11 @@ def register() -> None:
         ("sharding", "replicate", ReplicateSchema),
         ("precision", "precision", PrecisionSchema),
         ("checkpoint", "checkpoint", CheckpointSchema),
+        ("checkpoint", "dcp", DCPCheckpointSchema),
         ("launcher", "local", LauncherSchema),
         ("task", "task", TaskSchema),
+        ("task", "export", ExportSchema),
+        ("task", "eval", EvalSchema),
         ("profile", "none", ProfileSchema),
         ("profile", "memory", MemoryProfileSchema),
         ("wandb", "wandb", WandbSchema),
@@ -309,6 +349,18 @@ def check(cfg: DictConfig, gpu_count: int) -> None:
         if OmegaConf.select(cfg, key) is not None:
             _at_least(cfg, key, 1)
     _at_least(cfg, "metrics.warmup_steps", 0)
+    _at_least(cfg, "train.lr_warmup_steps", 0)
+    _at_least(cfg, "launcher.max_restarts", 0)
+    if "every" in cfg.checkpoint:
+        modes = ("sync", "async", "async_pinned")
+        if cfg.checkpoint.mode not in modes:
+            raise ConfigError(f"checkpoint.mode={cfg.checkpoint.mode}: choose one of: {', '.join(modes)}")
+        _at_least(cfg, "checkpoint.every", 1)
+        if cfg.checkpoint.keep is not None:
+            _at_least(cfg, "checkpoint.keep", 1)
+    for key in ("task.batch_size", "task.show"):
+        if OmegaConf.select(cfg, key) is not None:
+            _at_least(cfg, key, 1 if key == "task.batch_size" else 0)
     if cfg.metrics.peak_tflops is not None and cfg.metrics.peak_tflops <= 0:
         raise ConfigError(f"metrics.peak_tflops={cfg.metrics.peak_tflops}: must be greater than 0")
     if "start_step" in cfg.profile:

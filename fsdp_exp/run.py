@@ -99,6 +99,9 @@ def run_experiment(
         log.error("%s", err)
         status = "oom" if err.out_of_memory else "failed"
         summary = {"status": status, "error": str(err), "world_size": nproc}
+    except ConfigError as err:  # found only once the run directory exists (resume=auto)
+        log.error("%s", err)
+        summary = {"status": "failed", "error": str(err), "world_size": nproc}
     except KeyboardInterrupt:
         write_summary(run_dir, {"status": "interrupted", "world_size": nproc, **record})
         raise

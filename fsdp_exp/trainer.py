@@ -20,6 +20,16 @@ class Sink(Protocol):
     def log(self, record: dict) -> None: ...
 
 
+class Checkpointer(Protocol):
+    """Saves the training state (fsdp_exp.checkpoint); `blocked_s`: time lost per save."""
+
+    blocked_s: list[float]
+
+    def before_update(self) -> None: ...
+    def after_step(self, step: int, last: bool) -> None: ...
+    def close(self) -> None: ...
+
+
 class StepHooks(Protocol):
     """Called around every step (a profiler, a progress bar)."""
 
@@ -52,10 +62,15 @@ class Trainer:
         flops_per_step: int = 0,
         peak_tflops: float | None = None,
         hooks: Iterable[StepHooks] = (),
+        lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
+        checkpoint: Checkpointer | None = None,
+        start_step: int = 0,
     ):
         """`batches` yields micro-batches of `batch_size // grad_accum` samples; one step
         takes `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
-        `flops_per_step`: this rank's FLOPs per optimizer step; with `peak_tflops`, MFU."""
+        `flops_per_step`: this rank's FLOPs per optimizer step; with `peak_tflops`, MFU.
+        `start_step`: the step a resumed run continues after (its first `warmup_steps`
+        steps are warm-up again)."""
         self.model = model
         self.optimizer = optimizer
         self.batches = batches
@@ -71,6 +86,9 @@ class Trainer:
         self.flops_per_step = flops_per_step
         self.peak_tflops = peak_tflops
         self.hooks = list(hooks)
+        self.lr_schedule = lr_schedule
+        self.checkpoint = checkpoint
+        self.start_step = start_step
         self.memory = MemoryMonitor(ranks.device)
         self.data_wait_s = 0.0
 
@@ -100,41 +118,50 @@ class Trainer:
                 loss = self.loss(*self._next(batches)) / self.grad_accum
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             total += loss.detach()
+        if self.checkpoint is not None:
+            self.checkpoint.before_update()
         if self.grad_scaler:
             self.grad_scaler.step(self.optimizer)
             self.grad_scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
         return total
 
     def fit(self) -> dict:
         """Train; return the run's figures: steady-state means and the run's peaks."""
         self.model.train()
         batches = iter(self.batches)
-        window = _Window(first_step=1, start=time.perf_counter(), data_wait_s=0.0)
+        first, warmup_end = self.start_step + 1, self.start_step + self.warmup_steps
+        window = _Window(first_step=first, start=time.perf_counter(), data_wait_s=0.0)
         self.memory.start_window()
         totals = {"steady": _Totals(), "all": _Totals()}
         run_peaks: dict[str, list[float]] = {}
         record: dict = {}
-        for step in range(1, self.steps + 1):
+        for step in range(first, self.steps + 1):
             for hook in self.hooks:
                 hook.before_step(step)
             loss = self.train_step(batches)
             for hook in self.hooks:
                 hook.after_step(step)
+            if self.checkpoint is not None:
+                self.checkpoint.after_step(step, last=step == self.steps)
             logged = step % self.log_every == 0 or step == self.steps
-            if logged or step == self.warmup_steps:  # a window never straddles warm-up
-                record, per_rank = self._record(step, loss, window)
+            if logged or step == warmup_end:  # a window never straddles warm-up
+                record, per_rank = self._record(step, loss, window, warmup_end)
                 for key, values in per_rank.items():
                     run_peaks[key] = [max(a, b) for a, b in zip(run_peaks.get(key, values), values)]
-                for name in ("steady", "all") if step > self.warmup_steps else ("all",):
+                for name in ("steady", "all") if step > warmup_end else ("all",):
                     totals[name].add(step - window.first_step + 1, record)
                 if logged:
                     for sink in self.sinks:
                         sink.log(record)
                 window = _Window(first_step=step + 1, start=time.perf_counter(), data_wait_s=self.data_wait_s)
                 self.memory.start_window()
+        if self.checkpoint is not None:
+            self.checkpoint.close()
         steady = totals["steady"] if totals["steady"].steps else totals["all"]
         summary = {
             "steps": self.steps,
@@ -147,9 +174,16 @@ class Trainer:
             "peak_mem_gb_per_rank": run_peaks["peak_mem_gb"],
             "held_mem_gb": max(distributed.gather(self.memory.held_gb(), self.ranks.device)),
         }
+        if self.start_step:
+            summary["resumed_from_step"] = self.start_step
+        saves = self.checkpoint.blocked_s if self.checkpoint is not None else []
+        if saves:
+            summary["checkpoint_saves"] = len(saves)
+            summary["checkpoint_blocked_s"] = max(distributed.gather(sum(saves) / len(saves), self.ranks.device))
         return summary
 
-    def _record(self, step: int, loss: torch.Tensor, window: _Window) -> tuple[dict, dict[str, list[float]]]:
+    def _record(self, step: int, loss: torch.Tensor, window: _Window,
+                warmup_end: int) -> tuple[dict, dict[str, list[float]]]:
         """The record for the window ending at `step`, and its memory peaks per rank."""
         mean_loss = distributed.mean(loss)
         self._sync()
@@ -165,7 +199,7 @@ class Trainer:
         }
         if self.grad_scaler:
             record["loss_scale"] = self.grad_scaler.get_scale()
-        if step <= self.warmup_steps:
+        if step <= warmup_end:
             record["warmup"] = True
         return record, per_rank
 

@@ -23,6 +23,10 @@ class TrainData:
     def dataset(self) -> Dataset:
         raise NotImplementedError
 
+    def eval_dataset(self) -> Dataset:
+        """Samples held out from training, for task=eval."""
+        raise NotImplementedError
+
     def batches(
         self, batch_size: int, rank: int, world_size: int, seed: int, pin_memory: bool = False
     ) -> "Batches":
@@ -37,26 +41,51 @@ class TrainData:
                 f"train.batch_size={batch_size}: larger than this rank's share of the data "
                 f"({len(sampler)} samples); lower it or use more data"
             )
-        loader = DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            drop_last=True,
-            num_workers=self.num_workers,
-            pin_memory=pin_memory,
-            persistent_workers=self.num_workers > 0,
-        )
-        return Batches(loader, sampler)
+        return Batches(dataset, sampler, batch_size, world_size, self.num_workers, pin_memory)
 
 
 @dataclass
 class Batches:
-    loader: DataLoader
+    """Endless batches that know where they are: `state_dict()` says how far into which
+    epoch, and `load_state_dict` continues from there, at this or another world size.
+
+    The global batch at each step is the next slice of the epoch's shuffled order, at any
+    world size, so the position is kept in samples of that order.
+    """
+
+    dataset: Dataset
     sampler: DistributedSampler
+    batch_size: int
+    world_size: int
+    num_workers: int = 0
+    pin_memory: bool = False
     epoch: int = 0
+    position: int = 0  # batches handed out in this epoch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
             self.sampler.set_epoch(self.epoch)
-            yield from self.loader
+            indices = list(self.sampler)[self.position * self.batch_size:]
+            loader = DataLoader(
+                self.dataset,
+                batch_size=self.batch_size,
+                sampler=indices,
+                drop_last=True,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                # Its own generator: starting an epoch must not draw from the global RNG,
+                # or a resumed run's dropout would differ from an uninterrupted one.
+                generator=torch.Generator(),
+            )
+            for batch in loader:
+                self.position += 1
+                yield batch
             self.epoch += 1
+            self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "samples": self.position * self.batch_size * self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["samples"]) // (self.batch_size * self.world_size)

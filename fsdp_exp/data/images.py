@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,12 +25,24 @@ class SyntheticImages(TrainData):
 
     def dataset(self) -> Dataset:
         g = torch.Generator().manual_seed(self.seed)
-        shape = (1, self.image_size, self.image_size)
-        patterns = torch.randn(self.num_classes, *shape, generator=g)
-        labels = torch.randint(0, self.num_classes, (self.num_samples,), generator=g)
-        images = patterns[labels] + self.noise * torch.randn(self.num_samples, *shape, generator=g)
+        return self._samples(self._patterns(g), self.num_samples, g)
+
+    def eval_dataset(self) -> Dataset:
+        """New samples of the same classes: a tenth as many, from another generator."""
+        patterns = self._patterns(torch.Generator().manual_seed(self.seed))
+        return self._samples(patterns, max(1, self.num_samples // 10), torch.Generator().manual_seed(self.seed + _HELD_OUT))
+
+    def _patterns(self, g: torch.Generator) -> torch.Tensor:
+        return torch.randn(self.num_classes, 1, self.image_size, self.image_size, generator=g)
+
+    def _samples(self, patterns: torch.Tensor, count: int, g: torch.Generator) -> Dataset:
+        labels = torch.randint(0, self.num_classes, (count,), generator=g)
+        images = patterns[labels] + self.noise * torch.randn(count, *patterns.shape[1:], generator=g)
         return TensorDataset(images, labels)
 
+
+# Offset to the seed of held-out synthetic samples (any value far from the seeds people use).
+_HELD_OUT = 1_000_003
 
 # Per-dataset pixel mean and std, from the training sets.
 _NORMALIZE = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
@@ -64,3 +76,7 @@ class TorchvisionImages(TrainData):
         mean, std = _NORMALIZE[self.name]
         images = (source.data.unsqueeze(1).float() / 255 - mean) / std
         return TensorDataset(images, source.targets.long())
+
+    def eval_dataset(self) -> Dataset:
+        """The test split (t10k files)."""
+        return replace(self, train=False).dataset()

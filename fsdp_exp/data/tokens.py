@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.resources import files
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from fsdp_exp.data import TrainData
 # Share of tokens in a synthetic sequence drawn at random instead of from the table:
 # enough that the loss cannot reach zero, little enough that the table is easy to learn.
 _NOISE = 0.1
+_HELD_OUT = 1_000_003  # offset to the seed of held-out sequences
 
 
 @dataclass
@@ -37,11 +38,19 @@ class SyntheticTokens(TrainData):
 
     def dataset(self) -> Dataset:
         g = torch.Generator().manual_seed(self.seed)
-        next_token = torch.randperm(self.vocab_size, generator=g)
-        seqs = torch.empty(self.num_samples, self.seq_len + 1, dtype=torch.long)
-        seqs[:, 0] = torch.randint(0, self.vocab_size, (self.num_samples,), generator=g)
-        noisy = torch.rand(self.num_samples, self.seq_len, generator=g) < _NOISE
-        noise = torch.randint(0, self.vocab_size, (self.num_samples, self.seq_len), generator=g)
+        return self._sequences(torch.randperm(self.vocab_size, generator=g), self.num_samples, g)
+
+    def eval_dataset(self) -> Dataset:
+        """New sequences from the same table: a tenth as many, from another generator."""
+        table = torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(self.seed))
+        return self._sequences(table, max(1, self.num_samples // 10),
+                               torch.Generator().manual_seed(self.seed + _HELD_OUT))
+
+    def _sequences(self, next_token: torch.Tensor, count: int, g: torch.Generator) -> Dataset:
+        seqs = torch.empty(count, self.seq_len + 1, dtype=torch.long)
+        seqs[:, 0] = torch.randint(0, self.vocab_size, (count,), generator=g)
+        noisy = torch.rand(count, self.seq_len, generator=g) < _NOISE
+        noise = torch.randint(0, self.vocab_size, (count, self.seq_len), generator=g)
         for t in range(self.seq_len):
             seqs[:, t + 1] = torch.where(noisy[:, t], noise[:, t], next_token[seqs[:, t]])
         return TensorDataset(seqs[:, :-1], seqs[:, 1:])
@@ -59,6 +68,12 @@ class TextBytes(TrainData):
     path: str | None = None
     seq_len: int = 128
     num_workers: int = 0
+    eval_path: str | None = None  # held-out text for task=eval
+
+    def eval_dataset(self) -> Dataset:
+        if self.eval_path is None:
+            raise ConfigError("data.eval_path: data=text has no held-out split; set it to a text file to evaluate on")
+        return replace(self, path=self.eval_path, eval_path=None).dataset()
 
     @property
     def tokens_per_sample(self) -> int:

@@ -28,6 +28,7 @@ CPU_RANKS = 2  # what `auto` means on a machine without GPUs
 @dataclass
 class LocalLauncher:
     nproc_per_node: Any = "auto"
+    max_restarts: int = 0  # restarts of all ranks after one fails (they resume from the latest checkpoint)
 
     def ranks(self, on_gpu: bool) -> int:
         """The world size: `nproc_per_node`, or for `auto` one rank per GPU (2 on CPU)."""
@@ -50,7 +51,7 @@ class LocalLauncher:
             run_id=uuid.uuid4().hex,
             rdzv_backend="c10d",
             rdzv_endpoint="localhost:0",
-            max_restarts=0,
+            max_restarts=self.max_restarts,
             monitor_interval=0.1,
             start_method="spawn",
         )

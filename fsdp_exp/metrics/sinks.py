@@ -50,13 +50,13 @@ def _is_sized_terminal() -> bool:
 class Progress:
     """Rank 0's console: a live bar on a terminal, a plain line per record otherwise."""
 
-    def __init__(self, total_steps: int, live: bool | None = None):
+    def __init__(self, total_steps: int, live: bool | None = None, done: int = 0):
         self.total_steps = total_steps
         self.bar: Any = None
         if _is_sized_terminal() if live is None else live:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stdout)
+            self.bar = tqdm(total=total_steps, initial=done, unit="step", dynamic_ncols=True, file=sys.stdout)
 
     def before_step(self, step: int) -> None:
         pass

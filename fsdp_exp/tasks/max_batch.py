@@ -38,6 +38,13 @@ class MaxBatch:
                 f"train.grad_accum={cfg['train']['grad_accum']}: task=max_batch searches the batch "
                 "of one forward and backward; set train.grad_accum=1"
             )
+        if cfg["launcher"].get("max_restarts"):
+            raise ConfigError(
+                f"launcher.max_restarts={cfg['launcher']['max_restarts']}: task=max_batch needs every probe "
+                "to fail when it runs out of memory, not to restart; set launcher.max_restarts=0")
+        if cfg.get("resume"):
+            raise ConfigError(f"resume={cfg['resume']}: task=max_batch starts every probe fresh; "
+                              "resume is for task=train")
 
     def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
         return Sweep(cfg, run_dir, launcher, nproc).run()

@@ -70,7 +70,7 @@ def probe_config(cfg: dict, batch_size: int, steps: int, world_size: int, limit_
     probe["train"].update(batch_size=batch_size, steps=steps, log_every=steps)
     probe["metrics"]["warmup_steps"] = 1
     probe["profile"] = {"_target_": "fsdp_exp.profile.NoProfile"}
-    probe["checkpoint"]["export_full"] = False
+    probe["checkpoint"] = {"_target_": "fsdp_exp.checkpoint.NoCheckpoint", "export_full": False}
     probe["wandb"]["mode"] = "disabled"
     if limit_gb != "same":
         probe["memory"]["limit_gb"] = limit_gb

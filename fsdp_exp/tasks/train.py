@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from fsdp_exp import distributed
 from fsdp_exp.build import build_experiment
+from fsdp_exp.checkpoint.export import export_full_model
+from fsdp_exp.checkpoint.resume import resolve_resume, resume_point
 from fsdp_exp.memory import (
     OutOfMemory,
     allocation_failure,
@@ -22,9 +25,18 @@ log = logging.getLogger("fsdp_exp")
 
 class Train:
     def check(self, cfg: dict) -> None:
-        """Nothing beyond the checks every run gets."""
+        """The checkpoint to resume from, when one is named, must be usable."""
+        resolve_resume(cfg)
 
     def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
+        """Checkpoints go to checkpoint.dir, or <run>/checkpoints; `resume` becomes the
+        checkpoint's absolute path (or null), so every rank reads the same one."""
+        ckpt = cfg["checkpoint"]
+        if "dir" in ckpt:
+            ckpt["dir"] = str(Path(ckpt["dir"] or run_dir / "checkpoints").expanduser().resolve())
+        cfg["resume"] = resolve_resume(cfg)
+        if cfg["resume"]:
+            log.info("resuming from %s", cfg["resume"])
         return launcher.launch(train_rank, cfg, run_dir, nproc)
 
 
@@ -36,7 +48,11 @@ def train_rank(cfg: dict, run_dir: Path) -> dict:
         apply_limit(limit_gb, ranks.device)
         if ranks.is_main:
             log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
-        exp = build_experiment(cfg, ranks, run_dir)
+        resume = resume_point(cfg)
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if restarts and ranks.is_main:
+            log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
+        exp = build_experiment(cfg, ranks, run_dir, resume)
         try:
             summary = exp.trainer.fit() | exp.figures
             under_limit = peak_under_limit_gb()
@@ -45,7 +61,8 @@ def train_rank(cfg: dict, run_dir: Path) -> dict:
         finally:
             if exp.progress is not None:
                 exp.progress.close()
-        exp.checkpoint.finish(exp.trainer.model, run_dir)
+        if exp.checkpoint.export_full:
+            export_full_model(exp.trainer.model, run_dir / "model.safetensors")
         if exp.wandb is not None:
             exp.wandb.finish(summary)
         if exp.jsonl is not None:

@@ -1,0 +1,37 @@
+"""conf/checkpoint/*: what is saved during and after training, and how a run resumes.
+
+`none` saves nothing during training; `dcp`, `dcp_async` and `dcp_async_pinned` save
+Distributed Checkpoints every `checkpoint.every` steps (fsdp_exp.checkpoint.dcp). Any of
+them can write the full model at the end (`checkpoint.export_full`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_exp.checkpoint.dcp import DCPCheckpoint
+from fsdp_exp.checkpoint.files import CheckpointError
+from fsdp_exp.checkpoint.state import TrainState
+
+
+@dataclass
+class NoCheckpoint:
+    """checkpoint=none: nothing saved during training."""
+
+    export_full: bool = False
+    blocked_s: list[float] = field(default_factory=list)
+
+    def attach(self, state: TrainState) -> None:
+        pass
+
+    def before_update(self) -> None:
+        pass
+
+    def after_step(self, step: int, last: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["CheckpointError", "DCPCheckpoint", "NoCheckpoint", "TrainState"]

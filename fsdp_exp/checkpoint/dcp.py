@@ -1,0 +1,127 @@
+"""checkpoint=dcp, dcp_async, dcp_async_pinned: PyTorch Distributed Checkpoint during training.
+
+- dcp: every rank writes its shards; training waits for the files.
+- dcp_async: `dcp.async_save`. Training waits while the state is copied to CPU memory
+  (the staging copy), then goes on while a thread writes the files.
+- dcp_async_pinned: the same, through one persistent staging buffer that is reused by
+  every save. On GPU it is pinned memory, copied without blocking, and training waits
+  for the copy only before the next optimizer step changes the weights. Without a GPU the
+  buffer is plain memory (there is nothing to pin for).
+
+At most one save is in flight: a new save first waits for the previous one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from fsdp_exp.checkpoint.files import mark_latest, prune, step_name
+from fsdp_exp.checkpoint.state import TrainState
+
+log = logging.getLogger("fsdp_exp")
+MODES = ("sync", "async", "async_pinned")
+
+
+@dataclass
+class DCPCheckpoint:
+    mode: str = "sync"
+    every: int = 100
+    keep: int | None = 3
+    dir: str | None = None  # set by the driver: checkpoint.dir, or <run>/checkpoints
+    overwrite: bool = False
+    export_full: bool = False
+    blocked_s: list[float] = field(default_factory=list)  # training time lost to each save
+
+    def attach(self, state: TrainState) -> None:
+        """Called on every rank once the objects exist (collective: makes a process group)."""
+        assert self.dir is not None, "the driver sets checkpoint.dir"
+        self.state = state
+        self.root = Path(self.dir)
+        self._pending: tuple[int, Future] | None = None
+        self._staging: Future | None = None
+        self._stager: DefaultStager | None = None
+        self._group: Any = None
+        if self.mode == "sync":
+            return
+        # The background writer runs collectives of its own: on the training's group
+        # they could interleave with the training's collectives and hang.
+        self._group = dist.new_group(backend="gloo")
+        if self.mode == "async_pinned":
+            on_gpu = state.ranks.device.type == "cuda"
+            if not on_gpu and state.ranks.is_main:
+                log.info("checkpoint=dcp_async_pinned: no GPU, so the staging buffer is plain CPU memory, not pinned")
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=on_gpu, use_shared_memory=False,
+                use_async_staging=True, use_non_blocking_copy=on_gpu,
+            ))
+
+    def before_update(self) -> None:
+        """Before the optimizer changes the weights: the staging copy must be complete."""
+        if self._staging is not None:
+            start = time.perf_counter()
+            self._staging.result()
+            self._staging = None
+            self.blocked_s[-1] += time.perf_counter() - start
+
+    def after_step(self, step: int, last: bool) -> None:
+        if self._pending is not None and self._pending[1].done():
+            self._finish_pending()
+        if step % self.every == 0 or last:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        start = time.perf_counter()
+        self._finish_pending()
+        path = self.root / step_name(step)
+        self.state.write_small_state(path, step)
+        tensors = self.state.tensors()
+        if self.mode == "sync":
+            dcp.save(tensors, checkpoint_id=path)
+            self._commit(step)
+        elif self.mode == "async":
+            self._pending = (step, dcp.async_save(tensors, checkpoint_id=path, process_group=self._group))
+        else:
+            response = dcp.async_save(tensors, checkpoint_id=path, process_group=self._group,
+                                      async_stager=self._stager)
+            self._staging = response.staging_completion
+            self._pending = (step, response.upload_completion)
+        self.blocked_s.append(time.perf_counter() - start)
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        step, upload = self._pending
+        self._pending = None
+        upload.result()
+        self._commit(step)
+
+    def _commit(self, step: int) -> None:
+        """Rank 0 marks the checkpoint the latest: DCP's coordinator wrote .metadata only
+        after every rank had written its shards."""
+        if not self.state.ranks.is_main:
+            return
+        mark_latest(self.root, step_name(step))
+        removed = prune(self.root, self.keep)
+        log.info("checkpoint %s saved%s", self.root / step_name(step),
+                 f"; removed {', '.join(p.name for p in removed)}" if removed else "")
+
+    def close(self) -> None:
+        """Wait for the save in flight; every rank must call this before the group ends."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+        self._finish_pending()
+        if self._stager is not None:
+            self._stager.close()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None

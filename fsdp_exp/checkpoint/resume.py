@@ -1,0 +1,81 @@
+"""On the driver, before any rank starts: which checkpoint a run resumes from, and
+whether it can (complete, the same model, not already past train.steps), and whether
+the run may write into checkpoint.dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from fsdp_exp.checkpoint.files import (
+    Checkpoint,
+    CheckpointError,
+    latest,
+    model_differences,
+    open_checkpoint,
+)
+from fsdp_exp.config import ConfigError
+from fsdp_exp.models import build_model
+
+
+def model_shapes(model_cfg: dict) -> dict[str, list[int]]:
+    """The plain model's state-dict shapes, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model, _ = build_model(model_cfg)
+    return {name: list(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_same_model(checkpoint: Checkpoint, model_cfg: dict, key: str) -> None:
+    differences = model_differences(checkpoint, model_shapes(model_cfg), model_cfg)
+    if differences:
+        more = f"; and {len(differences) - 4} more" if len(differences) > 4 else ""
+        raise ConfigError(f"{key}={checkpoint.path}: saved from a different model: "
+                          f"{'; '.join(differences[:4])}{more}")
+
+
+def open_checked(path: str | Path, model_cfg: dict, key: str) -> Checkpoint:
+    """The checkpoint at `path`, complete and of this model, or a ConfigError saying why."""
+    try:
+        checkpoint = open_checkpoint(Path(path), key)
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    check_same_model(checkpoint, model_cfg, key)
+    return checkpoint
+
+
+def resolve_resume(cfg: dict) -> str | None:
+    """The checkpoint to resume from, as an absolute path, or None for a fresh start.
+
+    `resume=auto`: the latest in checkpoint.dir, if it has one. `resume=<path>`: that
+    checkpoint (or that directory's latest). A fresh run refuses a checkpoint.dir that
+    holds another run's checkpoints unless checkpoint.overwrite=true.
+    """
+    resume, ckpt = cfg["resume"], cfg["checkpoint"]
+    root = Path(ckpt["dir"]) if ckpt.get("dir") else None
+    if resume is None:
+        if root is not None and latest(root) is not None and not ckpt.get("overwrite"):
+            raise ConfigError(
+                f"checkpoint.dir={root}: holds another run's checkpoints (latest {latest(root).name}); "
+                "set resume=auto to continue it, or checkpoint.overwrite=true to write over it")
+        return None
+    if resume == "auto":
+        if root is None or latest(root) is None:
+            return None
+        resume = str(root)
+    checkpoint = open_checked(resume, cfg["model"], "resume")
+    if checkpoint.step >= cfg["train"]["steps"]:
+        raise ConfigError(f"resume={checkpoint.path}: already at step {checkpoint.step} of "
+                          f"train.steps={cfg['train']['steps']}; raise train.steps to train further")
+    return str(checkpoint.path)
+
+
+def resume_point(cfg: dict) -> Path | None:
+    """On a rank: the checkpoint to start from. After the launcher restarted the ranks
+    (launcher.max_restarts), the latest in checkpoint.dir; otherwise the driver's choice."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    root = cfg["checkpoint"].get("dir")
+    if restarts and root and latest(Path(root)) is not None:
+        return latest(Path(root))
+    return Path(cfg["resume"]) if cfg.get("resume") else None

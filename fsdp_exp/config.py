@@ -45,11 +45,6 @@ class LrSchedule(Enum):
     cosine = "cosine"
 
 
-class ExportFormat(Enum):
-    safetensors = "safetensors"
-    pt = "pt"
-
-
 class WandbMode(Enum):
     auto = "auto"
     online = "online"
@@ -188,7 +183,7 @@ class TaskSchema:
 @dataclass
 class ExportSchema(TaskSchema):
     checkpoint: str | None = None
-    format: ExportFormat = MISSING
+    format: str = MISSING  # safetensors | pt
 
 
 @dataclass

@@ -87,3 +87,27 @@ def test_cnn_trains_on_fashion_mnist_files(tmp_path: Path) -> None:
     summary = read_json(out / "summary.json")
     assert summary["status"] == "ok" and summary["choices"]["data"] == "fashion_mnist"
     assert summary["choices"]["model"] == "cnn"
+
+
+def test_batches_resume_at_another_world_size_with_the_same_global_batches() -> None:
+    """The data position is kept in samples of the epoch's order: after 3 steps on 2 ranks
+    of 4, 4 ranks of 2 continue with the very samples the 2 ranks would have read next."""
+    data = SyntheticImages(num_samples=40)
+
+    def global_batches(world: int, batch: int, steps: int, state: dict | None = None) -> tuple[list, dict]:
+        per_rank = []
+        for rank in range(world):
+            batches = data.batches(batch, rank, world, seed=0)
+            if state is not None:
+                batches.load_state_dict(state)
+            stream = iter(batches)
+            # each sample by the sum of its pixels, which no two samples share
+            per_rank.append([[round(v, 3) for v in next(stream)[0].flatten(1).sum(1).tolist()] for _ in range(steps)])
+        merged = [sorted(sum((r[step] for r in per_rank), [])) for step in range(steps)]
+        return merged, batches.state_dict()
+
+    whole, _ = global_batches(2, 4, 7)  # crosses into the second epoch (5 steps per epoch)
+    first, state = global_batches(2, 4, 3)
+    assert state == {"epoch": 0, "samples": 24}
+    rest, _ = global_batches(4, 2, 4, state)
+    assert first + rest == whole

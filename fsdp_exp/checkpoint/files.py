@@ -106,17 +106,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
 
 
-def read_metadata(path: Path) -> Metadata:
-    """The checkpoint's DCP metadata, read without running any code from the file."""
+def read_metadata(path: Path, where: str | None = None) -> Metadata:
+    """The checkpoint's DCP metadata, read without running any code from the file.
+    `where` names the checkpoint in errors (default: its path)."""
+    where = where or str(path)
     try:
         with open(Path(path) / METADATA, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise
     except Exception as err:  # noqa: BLE001 - any decoding failure means a bad file
-        raise CheckpointError(f"{path}: corrupt checkpoint ({METADATA} unreadable: {err})") from None
+        raise CheckpointError(f"{where}: corrupt checkpoint ({METADATA} unreadable: {err})") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path}: corrupt checkpoint ({METADATA} holds {type(metadata).__name__})")
+        raise CheckpointError(f"{where}: corrupt checkpoint ({METADATA} holds {type(metadata).__name__})")
     return metadata
 
 
@@ -171,7 +173,7 @@ def open_checkpoint(path: Path, key: str = "resume") -> Checkpoint:
     if not (path / METADATA).is_file():
         raise CheckpointError(f"{where}: half-written checkpoint (no {METADATA}: its save never finished); "
                               "use an earlier one")
-    metadata = read_metadata(path)
+    metadata = read_metadata(path, where)
     try:
         train_state = json.loads((path / TRAIN_STATE).read_text())
         int(train_state["step"])

@@ -144,6 +144,10 @@ def summary_table(summary: dict) -> str:
         ("max batch", summary.get("max_batch_size")),
         ("recommended batch", summary.get("recommended_batch_size")),
         ("steps", summary.get("steps")),
+        ("resumed from step", summary.get("resumed_from_step")),
+        ("eval loss", fmt(summary.get("eval_loss"), ".4f")),
+        ("eval accuracy", fmt(summary.get("eval_accuracy"), ".2%")),
+        ("exported", summary.get("exported")),
         ("final loss", fmt(summary.get("final_loss"), ".4f")),
         ("samples/s", fmt(summary.get("samples_per_s"), ",.1f")),
         ("tokens/s", fmt(summary.get("tokens_per_s"), ",.0f")),
@@ -153,8 +157,9 @@ def summary_table(summary: dict) -> str:
         ("MFU", fmt(summary.get("mfu"), ".1%")),
         ("peak memory (max)", fmt(summary.get("peak_mem_gb"), ".2f") + " GB"),
         ("per rank", ", ".join(f"{v:.2f}" for v in summary.get("peak_mem_gb_per_rank", [])) + " GB"),
+        ("checkpoint blocked", fmt(summary.get("checkpoint_blocked_s"), ".3f") + " s per save"),
         ("wall time", fmt(summary.get("wall_s"), ".1f") + " s"),
     ]
-    rows = [(k, v) for k, v in rows if v not in (None, "", "-", "- GB", " GB", "- s")]
+    rows = [(k, v) for k, v in rows if v not in (None, "", "-", "- GB", " GB", "- s", "- s per save")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

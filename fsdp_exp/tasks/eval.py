@@ -1,0 +1,78 @@
+"""task=eval: loss and accuracy of trained weights on the data's held-out split."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch.utils.data import DataLoader
+
+from fsdp_exp.checkpoint.export import load_weights
+from fsdp_exp.checkpoint.resume import open_checked
+from fsdp_exp.config import ConfigError
+from fsdp_exp.tasks.export import plain_model
+
+log = logging.getLogger("fsdp_exp")
+
+
+@dataclass
+class Eval:
+    weights: str | None = None
+    batch_size: int = 256
+    show: int = 8
+
+    def check(self, cfg: dict) -> None:
+        if self.weights is None:
+            raise ConfigError("task.weights: task=eval needs weights (model.safetensors, model.pt, "
+                              "a step_* directory or a checkpoint.dir)")
+        path = Path(self.weights).expanduser()
+        if path.is_dir():
+            open_checked(path, cfg["model"], "task.weights")
+        elif not path.is_file():
+            raise ConfigError(f"task.weights={path}: no such file or checkpoint")
+
+    @torch.no_grad()
+    def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
+        """In this process, on the first GPU when there is one."""
+        device = torch.device("cuda", 0) if cfg["device"] == "cuda" else torch.device("cpu")
+        model = plain_model(cfg["model"])
+        load_weights(model, Path(self.weights).expanduser(), "task.weights")
+        model.to(device).eval()
+        data = instantiate(cfg["data"])
+        loader = DataLoader(data.eval_dataset(), batch_size=self.batch_size, shuffle=False)
+        loss_sum, correct, count = 0.0, 0, 0
+        shown: list[tuple[Any, Any]] = []
+        for inputs, targets in loader:
+            inputs, targets = inputs.to(device), targets.to(device)
+            logits = model(inputs).float()
+            flat_logits, flat_targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+            loss_sum += float(F.cross_entropy(flat_logits, flat_targets, reduction="sum"))
+            predictions = flat_logits.argmax(-1)
+            correct += int((predictions == flat_targets).sum())
+            count += flat_targets.numel()
+            if len(shown) < self.show:
+                shown += _examples(predictions.view_as(targets), targets, self.show - len(shown))
+        figures = {"eval_loss": loss_sum / count, "eval_accuracy": correct / count,
+                   "eval_samples": len(loader.dataset), "weights": str(Path(self.weights).expanduser())}
+        log.info("eval on %d held-out samples: loss %.4f, accuracy %.2f%%",
+                 figures["eval_samples"], figures["eval_loss"], 100 * figures["eval_accuracy"])
+        if shown:
+            log.info("predicted / label:\n%s", "\n".join(f"  {p!r:>12} / {t!r}" for p, t in shown))
+        figures["examples"] = [{"predicted": p, "label": t} for p, t in shown]
+        return figures
+
+
+def _examples(predictions: torch.Tensor, targets: torch.Tensor, n: int) -> list[tuple[Any, Any]]:
+    """Images: one class per sample. Token sequences: the first sequence, as text when
+    its tokens are bytes of printable text, else as token ids."""
+    if targets.dim() == 1:
+        return [(int(p), int(t)) for p, t in zip(predictions[:n].tolist(), targets[:n].tolist())]
+    pred, label = predictions[0, :n * 8].tolist(), targets[0, :n * 8].tolist()
+    if max(pred + label) < 128:
+        return [(bytes(pred).decode(errors="replace"), bytes(label).decode(errors="replace"))]
+    return [(pred[:n], label[:n])]

@@ -155,34 +155,52 @@ def test_a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_the_same(
     assert abs(final - read_json(reference / "summary.json")["final_loss"]) <= 1e-6
 
 
-CRASH_DURING_SAVE = """
+# One rank saving a 200 MB state (a 4096 x 4096 layer and its AdamW moments) twice.
+TWO_SAVES = """
 import os, sys, torch
-from pathlib import Path
 from torch import nn
-os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=sys.argv[2])
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=sys.argv[3])
 from fsdp_exp import distributed
 from fsdp_exp.checkpoint import DCPCheckpoint, TrainState
+from fsdp_exp.checkpoint.files import latest
 ranks = distributed.init("cpu")
 model = nn.Linear(4096, 4096)
 optimizer = torch.optim.AdamW(model.parameters())
-checkpoint = DCPCheckpoint(mode="sync", every=1, keep=None, dir=sys.argv[1])
+checkpoint = DCPCheckpoint(mode=sys.argv[2], every=1, keep=None, dir=sys.argv[1])
 checkpoint.attach(TrainState(model, optimizer, ranks, {"_target_": "linear"}))
+def newest():
+    return getattr(latest(checkpoint.root), "name", None)
 checkpoint.save(1)
-print("saved 1", flush=True)
+print("saved 1", newest(), flush=True)
 checkpoint.save(2)
-print("saved 2", flush=True)
+print("saved 2", newest(), flush=True)
+checkpoint.close()
+print("closed", newest(), flush=True)
 """
+
+
+def two_saves(root: Path, mode: str) -> subprocess.Popen:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    return subprocess.Popen([sys.executable, "-c", TWO_SAVES, str(root), mode, str(port)],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_an_async_save_first_waits_for_the_one_in_flight(tmp_path: Path) -> None:
+    saver = two_saves(tmp_path / "checkpoints", "async")
+    lines = saver.communicate(timeout=120)[0].splitlines()
+    assert saver.returncode == 0
+    # Each save returns while its files are still being written, so `latest` lags one
+    # save behind until the next save (or close) has waited for it and marked it.
+    assert lines == ["saved 1 None", "saved 2 step_00000001", "closed step_00000002"], lines
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_the_latest(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    saver = subprocess.Popen([sys.executable, "-c", CRASH_DURING_SAVE, str(root), str(port)],
-                             stdout=subprocess.PIPE, text=True)
+    saver = two_saves(root, "sync")
     try:
-        assert saver.stdout.readline().strip() == "saved 1"
+        assert saver.stdout.readline().strip() == "saved 1 step_00000001"
         second = root / "step_00000002"
         deadline = time.monotonic() + 60
         while not list(second.glob("*.distcp")) and time.monotonic() < deadline:

@@ -108,8 +108,8 @@ def breakdown_worker(args: argparse.Namespace) -> None:
         for dst, src in zip(reused, local):
             dst.copy_(src)
 
-    root = [tempfile.mkdtemp(prefix="checkpoint_stall-")]
-    dist.broadcast_object_list(root)
+    root = [tempfile.mkdtemp(prefix="checkpoint_stall-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root)  # one directory, rank 0's
     saves = iter(range(10**6))
     pieces = {
         "get_state_dict": lambda: get_state_dict(model, optimizer),

@@ -176,6 +176,42 @@ class LauncherSchema:
 
 
 @dataclass
+class TorchrunSchema(LauncherSchema):
+    nnodes: Any = MISSING  # an int, or "min:max"
+    rdzv_endpoint: str = MISSING
+    rdzv_id: str = MISSING
+    rdzv_timeout: int = MISSING
+
+
+@dataclass
+class SlurmSchema(LauncherSchema):
+    cluster: str = MISSING  # slurm | local (submitit's local executor)
+    partition: str | None = None
+    nodes: int = MISSING
+    gpus_per_node: int = MISSING
+    cpus_per_task: int = MISSING
+    mem_gb: float | None = None
+    timeout_min: int = MISSING
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    setup: list[str] = field(default_factory=list)
+    folder: str | None = None
+
+
+@dataclass
+class RaySchema:
+    _target_: str = MISSING
+    num_workers: int = MISSING
+    use_gpu: bool = MISSING
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    address: str | None = None
+    storage_path: str | None = None
+    max_failures: int = 0
+    start_timeout: int = MISSING
+
+
+@dataclass
 class TaskSchema:
     _target_: str = MISSING
 
@@ -254,7 +290,7 @@ class ExperimentSchema:
     sharding: Any = MISSING
     precision: PrecisionSchema = MISSING
     checkpoint: CheckpointSchema = MISSING
-    launcher: LauncherSchema = MISSING
+    launcher: Any = MISSING  # LauncherSchema or RaySchema
     task: TaskSchema = MISSING
     seed: int = MISSING
     offload: bool = MISSING
@@ -288,6 +324,9 @@ def register() -> None:
         ("checkpoint", "checkpoint", CheckpointSchema),
         ("checkpoint", "dcp", DCPCheckpointSchema),
         ("launcher", "local", LauncherSchema),
+        ("launcher", "torchrun", TorchrunSchema),
+        ("launcher", "slurm", SlurmSchema),
+        ("launcher", "ray", RaySchema),
         ("task", "task", TaskSchema),
         ("task", "export", ExportSchema),
         ("task", "eval", EvalSchema),
@@ -345,7 +384,9 @@ def check(cfg: DictConfig, gpu_count: int) -> None:
             _at_least(cfg, key, 1)
     _at_least(cfg, "metrics.warmup_steps", 0)
     _at_least(cfg, "train.lr_warmup_steps", 0)
-    _at_least(cfg, "launcher.max_restarts", 0)
+    for key in ("launcher.max_restarts", "launcher.max_failures"):
+        if OmegaConf.select(cfg, key) is not None:
+            _at_least(cfg, key, 0)
     if "every" in cfg.checkpoint:
         modes = ("sync", "async", "async_pinned")
         if cfg.checkpoint.mode not in modes:
@@ -380,13 +421,14 @@ def check(cfg: DictConfig, gpu_count: int) -> None:
     if device == "cuda" and gpu_count == 0:
         raise ConfigError("device=cuda: this machine has no GPU; use device=auto or device=cpu")
     on_gpu = device == "cuda" or (device == "auto" and gpu_count > 0)
-    nproc = cfg.launcher.nproc_per_node
-    if nproc != "auto" and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
-        raise ConfigError(f"launcher.nproc_per_node={nproc}: must be auto or an integer >= 1")
-    if on_gpu and isinstance(nproc, int) and nproc > gpu_count:
-        raise ConfigError(
-            f"launcher.nproc_per_node={nproc}: only {gpu_count} GPU(s) here, one rank per GPU"
-        )
+    if "nproc_per_node" in cfg.launcher:
+        nproc = cfg.launcher.nproc_per_node
+        if nproc != "auto" and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+            raise ConfigError(f"launcher.nproc_per_node={nproc}: must be auto or an integer >= 1")
+        if on_gpu and isinstance(nproc, int) and nproc > gpu_count:
+            raise ConfigError(
+                f"launcher.nproc_per_node={nproc}: only {gpu_count} GPU(s) here, one rank per GPU"
+            )
     _check_model_fits_data(cfg)
 
 

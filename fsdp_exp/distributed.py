@@ -66,3 +66,12 @@ def gather(value: float, device: torch.device) -> list[float]:
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return [float(t) for t in every]
+
+
+def from_main(value: object) -> object:
+    """Rank 0's `value` on every rank (small objects: paths, settings)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]

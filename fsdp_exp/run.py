@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,6 +34,30 @@ def resolve_device(device: str, gpu_count: int) -> str:
     return device
 
 
+def ranks_run_here(launcher: DictConfig) -> bool:
+    """Whether the ranks run on this machine (local, torchrun) or on a cluster's (slurm, ray)."""
+    return "gpus_per_node" not in launcher and "use_gpu" not in launcher
+
+
+def gpus_for_ranks(launcher: DictConfig, local_gpus: int) -> int:
+    """The GPUs the ranks will have: this machine's, or on a cluster what the launcher asks for."""
+    if "gpus_per_node" in launcher:
+        return launcher.gpus_per_node
+    if "use_gpu" in launcher:
+        return launcher.num_workers if launcher.use_gpu else 0
+    return local_gpus
+
+
+def build(node: DictConfig) -> Any:
+    """`instantiate`, but a ConfigError from the object's own checks stays a ConfigError."""
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise err.__cause__ from None
+        raise
+
+
 @dataclass
 class RunPlan:
     """What the driver starts: how many ranks, and the resolved config they receive."""
@@ -51,6 +76,7 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     so its losses are the reference the sharded runs must match. `world_size`: given
     by an external torchrun; otherwise the launcher decides.
     """
+    gpu_count = gpus_for_ranks(cfg.launcher, gpu_count)
     config.check(cfg, gpu_count)
     # The hydra node, when present, only resolves inside Hydra's own runtime.
     experiment = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
@@ -61,8 +87,8 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     wandb.update(mode=resolve_wandb_mode(wandb["mode"]), tags=list(wandb["tags"]) + overrides,
                  group=wandb["group"] or group, job_type=job_type)
 
-    launcher = instantiate(cfg.launcher)
-    sharding = instantiate(cfg.sharding)
+    launcher = build(cfg.launcher)
+    sharding = build(cfg.sharding)
     world = world_size or launcher.ranks(on_gpu=resolved["device"] == "cuda")
     sharding.check(world, has_blocks=bool(cfg.model.blocks), offload=cfg.offload)
     if resolved["model"]["init_device"] == "meta" and not sharding.shards_params:
@@ -70,8 +96,9 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     if cfg.train.compile:
         check_compile(resolved["device"])
     nproc = world if sharding.distributed else 1
-    check_limit(cfg.memory.limit_gb, resolved["device"], 1 if resolved["device"] == "cuda" else nproc)
-    task = instantiate(cfg.task)
+    if ranks_run_here(cfg.launcher):
+        check_limit(cfg.memory.limit_gb, resolved["device"], 1 if resolved["device"] == "cuda" else nproc)
+    task = build(cfg.task)
     task.check(resolved)
     if not sharding.distributed:
         resolved["train"]["batch_size"] *= world

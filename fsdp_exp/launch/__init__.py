@@ -1,4 +1,15 @@
-"""conf/launcher/*: how the ranks of one run are started. The trainer is the same under each."""
+"""conf/launcher/*: how the ranks of one run are started. The trainer is the same under each.
+
+A launcher is built from its config (`_target_`) on the driver and offers:
+
+- `ranks(on_gpu) -> int`: the world size it will start;
+- `launch(task, cfg, run_dir, nproc, time_limit_s=None)`: start `nproc` fresh ranks, each
+  running `fsdp_exp.launch.worker.run_rank(task, cfg, run_dir, time_limit_s)` with RANK,
+  LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and return rank 0's result
+  (the tasks return the same figures on every rank). When a rank fails it raises
+  RunFailed, with `out_of_memory` when any rank ran out of memory, so task=max_batch can
+  use any launcher: every probe is one `launch`.
+"""
 
 from __future__ import annotations
 

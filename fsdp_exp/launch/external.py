@@ -61,6 +61,12 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
         OmegaConf.save(OmegaConf.create(argv), run_dir / ".hydra" / "overrides.yaml")
     dist.barrier()
     setup_rank(run_dir, rank)
+    try:
+        plan.task.settle(resolved, run_dir)
+    except ConfigError as err:
+        if rank == 0:
+            print(f"fsdp_exp: {err}", file=sys.stderr)
+        return 2
 
     try:
         figures = train_rank(resolved, run_dir)

@@ -44,27 +44,26 @@ class LocalLauncher:
         RunFailed names the rank whose failure explains the run, its error and its log.
         Ranks still running after `time_limit_s` are killed (the kernel's SIGALRM).
         """
-        options: dict[str, Any] = dict(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=nproc,
-            run_id=uuid.uuid4().hex,
-            rdzv_backend="c10d",
-            rdzv_endpoint="localhost:0",
-            max_restarts=self.max_restarts,
-            monitor_interval=0.1,
-            start_method="spawn",
-        )
-        if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:  # torch >= 2.12
-            options["shutdown_timeout"] = 5
-        quiet_elastic()
-        try:
-            with threads_per_rank(nproc):
-                alarm_s = math.ceil(time_limit_s) if time_limit_s else None
-                results = elastic_launch(LaunchConfig(**options), run_rank)(task, cfg, str(run_dir), alarm_s)
-        except ChildFailedError as err:
-            raise run_failed(err.failures, run_dir, time_limit_s) from None
+        options = dict(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                       rdzv_endpoint="localhost:0", max_restarts=self.max_restarts)
+        with threads_per_rank(nproc):
+            results = elastic_run(task, cfg, run_dir, options, time_limit_s)
         return results[0]
+
+
+def elastic_run(task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, options: dict,
+                time_limit_s: float | None) -> dict[int, Any]:
+    """torch's elastic launcher (torchrun's machinery) with c10d rendezvous: each local
+    rank's return value, by global rank; RunFailed when a rank failed."""
+    options = dict(rdzv_backend="c10d", monitor_interval=0.1, start_method="spawn", **options)
+    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:  # torch >= 2.12
+        options["shutdown_timeout"] = 5
+    quiet_elastic()
+    alarm_s = math.ceil(time_limit_s) if time_limit_s else None
+    try:
+        return elastic_launch(LaunchConfig(**options), run_rank)(task, cfg, str(run_dir), alarm_s)
+    except ChildFailedError as err:
+        raise run_failed(err.failures, run_dir, time_limit_s) from None
 
 
 def run_failed(failures: dict[int, ProcessFailure], run_dir: Path, time_limit_s: float | None) -> RunFailed:

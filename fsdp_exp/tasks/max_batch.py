@@ -38,7 +38,12 @@ class MaxBatch:
                 f"train.grad_accum={cfg['train']['grad_accum']}: task=max_batch searches the batch "
                 "of one forward and backward; set train.grad_accum=1"
             )
-        if cfg["launcher"].get("max_restarts"):
+        nnodes = cfg["launcher"].get("nnodes", 1)
+        if str(nnodes) not in ("1", "1:1"):
+            raise ConfigError(
+                f"launcher.nnodes={nnodes}: with launcher=torchrun each node's command would search on its own; "
+                "search on one node, or with launcher=slurm or ray, whose one command starts every probe")
+        if cfg["launcher"].get("max_restarts") or cfg["launcher"].get("max_failures"):
             raise ConfigError(
                 f"launcher.max_restarts={cfg['launcher']['max_restarts']}: task=max_batch needs every probe "
                 "to fail when it runs out of memory, not to restart; set launcher.max_restarts=0")

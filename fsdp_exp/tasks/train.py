@@ -28,7 +28,7 @@ class Train:
         """The checkpoint to resume from, when one is named, must be usable."""
         resolve_resume(cfg)
 
-    def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
+    def settle(self, cfg: dict, run_dir: Path) -> None:
         """Checkpoints go to checkpoint.dir, or <run>/checkpoints; `resume` becomes the
         checkpoint's absolute path (or null), so every rank reads the same one."""
         ckpt = cfg["checkpoint"]
@@ -37,12 +37,20 @@ class Train:
         cfg["resume"] = resolve_resume(cfg)
         if cfg["resume"]:
             log.info("resuming from %s", cfg["resume"])
+
+    def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
+        self.settle(cfg, run_dir)
         return launcher.launch(train_rank, cfg, run_dir, nproc)
 
 
 def train_rank(cfg: dict, run_dir: Path) -> dict:
     """One rank's whole training run; returns the run's figures (the same on every rank)."""
     ranks = distributed.init(cfg["device"])
+    # Under a multi-node launch every node's command chose its own run directory:
+    # the checkpoints are rank 0's, so every rank saves into and resumes from those.
+    ckpt_dir, cfg["resume"] = distributed.from_main((cfg["checkpoint"].get("dir"), cfg.get("resume")))
+    if "dir" in cfg["checkpoint"]:
+        cfg["checkpoint"]["dir"] = ckpt_dir
     limit_gb = cfg["memory"]["limit_gb"]
     try:
         apply_limit(limit_gb, ranks.device)

@@ -1,0 +1,83 @@
+"""launcher=torchrun: one run across several machines, with torchrun's c10d rendezvous.
+
+Every node runs the same command, for example on two nodes:
+
+    python -m fsdp_exp launcher=torchrun launcher.nnodes=2 launcher.rdzv_endpoint=node0:29400
+
+Each node's command starts its `nproc_per_node` ranks with torch's elastic agent (the
+machinery behind torchrun), and the agents meet at `rdzv_endpoint`. The rank that
+rendezvous makes rank 0 writes the run's metrics.jsonl and checkpoints (into its node's
+run directory, shared with the other ranks at start); every node's command writes its
+ranks' logs and a summary.json of the same figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+from fsdp_exp.config import ConfigError
+from fsdp_exp.launch import RunFailed
+from fsdp_exp.launch.local import CPU_RANKS, elastic_run, threads_per_rank
+
+
+def parse_nnodes(nnodes: Any) -> tuple[int, int]:
+    """`2` -> (2, 2); `"1:4"` -> (1, 4): elastic, any node count in that range."""
+    text = str(nnodes)
+    low, _, high = text.partition(":")
+    try:
+        bounds = int(low), int(high or low)
+    except ValueError:
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ConfigError(f"launcher.nnodes={nnodes}: a node count, or min:max (e.g. 2 or 1:4)")
+    return bounds
+
+
+@dataclass
+class TorchrunLauncher:
+    nnodes: Any = 1
+    nproc_per_node: Any = "auto"
+    rdzv_endpoint: str = "localhost:29400"
+    rdzv_id: str = "fsdp_exp"
+    rdzv_timeout: int = 300
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        self.min_nodes, self.max_nodes = parse_nnodes(self.nnodes)
+        if self.rdzv_timeout < 1:
+            raise ConfigError(f"launcher.rdzv_timeout={self.rdzv_timeout}: must be at least 1 (seconds)")
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"launcher.rdzv_endpoint={self.rdzv_endpoint}: must be host:port")
+
+    def per_node(self, on_gpu: bool) -> int:
+        if self.nproc_per_node != "auto":
+            return int(self.nproc_per_node)
+        return torch.cuda.device_count() if on_gpu else CPU_RANKS
+
+    def ranks(self, on_gpu: bool) -> int:
+        """The world size when every node has joined."""
+        return self.per_node(on_gpu) * self.max_nodes
+
+    def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
+               time_limit_s: float | None = None) -> Any:
+        """This node's ranks; the figures every rank returns (the same on every rank)."""
+        per_node = self.per_node(cfg["device"] == "cuda")
+        options = dict(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=per_node,
+                       run_id=self.rdzv_id, rdzv_endpoint=self.rdzv_endpoint,
+                       rdzv_configs={"join_timeout": self.rdzv_timeout, "timeout": self.rdzv_timeout},
+                       max_restarts=self.max_restarts)
+        try:
+            with threads_per_rank(per_node):
+                results = elastic_run(task, cfg, run_dir, options, time_limit_s)
+        except RendezvousError as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RunFailed(
+                f"launcher.rdzv_endpoint={self.rdzv_endpoint}: no rendezvous of launcher.nnodes={self.nnodes} "
+                f"within launcher.rdzv_timeout={self.rdzv_timeout} s ({first_line})") from None
+        return results[min(results)]

@@ -191,6 +191,7 @@ class Trainer:
         per_rank = {k: distributed.gather(v, self.ranks.device) for k, v in self.memory.window_peaks().items()}
         record = {
             "step": step,
+            "time": time.time(),  # wall clock, for start-up and timeline figures
             "loss": mean_loss,
             "lr": self.optimizer.param_groups[0]["lr"],
             **self._means(_Totals(step - window.first_step + 1, elapsed, self.data_wait_s - window.data_wait_s)),

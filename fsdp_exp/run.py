@@ -35,7 +35,10 @@ def resolve_device(device: str, gpu_count: int) -> str:
 
 
 def ranks_run_here(launcher: DictConfig) -> bool:
-    """Whether the ranks run on this machine (local, torchrun) or on a cluster's (slurm, ray)."""
+    """Whether the ranks run on this machine (local, torchrun, slurm's local executor) or
+    on a cluster's (slurm, ray)."""
+    if launcher.get("cluster") == "local":
+        return True
     return "gpus_per_node" not in launcher and "use_gpu" not in launcher
 
 

@@ -1,0 +1,424 @@
+"""launcher=slurm: the ranks as the tasks of one SLURM job, submitted through submitit.
+
+`launcher.cluster=slurm` submits with sbatch; `launcher.cluster=local` runs the same job
+through submitit's local executor on this machine (one process per task, the same
+pickles, signals and requeue path), so everything but sbatch itself can be tried and
+tested without a cluster.
+
+Design:
+
+- **One task per rank, started by srun** (`tasks_per_node = nproc_per_node`), not one task
+  per node running torch's elastic launcher. Each task runs
+  `fsdp_exp.launch.worker.run_rank` itself, with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
+  and MASTER_PORT taken from submitit's JobEnvironment (SLURM_PROCID, SLURM_LOCALID,
+  SLURM_NTASKS, the job's first node). Why: submitit's preemption handling (its USR2
+  handler, `checkpoint`, the requeue) lives in the task processes, and SLURM signals every
+  task of the step, so with a task per rank it reaches the ranks directly; under an elastic
+  agent it would reach the agent, and the agent's own restarts would compete with SLURM's
+  requeue. Each rank's return value or traceback comes back on its own (one result
+  pickle per task; the driver reads them itself, since `job.results()` waits 15 s for
+  each missing one), so a failure names its rank. This is
+  what submitit's maintainers advise, and the local executor supports `tasks_per_node`, so
+  the path the tests take is the cluster's. On the cluster srun gets
+  `--kill-on-bad-exit=1`: when a rank raises, srun ends the others (NCCL would otherwise
+  leave them waiting in a collective until its timeout).
+- **Requeue.** The job's callable is `RankJob`, whose `checkpoint()` submitit calls on
+  rank 0 when the job is signalled (USR2: preemption, or `signal_delay_s` before
+  `timeout_min`). It returns the same job with `cfg["resume"]` set to the latest checkpoint
+  in `checkpoint.dir` (`fsdp_exp.checkpoint.files.latest`), and submitit requeues it (on
+  SLURM `scontrol requeue`, same job id; locally the controller restarts the tasks). The
+  ranks then resume exactly as after a restart of launcher=local (TORCHELASTIC_RESTART_COUNT
+  is set to the requeue count, so `resume_point` takes the latest checkpoint and rank 0 logs
+  the restart). Requeues are counted in the callable; past `launcher.max_restarts` its
+  `checkpoint()` raises, so the run fails with that reason instead of being requeued
+  (submitit alone would requeue preemptions without limit). A job that fails is
+  resubmitted by the driver, resuming the same way, within the same `max_restarts`.
+- **The driver** (the Hydra process) blocks until the job ends, echoing rank 0's console
+  lines (its task's stdout) as they come, and returns rank 0's result. A failed job
+  becomes RunFailed with the priorities of launcher=local: an out-of-memory on any rank,
+  then the earliest error (the result pickles' times), then a rank that ended without a
+  result. A rank killed from outside usually shows as its peers' errors (they outlive it
+  and write their tracebacks); only when no rank left one is `killed_by` set, and to
+  "signal", since neither submitit nor SLURM keeps the signal of one task. A rank past
+  the launch's time limit is ended by its own SIGALRM (worker.run_rank): a rank that
+  left no result after running that long is reported with `timed_out`, unless a rank
+  failed before the limit. The driver cancels the job itself 30 s after the limit, should
+  the alarm not end it. Ctrl-C on the driver cancels the job.
+- **Ports.** MASTER_ADDR is the first node of the job (127.0.0.1 locally). MASTER_PORT is
+  a free port the driver picks (locally), or on a cluster one derived from the job id
+  (as submitit.helpers.TorchDistributedEnvironment does), unless the job's `setup` lines
+  export MASTER_PORT.
+- submitit is an optional extra. Without it, or with cluster=slurm on a machine without
+  sbatch, `ranks()` (called by `fsdp_exp.run.prepare` during the checks) raises one
+  ConfigError line. Not the constructor: Hydra's `instantiate` wraps whatever a
+  constructor raises in an InstantiationException, which the CLI does not turn into a line.
+- Simulating preemption locally: `LocalJob._interrupt()` sends USR2 to the local
+  controller, which has no handler for it and dies, leaving the tasks orphaned; it does not
+  work with the local executor. What works, and is what SLURM does (`--signal=USR2@90`
+  reaches every task of the step), is sending USR2 to the rank processes themselves; the
+  tests do that. The local controller restarts the tasks at most 6 times per job.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fsdp_exp.checkpoint.files import latest
+from fsdp_exp.config import ConfigError
+from fsdp_exp.launch import RunFailed
+from fsdp_exp.launch.local import CPU_RANKS, failure_line, threads_per_rank
+from fsdp_exp.launch.worker import rank_log_path, run_rank
+
+log = logging.getLogger("fsdp_exp")
+
+CLUSTERS = ("slurm", "local")
+POLL_S = 0.2  # how often the driver looks at the job
+FORCE_STATE_S = 30  # on a cluster, how often it also asks sacct (submitit alone may wait 10 minutes)
+STOP_GRACE_S = 30  # after the time limit, how long the ranks' own alarm has before the driver cancels
+RESULT_WAIT_S = 15  # on a cluster, how long result files may take to appear on the shared file system
+
+
+class RankError(RuntimeError):
+    """A rank's exception as one line, "Type: message"; the original is chained to it."""
+
+
+class RequeueRefused(RuntimeError):
+    """The job was signalled for preemption or its time limit, and no requeue is left."""
+
+
+def _missing_extra() -> ConfigError:
+    return ConfigError("launcher=slurm: needs submitit, which is not installed; "
+                       "install the extra: pip install -e .[slurm]")
+
+
+@dataclass
+class SlurmLauncher:
+    nproc_per_node: Any = "auto"
+    max_restarts: int = 0  # requeues after preemption or timeout, and resubmissions after a failure
+    cluster: str = "slurm"  # slurm | local (submitit's local executor)
+    partition: str | None = None
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 2
+    mem_gb: float | None = None
+    timeout_min: int = 60
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    setup: list[str] = field(default_factory=list)
+    folder: str | None = None  # submitit's job files and logs; None: <run_dir>/slurm
+
+    def ranks(self, on_gpu: bool) -> int:
+        """The world size: `nodes` x `nproc_per_node` (auto: gpus_per_node, or 2 without GPUs).
+        Also the launcher's checks, since `fsdp_exp.run.prepare` calls this before any run."""
+        self.check()
+        return self.nodes * self.per_node()
+
+    def per_node(self) -> int:
+        if self.nproc_per_node != "auto":
+            return int(self.nproc_per_node)
+        return self.gpus_per_node or CPU_RANKS
+
+    def check(self) -> None:
+        """One ConfigError line for what cannot be submitted from here."""
+        try:
+            import submitit  # noqa: F401
+        except ImportError:
+            raise _missing_extra() from None
+        if self.cluster not in CLUSTERS:
+            raise ConfigError(f"launcher.cluster={self.cluster}: choose one of: {', '.join(CLUSTERS)}")
+        for key, low in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("timeout_min", 1)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"launcher.{key}={getattr(self, key)}: must be at least {low}")
+        if self.mem_gb is not None and self.mem_gb <= 0:
+            raise ConfigError(f"launcher.mem_gb={self.mem_gb}: must be greater than 0, or null")
+        if self.cluster == "slurm" and shutil.which("sbatch") is None:
+            raise ConfigError("launcher.cluster=slurm: no SLURM here (sbatch not found); "
+                              "use launcher.cluster=local to try it on this machine")
+        if self.cluster == "local":
+            if self.nodes > 1:
+                raise ConfigError(f"launcher.nodes={self.nodes}: launcher.cluster=local runs on this "
+                                  "machine only; use launcher.nodes=1")
+            import torch
+
+            if self.gpus_per_node > torch.cuda.device_count():
+                raise ConfigError(f"launcher.gpus_per_node={self.gpus_per_node}: launcher.cluster=local "
+                                  f"has {torch.cuda.device_count()} GPU(s) here")
+
+    # ---- the driver ------------------------------------------------------------------------
+    def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
+               time_limit_s: float | None = None) -> Any:
+        """Run `task(cfg, run_dir)` on `nproc` ranks, the tasks of one job; rank 0's result.
+
+        Blocks until the job ends (requeues included). A failed job is resubmitted while
+        `max_restarts` allows, resuming from the latest checkpoint; then RunFailed.
+        """
+        self.check()
+        run_dir = Path(run_dir).resolve()
+        folder = Path(self.folder).expanduser().resolve() if self.folder else run_dir / "slurm"
+        nodes = self.nodes if nproc == self.nodes * self.per_node() else 1
+        job_fn = RankJob(task=task, cfg=cfg, run_dir=str(run_dir),
+                         time_limit_s=math.ceil(time_limit_s) if time_limit_s else None,
+                         max_restarts=self.max_restarts, local=self.cluster == "local")
+        while True:
+            job = self._submit(job_fn, folder, nodes, nproc // nodes)
+            failure, result = self._outcome(job, nproc, run_dir, time_limit_s)
+            if failure is None:
+                return result
+            used = self._restarts_used(job, job_fn)
+            if failure.timed_out or used >= self.max_restarts:
+                raise failure
+            job_fn = dataclasses.replace(job_fn, restarts=used).restarted()
+            log.warning("%s; restarting the ranks (%d of launcher.max_restarts=%d)",
+                        failure, job_fn.restarts, self.max_restarts)
+
+    def executor(self, folder: Path, nodes: int, tasks_per_node: int) -> Any:
+        """submitit's executor for one job of `nodes` x `tasks_per_node` ranks."""
+        import submitit
+
+        executor = submitit.AutoExecutor(folder=folder, cluster=self.cluster,
+                                         slurm_max_num_timeout=self.max_restarts,
+                                         local_max_num_timeout=self.max_restarts)
+        executor.update_parameters(
+            name="fsdp_exp", nodes=nodes, tasks_per_node=tasks_per_node, gpus_per_node=self.gpus_per_node,
+            cpus_per_task=self.cpus_per_task, mem_gb=self.mem_gb, timeout_min=self.timeout_min,
+            slurm_partition=self.partition, slurm_account=self.account, slurm_qos=self.qos,
+            slurm_constraint=self.constraint, slurm_srun_args=["--kill-on-bad-exit=1"],
+            **{f"{self.cluster}_setup": list(self.setup)} if self.setup else {},
+        )
+        return executor
+
+    def _submit(self, job_fn: RankJob, folder: Path, nodes: int, tasks_per_node: int) -> Any:
+        executor = self.executor(folder, nodes, tasks_per_node)
+        if self.cluster == "local":
+            job_fn = dataclasses.replace(job_fn, master_port=free_port())
+            with threads_per_rank(nodes * tasks_per_node):  # the local tasks inherit it
+                job = executor.submit(job_fn)
+        else:
+            job = executor.submit(job_fn)
+            log.info("submitted SLURM job %s: %d node(s) x %d rank(s); its files in %s",
+                     job.job_id, nodes, tasks_per_node, folder)
+        return job
+
+    def _outcome(self, job: Any, nproc: int, run_dir: Path, time_limit_s: float | None) -> tuple:
+        """Wait for the job; (None, rank 0's result) or (RunFailed, None)."""
+        echo = Echo(job.task(0).paths.stdout)
+        cancelled_for_time = False
+        last_forced = time.monotonic()
+        try:
+            while not job.done():
+                echo.poll()
+                if time_limit_s and not cancelled_for_time:
+                    starts = [s for s in started(job, nproc) if s is not None]
+                    if starts and time.time() - min(starts) > time_limit_s + STOP_GRACE_S:
+                        job.cancel(check=False)
+                        cancelled_for_time = True
+                if self.cluster == "slurm" and time.monotonic() - last_forced > FORCE_STATE_S:
+                    job.get_info(mode="force")  # refreshes the state every task's done() reads
+                    last_forced = time.monotonic()
+                time.sleep(POLL_S)
+        except BaseException:  # Ctrl-C on the driver: the job must not outlive it
+            job.cancel(check=False)
+            raise
+        finally:
+            echo.poll(final=True)
+        ended = time.time()
+        if self.cluster == "slurm":
+            wait_for_results(job, nproc)
+        results = [read_result(job.task(rank).paths.result_pickle) for rank in range(nproc)]
+        if all(r is not None and r[0] == "success" for r in results):
+            return None, results[0][1]
+        return run_failed(job, results, run_dir, time_limit_s, ended, started(job, nproc), cancelled_for_time), None
+
+    @staticmethod
+    def _restarts_used(job: Any, job_fn: RankJob) -> int:
+        """The requeues so far: the callable submitit last saved for the job counts them."""
+        try:
+            return int(job.submission().function.restarts)
+        except Exception:  # noqa: BLE001 - no readable submission: count the one we sent
+            return job_fn.restarts
+
+
+def run_failed(job: Any, results: list, run_dir: Path, time_limit_s: float | None, ended: float,
+               starts: list[float | None], cancelled_for_time: bool) -> RunFailed:
+    """The failure that explains the job, in launcher=local's order: an out-of-memory on any
+    rank, then the earliest error, then a rank that ended without a result. A rank without
+    a result that had run past the time limit was ended by its alarm: that is the cause,
+    unless some rank had failed before the limit."""
+    errors = []  # (time, rank, line)
+    missing = []
+    for rank, result in enumerate(results):
+        if result is None:
+            missing.append(rank)
+        elif result[0] != "success":
+            errors.append((result[2], rank, error_line(str(result[1]))))
+    oom = [e for e in errors if "OutOfMemory:" in e[2]]
+    if oom:
+        _, rank, line = min(oom)
+        return RunFailed(f"rank {rank} failed: {line} (log: {rank_log_path(run_dir, rank)})", out_of_memory=True)
+    late = [r for r in missing if time_limit_s and starts[r] is not None
+            and (cancelled_for_time or ended - starts[r] >= time_limit_s)]
+    deadline = min(starts[r] for r in late) + time_limit_s if late else float("inf")
+    if errors and min(errors)[0] < deadline:
+        _, rank, line = min(errors)
+        return RunFailed(f"rank {rank} failed: {line} (log: {rank_log_path(run_dir, rank)})")
+    if late:
+        return RunFailed(f"rank {late[0]} ran past the time limit of {time_limit_s:g} s "
+                         f"(log: {rank_log_path(run_dir, late[0])})", timed_out=True, killed_by="SIGALRM")
+    rank = missing[0]
+    how = "never started" if starts[rank] is None else "ended without a result (killed by a signal, or its node was lost)"
+    return RunFailed(f"rank {rank} {how}; job {job.job_id}, its log: {job.task(rank).paths.stderr} "
+                     f"(log: {rank_log_path(run_dir, rank)})", killed_by="signal")
+
+
+_RANK_ERROR = f"{RankError.__module__}.{RankError.__qualname__}: "
+
+
+def error_line(trace: str) -> str:
+    """The error of a rank's traceback (submitit keeps its text) as one line, "Type: message"."""
+    lines = [line for line in trace.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith(_RANK_ERROR):
+            return line[len(_RANK_ERROR):]
+    if not lines:
+        return "unknown error"
+    # Not raised through RankJob (e.g. unpickling failed): the last line, without the module.
+    return failure_line(re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?::|$))", "", lines[-1]))
+
+
+def read_result(path: Path) -> tuple[str, Any, float] | None:
+    """submitit's ("success" | "error", value) for one task, and when it was written."""
+    if not path.is_file():
+        return None
+    from submitit.core.utils import pickle_load
+
+    try:
+        outcome, value = pickle_load(path)
+    except Exception as err:  # noqa: BLE001 - a truncated file is a failed task
+        return ("error", f"unreadable result {path}: {err}", path.stat().st_mtime)
+    return outcome, value, path.stat().st_mtime
+
+
+def wait_for_results(job: Any, nproc: int) -> None:
+    deadline = time.monotonic() + RESULT_WAIT_S
+    while time.monotonic() < deadline and not all(job.task(r).paths.result_pickle.is_file() for r in range(nproc)):
+        time.sleep(1)
+
+
+def started_path(folder: Path, job_id: str, rank: int) -> Path:
+    return Path(folder) / f"{job_id}_{rank}_started"
+
+
+def started(job: Any, nproc: int) -> list[float | None]:
+    """When each rank's task last started (a requeue starts it again), or None."""
+    times: list[float | None] = []
+    for rank in range(nproc):
+        path = started_path(job.paths.folder, job.job_id, rank)
+        times.append(path.stat().st_mtime if path.is_file() else None)
+    return times
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Echo:
+    """Rank 0's console lines (its task's stdout) onto the driver's stdout, as launcher=local
+    shows them; submitit's own lines stay in its files."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.offset = 0
+        self.partial = b""
+
+    def poll(self, final: bool = False) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        if final and self.partial:
+            lines, self.partial = [*lines, self.partial], b""
+        text = [line.decode(errors="replace") for line in lines if not line.startswith(b"submitit ")]
+        if text:
+            sys.stdout.write("\n".join(text) + "\n")
+            sys.stdout.flush()
+
+
+# ---- in each task --------------------------------------------------------------------------
+@dataclass
+class RankJob:
+    """What each task of the job runs (submitit pickles it): one rank of the run.
+
+    `checkpoint` is submitit's hook for preemption and time limits (called on rank 0): the
+    same ranks again, from the latest checkpoint, while `max_restarts` allows.
+    """
+
+    task: Callable[[dict, Path], Any]
+    cfg: dict
+    run_dir: str
+    time_limit_s: int | None = None
+    max_restarts: int = 0
+    local: bool = False
+    master_port: int | None = None
+    restarts: int = 0
+
+    def __call__(self) -> Any:
+        import submitit
+
+        env = submitit.JobEnvironment()
+        env.paths.result_pickle.unlink(missing_ok=True)  # an earlier attempt's, before a requeue
+        started_path(env.paths.folder, env.job_id, env.global_rank).touch()
+        per_node = env.num_tasks // env.num_nodes
+        os.environ.update(
+            RANK=str(env.global_rank), LOCAL_RANK=str(env.local_rank), WORLD_SIZE=str(env.num_tasks),
+            LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1" if self.local else env.hostnames[0],
+            MASTER_PORT=str(self.master_port or os.environ.get("MASTER_PORT")
+                            or random.Random(env.job_id).randint(20000, 60000)),
+            TORCHELASTIC_RESTART_COUNT=str(self.restarts),  # what the ranks read after a restart
+        )
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+        if cpus and "OMP_NUM_THREADS" not in os.environ:
+            import torch
+
+            torch.set_num_threads(int(cpus))
+        logging.getLogger("submitit").propagate = False  # its lines stay in its own files
+        try:
+            return run_rank(self.task, self.cfg, self.run_dir, self.time_limit_s)
+        except Exception as err:
+            raise RankError(failure_line(f"{type(err).__name__}: {err}")) from err
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        if self.restarts >= self.max_restarts:
+            raise RequeueRefused(f"the job was preempted or reached its time limit, and "
+                                 f"launcher.max_restarts={self.max_restarts} allows no further requeue")
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self.restarted())
+
+    def restarted(self) -> RankJob:
+        """The next attempt: from the latest checkpoint in checkpoint.dir, if there is one."""
+        cfg = copy.deepcopy(self.cfg)
+        root = (cfg.get("checkpoint") or {}).get("dir")
+        newest = latest(Path(root)) if root else None
+        if newest is not None:
+            cfg["resume"] = str(newest)
+        return dataclasses.replace(self, cfg=cfg, restarts=self.restarts + 1)

@@ -76,6 +76,7 @@ def test_synthetic_images_are_deterministic_and_class_dependent() -> None:
     assert (means[0] - means[1]).abs().mean() > 0.3, "classes must look different"
 
 
+@pytest.mark.slow
 def test_cnn_trains_on_fashion_mnist_files(tmp_path: Path) -> None:
     make_dataset(tmp_path / "data", "FashionMNIST", n=256)
     out = tmp_path / "run"

@@ -45,6 +45,7 @@ def test_a_run_trains_on_two_ranks_as_the_tasks_of_one_job(tmp_path: Path) -> No
     assert "submitit INFO" not in result.stdout
 
 
+@pytest.mark.slow
 def test_a_failing_rank_exits_1_with_one_line_naming_it(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli(*SLURM_LOCAL, *SMALL_VIT, "data=fashion_mnist", f"data.root={tmp_path / 'empty'}",

@@ -79,6 +79,7 @@ def rank_pid(log_file: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+@pytest.mark.slow
 def test_a_killed_probe_is_recorded_and_the_search_finishes(tmp_path: Path) -> None:
     run_dir = tmp_path / "search"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}

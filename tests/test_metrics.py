@@ -76,6 +76,7 @@ def test_peak_memory_rises_with_batch_size(tmp_path: Path) -> None:
     assert peaks[512] > peaks[4] + 0.05, peaks
 
 
+@pytest.mark.slow
 def test_flops_are_counted_and_match_the_analytic_count_for_gpt(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli("model=gpt", "model.vocab_size=256", "data=synthetic_tokens", "data.seq_len=64",

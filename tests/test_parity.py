@@ -60,7 +60,11 @@ SETUPS = {
 }
 
 
-@pytest.mark.parametrize("setup", SETUPS)
+# Every setup runs in `make test-slow`; `make test` runs one of each kind of plan.
+FAST = {"full", "grad_op", "hybrid_2x1", "ddp", "meta_init"}
+
+
+@pytest.mark.parametrize("setup", [s if s in FAST else pytest.param(s, marks=pytest.mark.slow) for s in SETUPS])
 def test_two_ranks_match_one_unsharded_process(reference, setup: str, tmp_path: Path) -> None:
     ref_losses, ref_weights = reference
     losses, weights = train(tmp_path, setup, *SETUPS[setup])

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
 
 
+@pytest.mark.slow
 def test_every_sharding_option_reaches_the_same_final_loss(tmp_path: Path) -> None:
     result = run_cli(
         "-m", "sharding=full,grad_op,hybrid,ddp,none", *SMALL_VIT, "train.steps=4",
@@ -25,6 +26,7 @@ def test_every_sharding_option_reaches_the_same_final_loss(tmp_path: Path) -> No
         assert abs(s["final_loss"] - reference) / reference < 1e-5, (s["choices"], s["final_loss"], reference)
 
 
+@pytest.mark.slow
 def test_runs_list_their_fsdp_units(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli(*SMALL_VIT, "train.steps=1", f"hydra.run.dir={out}", cwd=tmp_path)
@@ -78,6 +80,7 @@ def test_compiled_blocks_train(tmp_path: Path) -> None:
     assert read_json(out / "summary.json")["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_meta_init_keeps_gpt_tied_embeddings(tmp_path: Path) -> None:
     """Meta init must give the tied wte/lm_head model a plain build gives: same losses."""
     losses = {}

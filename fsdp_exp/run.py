@@ -35,9 +35,9 @@ def resolve_device(device: str, gpu_count: int) -> str:
 
 
 def ranks_run_here(launcher: DictConfig) -> bool:
-    """Whether the ranks run on this machine (local, torchrun, slurm's local executor) or
-    on a cluster's (slurm, ray)."""
-    if launcher.get("cluster") == "local":
+    """Whether the ranks run on this machine (local, torchrun, slurm's local executor, a
+    Ray started here) or on a cluster's (slurm, ray)."""
+    if launcher.get("cluster") == "local" or ("address" in launcher and launcher.address is None):
         return True
     return "gpus_per_node" not in launcher and "use_gpu" not in launcher
 

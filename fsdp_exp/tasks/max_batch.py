@@ -43,10 +43,11 @@ class MaxBatch:
             raise ConfigError(
                 f"launcher.nnodes={nnodes}: with launcher=torchrun each node's command would search on its own; "
                 "search on one node, or with launcher=slurm or ray, whose one command starts every probe")
-        if cfg["launcher"].get("max_restarts") or cfg["launcher"].get("max_failures"):
-            raise ConfigError(
-                f"launcher.max_restarts={cfg['launcher']['max_restarts']}: task=max_batch needs every probe "
-                "to fail when it runs out of memory, not to restart; set launcher.max_restarts=0")
+        for key in ("max_restarts", "max_failures"):
+            if cfg["launcher"].get(key):
+                raise ConfigError(
+                    f"launcher.{key}={cfg['launcher'][key]}: task=max_batch needs every probe "
+                    f"to fail when it runs out of memory, not to restart; set launcher.{key}=0")
         if cfg.get("resume"):
             raise ConfigError(f"resume={cfg['resume']}: task=max_batch starts every probe fresh; "
                               "resume is for task=train")

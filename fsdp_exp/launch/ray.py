@@ -1,0 +1,649 @@
+"""launcher=ray: the ranks as the workers of one Ray Train run (`TorchTrainer`).
+
+    python -m fsdp_exp launcher=ray                          # a local Ray, started here
+    python -m fsdp_exp launcher=ray launcher.address=auto    # join the cluster of this node
+
+Design:
+
+- **One Ray Train run per launch.** The driver (the Hydra process) runs a `TorchTrainer`
+  with `num_workers = nproc` workers; Ray Train's TorchConfig makes the process group
+  (gloo on CPU, nccl with `use_gpu`), which `fsdp_exp.distributed.init` then finds made.
+  Each worker runs `fsdp_exp.launch.worker.run_rank` with RANK, LOCAL_RANK and WORLD_SIZE
+  from Ray's train context, and the launch returns rank 0's return value
+  (`Result.return_value`). Each run has a fresh name under `storage_path` (default
+  `<run_dir>/ray/`), so Ray never restores a checkpoint of an earlier run by itself:
+  which checkpoint a run starts from stays the project's `resume`.
+- **The Ray session is kept for the whole Hydra process.** `address: null` starts a local
+  Ray (`ray.init(address="local", num_cpus=...)`, no dashboard, quiet; from the main
+  thread, since a local start from another thread deadlocked) at the first launch and keeps it
+  for every later launch of the process (the probes of task=max_batch, the runs of a -m
+  sweep): a start takes tens of seconds (and each launch still ~30 s to start its worker
+  processes on a small machine). Ray shuts it down when the process exits. A
+  local Ray too small for a later launch (more workers) is restarted larger. Joining a
+  cluster (`auto`, or host:port) happens in a thread, so an unreachable address fails after
+  `start_timeout` seconds with one ConfigError line instead of Ray's own retries, which
+  never end when something answers on that port but not as Ray's GCS.
+- **Checkpoints and metrics go through `ray.train.report`.** The trainer knows nothing of
+  Ray, so a thread in each worker (`Reporter`) reports, beside training: at each step
+  where a checkpoint is saved (`checkpoint.every` and the last step), once `latest` in
+  checkpoint.dir has reached it, rank 0 reports that committed DCP checkpoint directory
+  with the record it logged for the step (loss, throughput, memory: Ray's metrics of
+  the checkpoint). Ray copies it into its storage (`<storage_path>/<run name>/step_<N>/`,
+  keeping `checkpoint.keep` of them). After the task returns, every rank reports the
+  run's final figures, which are also the launch's result. `ray.train.report` is a
+  barrier that every worker must call equally often, so rank 0 broadcasts the schedule
+  first and the other ranks report nothing at each of its steps. Reports run beside
+  training, so training never waits for an upload; rank 0 uploads a hard-linked snapshot
+  of the checkpoint directory, so the project's own pruning (`checkpoint.keep`) cannot
+  delete files during an upload. Not every logged record is reported: Ray Train takes
+  one report per poll of its controller (every 2 s), so reports at every record would
+  fall behind and delay the checkpoints a restart needs; the records stay in
+  metrics.jsonl (and wandb).
+- **Restarts.** `max_failures` is Ray's FailureConfig: after a worker fails, Ray Train
+  restarts the whole worker group, up to that many times; each worker then sets
+  `cfg["resume"]` to `ray.train.get_checkpoint()` (Ray's copy of the latest reported
+  checkpoint), and rank 0 logs "restart N of the ranks", as with launcher=local. A
+  checkpoint that was committed but not reported yet when a worker died is not used: the
+  run repeats those steps, with the same result.
+- **Console and failures.** Workers' output stays in Ray's log files (`log_to_driver`
+  off: Ray's own actors are chatty); the driver echoes rank 0's lines from rank0.log as
+  they come, as launcher=local shows them, without the traceback lines that stay in the
+  log. A failed run becomes RunFailed in launcher=local's order: an out-of-memory on any
+  rank, then a rank whose process died (after `time_limit_s`: the rank's own SIGALRM,
+  reported with `timed_out`; else `killed_by="signal"`: Ray does not say which signal),
+  then the other errors, a rank's own error before the "connection closed by peer" of
+  the ranks left in a collective with it.
+- **Time limits.** Ray Train runs the training function in a thread of the worker
+  process; `signal.alarm` works from any thread (only installing a handler needs the
+  main thread), and SIGALRM's default action ends the whole worker process, even inside
+  a collective. So `run_rank`'s alarm holds under Ray too. Should it not end a rank, the
+  driver stops the run 30 s after the limit (it disconnects from Ray, which ends the
+  run's actors).
+- **Never hang.** A cluster that cannot place the workers (too few CPUs or GPUs) fails
+  once Ray Train's worker-group start times out (60 s, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S)
+  instead of retrying forever (`controller_failure_limit=0`), as a ConfigError.
+- Ctrl-C on the driver ends the run: the fit runs in a thread of the driver (so Ray does
+  not replace the process's SIGINT handler), and on KeyboardInterrupt the driver
+  disconnects from Ray, which ends the run's actors.
+- ray is an optional extra. Without it, `ranks()` (called by `fsdp_exp.run.prepare`
+  during the checks) raises one ConfigError line naming `pip install -e .[ray]`. Not the
+  constructor: Hydra's `instantiate` wraps whatever a constructor raises in an
+  InstantiationException, which the CLI does not turn into a line.
+- Needs a file system shared by the driver and the workers for the run directory
+  (metrics.jsonl, rank logs) and for checkpoint.dir (DCP writes every rank's shards into
+  one directory): trivially so for a local Ray. On a cluster, the nodes need this package
+  installed (the same checkout), and a token-authenticated cluster needs RAY_AUTH_MODE=token
+  in the driver's environment.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
+from fsdp_exp.config import ConfigError
+from fsdp_exp.launch import RunFailed
+from fsdp_exp.launch.local import failure_line
+from fsdp_exp.launch.worker import rank_log_path, run_rank
+from fsdp_exp.memory import OutOfMemory
+
+log = logging.getLogger("fsdp_exp")
+
+POLL_S = 0.2  # how often the driver echoes rank 0's log, and rank 0 looks for new records and checkpoints
+STOP_GRACE_S = 30  # after the time limit, how long the ranks' own alarm has before the driver stops the run
+PROCESS_GROUP_TIMEOUT_S = 600  # as fsdp_exp.distributed.init's
+UPLOAD_DIR = ".ray_upload"  # in checkpoint.dir: the hard-linked snapshot Ray uploads, removed after
+ATTEMPTS_FILE = "fsdp_exp_attempts"  # in Ray's directory of the run: one line per start of rank 0
+TRAIN_EXTRA = ("pandas", "pyarrow", "fsspec")  # what ray[train] adds to ray, found without importing
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _missing_extra() -> ConfigError:
+    return ConfigError("launcher=ray: needs ray[train], which is not installed; "
+                       "install the extra: pip install -e .[ray]")
+
+
+@dataclass
+class RayLauncher:
+    num_workers: int = 2
+    use_gpu: bool = False
+    resources_per_worker: dict = field(default_factory=lambda: {"CPU": 1})
+    address: str | None = None  # None: start a local Ray; "auto": this node's cluster; or host:port
+    storage_path: str | None = None  # None: <run_dir>/ray
+    max_failures: int = 0
+    start_timeout: int = 60
+
+    def ranks(self, on_gpu: bool) -> int:
+        """The world size: `num_workers`. Also the launcher's checks, since
+        `fsdp_exp.run.prepare` calls this before any run."""
+        self.check()
+        return self.num_workers
+
+    def check(self) -> None:
+        """One ConfigError line for what cannot run. Cheap: ray itself is imported, Ray
+        Train (tens of seconds on a small machine) only once a run starts."""
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise _missing_extra() from None
+        if any(importlib.util.find_spec(name) is None for name in TRAIN_EXTRA):
+            raise _missing_extra()
+        if self.num_workers < 1:
+            raise ConfigError(f"launcher.num_workers={self.num_workers}: must be at least 1")
+        if self.start_timeout < 1:
+            raise ConfigError(f"launcher.start_timeout={self.start_timeout}: must be at least 1 (seconds)")
+        for name, amount in dict(self.resources_per_worker or {}).items():
+            if amount < 0:
+                raise ConfigError(f"launcher.resources_per_worker.{name}={amount}: must be at least 0")
+        if self.use_gpu and self.address is None:
+            import torch
+
+            if torch.cuda.device_count() < self.num_workers:
+                raise ConfigError(
+                    f"launcher.use_gpu=true: the local Ray (launcher.address=null) has this machine's "
+                    f"{torch.cuda.device_count()} GPU(s), fewer than launcher.num_workers={self.num_workers}")
+
+    # ---- the driver ------------------------------------------------------------------------
+    def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
+               time_limit_s: float | None = None) -> Any:
+        """Run `task(cfg, run_dir)` on `nproc` Ray Train workers; rank 0's return value.
+
+        Blocks until the run ends (Ray's restarts included), echoing rank 0's log lines.
+        Raises RunFailed when a rank failed (past `max_failures`), ConfigError when Ray
+        cannot be reached or cannot place the workers.
+        """
+        self.check()
+        try:
+            from ray.train import (
+                CheckpointConfig,
+                FailureConfig,
+                RunConfig,
+                ScalingConfig,
+            )
+            from ray.train.torch import TorchConfig, TorchTrainer
+        except ImportError:
+            raise _missing_extra() from None
+
+        run_dir = Path(run_dir).resolve()
+        resources = {str(k): float(v) for k, v in dict(self.resources_per_worker or {}).items()}
+        connect(self.address, self.start_timeout, nproc * resources.get("CPU", 1.0))
+        storage = self.storage(run_dir)
+        name = f"fsdp_exp-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        ckpt = cfg.get("checkpoint") or {}
+        job = RankJob(task=task, cfg=cfg, run_dir=str(run_dir),
+                      time_limit_s=math.ceil(time_limit_s) if time_limit_s else None,
+                      ray_dir=None if "://" in storage else str(Path(storage) / name))
+        trainer = TorchTrainer(
+            _train_loop,
+            train_loop_config={"job": job},
+            scaling_config=ScalingConfig(num_workers=nproc, use_gpu=self.use_gpu, resources_per_worker=resources or None),
+            torch_config=TorchConfig(backend="nccl" if self.use_gpu else "gloo", timeout_s=PROCESS_GROUP_TIMEOUT_S),
+            run_config=RunConfig(
+                name=name,
+                storage_path=storage,
+                failure_config=FailureConfig(max_failures=self.max_failures, controller_failure_limit=0),
+                checkpoint_config=CheckpointConfig(num_to_keep=ckpt.get("keep") if ckpt.get("dir") else None),
+            ),
+        )
+        watch = Watch(run_dir, nproc)
+        start = time.time()
+        result, error = fit(trainer, watch, time_limit_s)
+        if error is None:
+            return result.return_value
+        raise failure(error, run_dir, time_limit_s, [s or start for s in watch.started], time.time(),
+                      nproc, resources)
+
+    def storage(self, run_dir: Path) -> str:
+        """Ray's storage: `storage_path` (a path, or a URI such as s3://...), or <run_dir>/ray."""
+        if self.storage_path is None:
+            return str(run_dir / "ray")
+        if "://" in self.storage_path:
+            return self.storage_path
+        return str(Path(self.storage_path).expanduser().resolve())
+
+
+_session: dict = {}  # the Ray session this module started or joined: {"address": ...}
+
+
+def connect(address: str | None, start_timeout: float, cpus: float) -> None:
+    """Start a local Ray (address None) or join a cluster, unless this process already is
+    connected as asked; at most `start_timeout` seconds to join."""
+    import ray
+
+    if ray.is_initialized():
+        if not _session:
+            return  # connected by someone else in this process (e.g. a notebook): use that
+        if _session["address"] == address and (
+                address is not None or ray.cluster_resources().get("CPU", 0) >= cpus):
+            return
+        ray.shutdown()
+        _session.clear()
+    options: dict[str, Any] = dict(logging_level=logging.ERROR, log_to_driver=False)
+    if address is None:
+        # In this thread: a local start from another thread can deadlock.
+        try:
+            ray.init(address="local", num_cpus=max(math.ceil(cpus), os.cpu_count() or 1),
+                     include_dashboard=False, **options)  # "local": even when RAY_ADDRESS is set
+        except Exception as err:  # noqa: BLE001 - any failure to start is one line
+            raise ConfigError(f"launcher.address=null: could not start a local Ray: {first_line(err)}") from None
+        _session["address"] = None
+        return
+    outcome: dict[str, BaseException] = {}
+
+    def join() -> None:
+        try:
+            ray.init(address=address, **options)
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = err
+
+    joiner = threading.Thread(target=join, name="fsdp_exp-ray-connect", daemon=True)
+    joiner.start()
+    joiner.join(start_timeout)
+    if joiner.is_alive():
+        raise ConfigError(
+            f"launcher.address={address}: no Ray cluster answered within launcher.start_timeout="
+            f"{start_timeout:g} s (is it running and reachable? a cluster with token authentication "
+            "also needs RAY_AUTH_MODE=token here)")
+    if "error" in outcome:
+        raise ConfigError(f"launcher.address={address}: could not join a Ray cluster: "
+                          f"{first_line(outcome['error'])}") from None
+    _session["address"] = address
+
+
+def disconnect() -> None:
+    """Leave Ray (a local Ray shuts down): Ray then ends the actors of this process's runs."""
+    import ray
+
+    _session.clear()
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - already half gone
+        pass
+
+
+def fit(trainer: Any, watch: "Watch", time_limit_s: float | None) -> tuple[Any, BaseException | None]:
+    """`trainer.fit()` in a thread, while this one echoes rank 0's lines; (result, error)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = err
+
+    runner = threading.Thread(target=run, name="fsdp_exp-ray-fit", daemon=True)
+    runner.start()
+    try:
+        while runner.is_alive():
+            watch.poll()
+            first = min((s for s in watch.started if s is not None), default=None)
+            if time_limit_s and first is not None and time.time() - first > time_limit_s + STOP_GRACE_S:
+                disconnect()
+                return None, StoppedAfterLimit()
+            runner.join(POLL_S)
+    except BaseException:  # Ctrl-C on the driver: the run must not outlive it
+        disconnect()
+        raise
+    finally:
+        watch.poll(final=True)
+    return box.get("result"), box.get("error")
+
+
+class StoppedAfterLimit(Exception):
+    """The driver stopped a run whose ranks were still running well past the time limit."""
+
+
+def failure(err: BaseException, run_dir: Path, time_limit_s: float | None, started: list[float],
+            ended: float, nproc: int, resources: dict) -> Exception:
+    """The one-line failure that explains the run (RunFailed, or ConfigError for a cluster
+    that cannot place the workers)."""
+    if isinstance(err, StoppedAfterLimit):
+        return RunFailed(f"rank 0 ran past the time limit of {time_limit_s:g} s and did not end; the driver "
+                         f"stopped the run (log: {rank_log_path(run_dir, 0)})", timed_out=True, killed_by="SIGKILL")
+    failures = getattr(err, "worker_failures", None)
+    if not isinstance(failures, dict) or not failures:
+        cause = getattr(err, "controller_failure", err)
+        if type(cause).__name__ in ("WorkerGroupStartupTimeoutError", "InsufficientClusterResourcesError"):
+            return ConfigError(f"launcher=ray: the Ray cluster cannot place {nproc} worker(s) with "
+                               f"{resources or {'CPU': 1.0}} each: {first_line(cause)}")
+        return RunFailed(f"Ray Train failed: {type(cause).__name__}: {first_line(cause)}")
+
+    def line(error: BaseException) -> str:
+        return failure_line(f"{type(error).__name__}: {error}")
+
+    def where(rank: int) -> str:
+        return f"(log: {rank_log_path(run_dir, rank)})"
+
+    died = sorted(rank for rank, error in failures.items() if process_died(error))
+    errors = {rank: error for rank, error in failures.items() if rank not in died}
+    oom = sorted(rank for rank, error in errors.items()
+                 if isinstance(error, OutOfMemory) or "OutOfMemory:" in line(error))
+    if oom:
+        return RunFailed(f"rank {oom[0]} failed: {line(errors[oom[0]])} {where(oom[0])}", out_of_memory=True)
+    late = [rank for rank in died if time_limit_s and ended - started[rank] >= time_limit_s]
+    if late:
+        return RunFailed(f"rank {late[0]} ran past the time limit of {time_limit_s:g} s {where(late[0])}",
+                         timed_out=True, killed_by="SIGALRM")
+    if died:
+        return RunFailed(f"rank {died[0]} died: its process ended without an error (killed by a signal, "
+                         f"or its node was lost) {where(died[0])}", killed_by="signal")
+    rank = min(errors, key=lambda r: (any(text in str(errors[r]) for text in _PEER_GONE), r))
+    return RunFailed(f"rank {rank} failed: {line(errors[rank])} {where(rank)}")
+
+
+def process_died(error: BaseException) -> bool:
+    """Whether Ray reports the worker's process as gone, rather than an exception it raised."""
+    import ray.exceptions
+
+    return isinstance(error, ray.exceptions.RayActorError) or type(error).__name__ in (
+        "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError")
+
+
+def first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+class Watch:
+    """On the driver, from the run directory: when each rank started (its log grew), and
+    rank 0's console lines, echoed as launcher=local shows them."""
+
+    def __init__(self, run_dir: Path, nproc: int):
+        self.logs = [rank_log_path(run_dir, rank) for rank in range(nproc)]
+        self.sizes = [size(path) for path in self.logs]
+        self.started: list[float | None] = [None] * nproc
+        self.echo = Echo(self.logs[0], self.sizes[0])
+
+    def poll(self, final: bool = False) -> None:
+        now = time.time()
+        for rank, path in enumerate(self.logs):
+            if self.started[rank] is None and size(path) > self.sizes[rank]:
+                self.started[rank] = now
+        self.echo.poll(final)
+
+
+def size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class Echo:
+    """New records of rank0.log onto the driver's stdout, but for those that go only to the
+    file under launcher=local (the rank's pid line, its traceback)."""
+
+    HEADER = re.compile(rb"^\[[^\]]*\]\[rank\d+\]\[[A-Z]+\] ")
+    FILE_ONLY = (b"rank 0 is pid ", b"this rank failed")
+
+    def __init__(self, path: Path, offset: int):
+        self.path = path
+        self.offset = offset
+        self.partial = b""
+        self.showing = True  # whether the record the next continuation line belongs to is shown
+
+    def poll(self, final: bool = False) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        if final and self.partial:
+            lines, self.partial = [*lines, self.partial], b""
+        shown = []
+        for line in lines:
+            header = self.HEADER.match(line)
+            if header:
+                self.showing = not line[header.end():].startswith(self.FILE_ONLY)
+            if self.showing:
+                shown.append(line.decode(errors="replace"))
+        if shown:
+            sys.stdout.write("\n".join(shown) + "\n")
+            sys.stdout.flush()
+
+
+# ---- in each worker ------------------------------------------------------------------------
+def _train_loop(config: dict) -> Any:
+    """Ray Train's train_loop_per_worker (in a thread of each worker process)."""
+    return config["job"]()
+
+
+@dataclass
+class RankJob:
+    """What each Ray Train worker runs: one rank of the run (Ray pickles it to the workers)."""
+
+    task: Callable[[dict, Path], Any]
+    cfg: dict
+    run_dir: str
+    time_limit_s: int | None = None
+    ray_dir: str | None = None  # Ray's directory of this run, when it is a local path
+
+    def __call__(self) -> Any:
+        import ray.train
+
+        context = ray.train.get_context()
+        rank = context.get_world_rank()
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(context.get_local_rank()),
+                          WORLD_SIZE=str(context.get_world_size()),
+                          LOCAL_WORLD_SIZE=str(context.get_local_world_size()))
+        os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)  # restarts are Ray's: resume is set below
+        cfg = copy.deepcopy(self.cfg)
+        restored = ray.train.get_checkpoint()
+        if restored is not None and "resume" in cfg:
+            cfg["resume"] = restored_path(restored, cfg, rank)
+        restarts = self.count_start(restored) if rank == 0 else 0
+        reporter = Reporter(rank, cfg, Path(self.run_dir))
+
+        def task(cfg: dict, run_dir: Path) -> Any:
+            quiet = QuietRay()  # on the handlers run_rank has just set up
+            for handler in logging.getLogger().handlers:
+                handler.addFilter(quiet)
+            if restarts:
+                log.warning("restart %d of the ranks (Ray Train restarted the worker group), from %s",
+                            restarts, cfg.get("resume") or "step 0 (no checkpoint yet)")
+            reporter.start()
+            return self.task(cfg, run_dir)
+
+        result = run_rank(task, cfg, self.run_dir, self.time_limit_s)
+        reporter.finish()
+        ray.train.report(json_safe(result) if isinstance(result, dict) else {})
+        return result
+
+    def count_start(self, restored: Any) -> int:
+        """Rank 0: the starts of the worker group before this one, counted in Ray's directory
+        of the run (without a local one: 1 after a restart from a checkpoint, else 0)."""
+        if self.ray_dir is None:
+            return int(restored is not None)
+        path = Path(self.ray_dir) / ATTEMPTS_FILE
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a+") as f:
+                f.seek(0)
+                before = len(f.read().splitlines())
+                f.write(f"{os.getpid()}\n")
+            return before
+        except OSError:
+            return int(restored is not None)
+
+
+class QuietRay(logging.Filter):
+    """Keeps Ray's own INFO lines (one per report, from loggers outside the `ray` tree) out
+    of the rank's log and console; its warnings and errors stay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import ray
+
+        self.package = os.path.dirname(ray.__file__) + os.sep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.pathname.startswith(self.package)
+
+
+def restored_path(checkpoint: Any, cfg: dict, rank: int) -> str:
+    """Where the ranks read Ray's checkpoint: its own path on a local (or mounted) file
+    system; from remote storage, rank 0 first downloads it into checkpoint.dir, which every
+    rank reads (train_rank takes rank 0's `resume` on every rank)."""
+    filesystem = getattr(checkpoint, "filesystem", None)
+    if filesystem is None or filesystem.type_name == "local":
+        return str(checkpoint.path)
+    target = Path(cfg["checkpoint"]["dir"]) / ".ray_restored" / Path(checkpoint.path).name
+    if rank == 0:
+        shutil.rmtree(target, ignore_errors=True)
+        checkpoint.to_directory(str(target))
+    return str(target)
+
+
+def json_safe(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def resume_step(cfg: dict) -> int:
+    resume = cfg.get("resume")
+    if not resume:
+        return 0
+    try:
+        return int(json.loads((Path(resume) / TRAIN_STATE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def step_of(path: Path | None) -> int:
+    """The step of a checkpoint directory named step_<N>; -1 for none."""
+    match = re.fullmatch(r"step_(\d+)", path.name) if path is not None else None
+    return int(match.group(1)) if match else -1
+
+
+class Reporter:
+    """In each worker, beside training: `ray.train.report` at every step of the run at
+    which a checkpoint is saved.
+
+    The report is a barrier that every rank must reach equally often: rank 0 broadcasts
+    the steps, the other ranks report nothing at each of them (waiting there for rank 0),
+    and rank 0 reports each once `latest` has reached it and its record is in
+    metrics.jsonl. Once the task has returned, the steps left are reported at once. A
+    report that fails ends the thread; `finish` then raises it.
+    """
+
+    def __init__(self, rank: int, cfg: dict, run_dir: Path):
+        self.rank = rank
+        train, ckpt = cfg.get("train") or {}, cfg.get("checkpoint") or {}
+        steps, log_every = train.get("steps"), train.get("log_every")
+        self.root = Path(ckpt["dir"]) if ckpt.get("dir") and ckpt.get("every") else None
+        self.saves: list[int] = []
+        self.logged: set[int] = set()
+        if self.root is not None and isinstance(steps, int) and isinstance(log_every, int):
+            left = range(resume_step(cfg) + 1, steps + 1)
+            self.saves = [s for s in left if s % ckpt["every"] == 0 or s == steps]
+            self.logged = {s for s in left if s % log_every == 0 or s == steps}
+        self.metrics = run_dir / "metrics.jsonl"
+        self.offset = size(self.metrics)  # records of earlier attempts are not this one's
+        self.partial = b""
+        self.records: dict[int, dict] = {}
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        from ray.train.collective import broadcast_from_rank_zero
+
+        steps = broadcast_from_rank_zero(self.saves if self.rank == 0 else None)
+        self.thread = threading.Thread(target=self.run, args=(steps,), name="fsdp_exp-ray-report", daemon=True)
+        self.thread.start()
+
+    def finish(self) -> None:
+        """After the task returned: report the steps left, and wait for the reports."""
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+        if self.root is not None and self.rank == 0:
+            shutil.rmtree(self.root / UPLOAD_DIR, ignore_errors=True)
+        if self.error is not None:
+            raise RuntimeError(f"reporting to Ray Train failed: {type(self.error).__name__}: "
+                               f"{first_line(self.error)}") from self.error
+
+    def run(self, steps: list[int]) -> None:
+        import ray.train
+
+        try:
+            for step in steps:
+                if self.rank != 0:
+                    ray.train.report({})
+                    continue
+                while not self.ready(step) and not self.done.wait(POLL_S):
+                    pass
+                snapshot = self.snapshot(step)
+                metrics = {**self.record(step), "step": step}
+                if snapshot is None:  # pruned already, or the save never came
+                    ray.train.report(metrics)
+                else:
+                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(snapshot)),
+                                     checkpoint_dir_name=step_name(step), delete_local_checkpoint_after_upload=True)
+        except BaseException as err:  # noqa: BLE001 - raised again by finish()
+            self.error = err
+            logging.getLogger("fsdp_exp.rank_file").exception("reporting to Ray Train failed")
+
+    def ready(self, step: int) -> bool:
+        if step in self.logged and self.record(step).get("step") != step:
+            return False
+        return step_of(latest(self.root)) >= step
+
+    def record(self, step: int) -> dict:
+        """Rank 0's latest record up to `step` in metrics.jsonl (written by this attempt), or {}."""
+        try:
+            with open(self.metrics, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            data = b""
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        for text in lines:
+            try:
+                record = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "event" not in record and isinstance(record.get("step"), int):
+                self.records[record["step"]] = record
+        below = [s for s in self.records if s <= step]
+        return self.records[max(below)] if below else {}
+
+    def snapshot(self, step: int) -> Path | None:
+        """A hard-linked copy of the committed checkpoint of `step` (a real copy where links
+        fail), which Ray uploads and then deletes; None when it is not there."""
+        assert self.root is not None
+        source = self.root / step_name(step)
+        if step_of(latest(self.root)) < step or not (source / METADATA).is_file():
+            return None
+        target = self.root / UPLOAD_DIR / step_name(step)
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            shutil.copytree(source, target, copy_function=link_or_copy)
+        except (OSError, shutil.Error):  # pruned meanwhile
+            shutil.rmtree(target, ignore_errors=True)
+            return None
+        return target
+
+
+def link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)

@@ -62,6 +62,7 @@ def test_a_failing_rank_exits_1_with_one_line_naming_it(tmp_path: Path) -> None:
     assert "Traceback" in (out / "rank0.log").read_text(), "the rank's log keeps the traceback"
 
 
+@pytest.mark.slow
 def test_a_rank_out_of_memory_makes_the_run_an_oom(tmp_path: Path) -> None:
     """RunFailed(out_of_memory=True) from a rank's OutOfMemory, whatever the other ranks did."""
     out = tmp_path / "run"
@@ -74,6 +75,7 @@ def test_a_rank_out_of_memory_makes_the_run_an_oom(tmp_path: Path) -> None:
     assert "Traceback" not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_max_batch_probes_run_as_jobs_and_the_answer_is_printed(tmp_path: Path) -> None:
     run_dir = tmp_path / "search"
     result = run_cli(*SLURM_LOCAL, "task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT, "max_batch.resolution=8",

@@ -110,6 +110,7 @@ def test_a_killed_probe_is_recorded_and_the_search_finishes(tmp_path: Path) -> N
     assert len(probe_dirs(run_dir)) == len(record["probes"])
 
 
+@pytest.mark.slow
 def test_a_limit_below_batch_one_says_what_batch_one_needs(tmp_path: Path) -> None:
     run_dir = tmp_path / "search"
     result = run_cli("task=max_batch", "memory.limit_gb=0.3", *SMALL_VIT, f"hydra.run.dir={run_dir}", cwd=tmp_path)
@@ -123,6 +124,7 @@ def test_a_limit_below_batch_one_says_what_batch_one_needs(tmp_path: Path) -> No
     assert "Traceback" not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_a_probe_past_its_timeout_is_recorded_as_failed(tmp_path: Path) -> None:
     run_dir = tmp_path / "search"
     result = run_cli("task=max_batch", LIMIT, *SMALL_VIT, "max_batch.probe_timeout=1", f"hydra.run.dir={run_dir}",

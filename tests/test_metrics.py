@@ -43,6 +43,7 @@ def test_samples_per_s_agrees_with_wall_time(one_rank_group: Ranks) -> None:
     assert summary["warmup_only"] is False
 
 
+@pytest.mark.slow
 def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli(*SMALL_VIT, "train.steps=6", "train.log_every=1", "metrics.warmup_steps=2",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -25,12 +26,20 @@ from fsdp_exp.run import prepare
 from fsdp_exp.tasks.train import Train, train_rank
 
 
+def refuse(rank: int, reason: str) -> int:
+    """Rank 0 says why, once; the others wait a moment before exiting, since torchrun
+    stops every rank as soon as one exits, and could stop rank 0 before it has said it."""
+    if rank == 0:
+        print(f"fsdp_exp: {reason}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(2)
+    return 2
+
+
 def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -> int:
     rank = int(os.environ["RANK"])
     if any(arg in ("-m", "--multirun") for arg in argv):
-        if rank == 0:
-            print("fsdp_exp: -m (--multirun) does not run under torchrun; sweep without torchrun", file=sys.stderr)
-        return 2
+        return refuse(rank, "-m (--multirun) does not run under torchrun; sweep without torchrun")
     setup_globals()  # Hydra's ${now:...} resolver, used by hydra.run.dir
     world_size = int(os.environ["WORLD_SIZE"])
     try:
@@ -45,9 +54,7 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
             raise ConfigError("task=max_batch: starts fresh ranks for every probe, so it cannot run under "
                               "torchrun; run it as python -m fsdp_exp task=max_batch ...")
     except ConfigError as err:
-        if rank == 0:
-            print(f"fsdp_exp: {err}", file=sys.stderr)
-        return 2
+        return refuse(rank, str(err))
     resolved = plan.cfg
     resolved["environment"] = environment(resolved["device"], world_size, argv)
 
@@ -64,9 +71,7 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
     try:
         plan.task.settle(resolved, run_dir)
     except ConfigError as err:
-        if rank == 0:
-            print(f"fsdp_exp: {err}", file=sys.stderr)
-        return 2
+        return refuse(rank, str(err))
 
     try:
         figures = train_rank(resolved, run_dir)

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def framework(batch_size: int, workdir: Path) -> float:
-    out = workdir / "run"
+    out = Path(tempfile.mkdtemp(dir=workdir)) / "run"  # a fresh run directory: metrics.jsonl appends
     start = time.time()
     subprocess.run(
         [sys.executable, "-m", "fsdp_exp", "train.steps=2", "train.log_every=1", f"train.batch_size={batch_size}",

@@ -18,8 +18,11 @@ test-slow:  ## the longer end-to-end checks
 run:  ## the default experiment
 	$(BIN)/python -m fsdp_exp
 
-bench:  ## framework overhead: python -m fsdp_exp against a hand-written FSDP2 loop
+bench:  ## every benchmark (about 30 minutes on 2 CPU cores); figures go in docs/BENCHMARKS.md
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/startup.py
+	$(BIN)/python bench/checkpoint_stall.py
+	$(BIN)/python bench/max_batch_search.py
 
 clean:
 	rm -rf outputs/* .pytest_cache

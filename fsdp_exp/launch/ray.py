@@ -98,6 +98,7 @@ from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
 from fsdp_exp.config import ConfigError
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.launch.local import failure_line
+from fsdp_exp.launch.tail import NewLines
 from fsdp_exp.launch.worker import rank_log_path, run_rank
 from fsdp_exp.memory import OutOfMemory
 
@@ -391,24 +392,12 @@ class Echo:
     FILE_ONLY = (b"rank 0 is pid ", b"this rank failed")
 
     def __init__(self, path: Path, offset: int):
-        self.path = path
-        self.offset = offset
-        self.partial = b""
+        self.new_lines = NewLines(path, offset)
         self.showing = True  # whether the record the next continuation line belongs to is shown
 
     def poll(self, final: bool = False) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return
-        self.offset += len(data)
-        *lines, self.partial = (self.partial + data).split(b"\n")
-        if final and self.partial:
-            lines, self.partial = [*lines, self.partial], b""
         shown = []
-        for line in lines:
+        for line in self.new_lines.read(final):
             header = self.HEADER.match(line)
             if header:
                 self.showing = not line[header.end():].startswith(self.FILE_ONLY)
@@ -554,8 +543,7 @@ class Reporter:
             self.saves = [s for s in left if s % ckpt["every"] == 0 or s == steps]
             self.logged = {s for s in left if s % log_every == 0 or s == steps}
         self.metrics = run_dir / "metrics.jsonl"
-        self.offset = size(self.metrics)  # records of earlier attempts are not this one's
-        self.partial = b""
+        self.new_records = NewLines(self.metrics, size(self.metrics))  # not earlier attempts' records
         self.records: dict[int, dict] = {}
         self.done = threading.Event()
         self.thread: threading.Thread | None = None
@@ -607,15 +595,7 @@ class Reporter:
 
     def record(self, step: int) -> dict:
         """Rank 0's latest record up to `step` in metrics.jsonl (written by this attempt), or {}."""
-        try:
-            with open(self.metrics, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            data = b""
-        self.offset += len(data)
-        *lines, self.partial = (self.partial + data).split(b"\n")
-        for text in lines:
+        for text in self.new_records.read():
             try:
                 record = json.loads(text)
             except ValueError:

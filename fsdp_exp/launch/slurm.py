@@ -80,6 +80,7 @@ from fsdp_exp.checkpoint.files import latest
 from fsdp_exp.config import ConfigError
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.launch.local import CPU_RANKS, failure_line, threads_per_rank
+from fsdp_exp.launch.tail import NewLines
 from fsdp_exp.launch.worker import rank_log_path, run_rank
 
 log = logging.getLogger("fsdp_exp")
@@ -342,21 +343,10 @@ class Echo:
     shows them; submitit's own lines stay in its files."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
-        self.offset = 0
-        self.partial = b""
+        self.new_lines = NewLines(path)
 
     def poll(self, final: bool = False) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return
-        self.offset += len(data)
-        *lines, self.partial = (self.partial + data).split(b"\n")
-        if final and self.partial:
-            lines, self.partial = [*lines, self.partial], b""
+        lines = self.new_lines.read(final)
         text = [line.decode(errors="replace") for line in lines if not line.startswith(b"submitit ")]
         if text:
             sys.stdout.write("\n".join(text) + "\n")

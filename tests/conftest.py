@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,31 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def rank_pid(log_file: Path) -> int | None:
+    """The pid a rank writes at the top of its log ("rank 1 is pid 1234 on host")."""
+    match = re.search(r"rank \d+ is pid (\d+)", log_file.read_text()) if log_file.is_file() else None
+    return int(match.group(1)) if match else None
+
+
+def signal_at_step(runs: list[subprocess.Popen], dirs: list[Path], at_step: int, signals: dict[int, int],
+                   timeout: float = 240) -> int | None:
+    """Once the run has logged `at_step` (in whichever of `dirs` holds metrics.jsonl), send
+    each rank its signal, in the order given; the step it was signalled at, or None when
+    the runs ended or `timeout` passed first. A rank's pid is read from its log, in
+    whichever of `dirs` holds it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(run.poll() is None for run in runs):
+        metrics = [d / "metrics.jsonl" for d in dirs if (d / "metrics.jsonl").is_file()]
+        steps = [r["step"] for r in read_jsonl(metrics[0]) if "step" in r] if metrics else []
+        if steps and steps[-1] >= at_step:
+            for rank, signum in signals.items():
+                log = next(d / f"rank{rank}.log" for d in dirs if (d / f"rank{rank}.log").is_file())
+                os.kill(rank_pid(log), signum)
+            return steps[-1]
+        time.sleep(0.02)
+    return None
 
 
 @pytest.fixture

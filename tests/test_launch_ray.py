@@ -21,8 +21,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
-from tests.test_max_batch import rank_pid
+from tests.conftest import SMALL_VIT, rank_pid, read_json, read_jsonl, run_cli
 
 RAY = ["launcher=ray"]
 # 4 steps, a record and a checkpoint every 2: the Ray run reports 4 records and 2 checkpoints.

@@ -13,15 +13,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from fsdp_exp.config import ConfigError
 from fsdp_exp.launch.slurm import SlurmLauncher
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
-from tests.test_max_batch import rank_pid
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 
 SLURM_LOCAL = ["launcher=slurm", "launcher.cluster=local"]
 
@@ -130,17 +128,8 @@ def interrupt_mid_run(out: Path, overrides: list[str], at_step: int, signals: di
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
     run = subprocess.Popen([sys.executable, "-m", "fsdp_exp", *PREEMPTIBLE, *overrides, f"hydra.run.dir={out}"],
                            cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    signalled_at = None
     try:
-        deadline = time.monotonic() + 240
-        while signalled_at is None and time.monotonic() < deadline and run.poll() is None:
-            metrics = out / "metrics.jsonl"
-            steps = [r.get("step") for r in read_jsonl(metrics)] if metrics.is_file() else []
-            if steps and steps[-1] >= at_step:
-                for rank, signum in signals.items():  # rank 1 first: rank 0 leaves at once
-                    os.kill(rank_pid(out / f"rank{rank}.log"), signum)
-                signalled_at = steps[-1]
-            time.sleep(0.02)
+        signalled_at = signal_at_step([run], [out], at_step, signals)  # rank 1 first: rank 0 leaves at once
         output = run.communicate(timeout=300)[0]
     finally:
         run.kill()

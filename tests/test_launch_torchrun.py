@@ -1,8 +1,9 @@
 """launcher=torchrun: two "nodes" on this machine, one rank each, meet at a loopback
-rendezvous and train the same as the local launcher's two ranks."""
+rendezvous and train the same as the local launcher's two ranks, also across a restart."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from fsdp_exp.cli import precheck
 from fsdp_exp.config import ConfigError
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 
 RUN = [*SMALL_VIT, "train.steps=4", "train.log_every=1", "train.batch_size=8"]
 
@@ -65,3 +66,34 @@ def test_a_node_left_alone_gives_up_after_the_rendezvous_timeout(tmp_path: Path)
 def test_bad_torchrun_settings_are_refused(args: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         precheck([*SMALL_VIT, "launcher=torchrun", *args])
+
+
+@pytest.mark.slow
+def test_a_killed_rank_on_one_node_restarts_both_nodes_from_the_latest_checkpoint(tmp_path: Path) -> None:
+    """Only the killed rank's agent counts a restart; the other node's agent joins the new
+    round. Both nodes' ranks must meet in a fresh store, not in the one of the old ranks."""
+    run = [*SMALL_VIT, "train.steps=24", "train.log_every=1", "train.batch_size=8", "checkpoint=dcp",
+           "checkpoint.every=6"]
+    nodes = [*run, "launcher=torchrun", "launcher.nnodes=2", "launcher.nproc_per_node=1", "launcher.max_restarts=1",
+             f"launcher.rdzv_endpoint=localhost:{free_port()}", "launcher.rdzv_id=restart"]
+    dirs = [tmp_path / f"node{n}" for n in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-m", "fsdp_exp", *nodes, f"hydra.run.dir={d}"],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for d in dirs]
+    try:
+        killed_at = signal_at_step(procs, dirs, 8, {1: signal.SIGKILL})
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert killed_at is not None and killed_at < 24, f"rank 1 was not killed mid-run: {killed_at}"
+    assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outputs]
+    main = next(d for d in dirs if (d / "metrics.jsonl").is_file())
+    events = [r for r in read_jsonl(main / "metrics.jsonl") if r.get("event") == "resumed"]
+    assert len(events) == 1 and events[0]["step"] in range(6, killed_at + 1, 6), events
+
+    local = tmp_path / "local"
+    result = run_cli(*run, f"hydra.run.dir={local}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert read_json(main / "summary.json")["final_loss"] == pytest.approx(
+        read_json(local / "summary.json")["final_loss"], abs=1e-6)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SMALL_VIT, read_json, run_cli
+from tests.conftest import SMALL_VIT, rank_pid, read_json, run_cli
 
 LIMIT = "memory.limit_gb=0.6"
 # Probes train 3 steps, the first of them warm-up; a direct run does the same.
@@ -71,12 +71,6 @@ def test_the_boundary_trains_and_one_step_more_runs_out_of_memory(tmp_path: Path
     assert f"reusing {record['probe_count']} probe(s)" in again.stdout
     assert len(probe_dirs(run_dir)) == record["probe_count"]
     assert read_json(run_dir / "max_batch.json")["max_batch_size"] == size
-
-
-def rank_pid(log_file: Path) -> int | None:
-    """The pid a rank writes at the top of its log ("rank 1 is pid 1234 on host")."""
-    match = re.search(r"rank \d+ is pid (\d+)", log_file.read_text()) if log_file.is_file() else None
-    return int(match.group(1)) if match else None
 
 
 @pytest.mark.slow

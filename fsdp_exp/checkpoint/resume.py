@@ -1,6 +1,6 @@
-"""On the driver, before any rank starts: which checkpoint a run resumes from, and
-whether it can (complete, the same model, not already past train.steps), and whether
-the run may write into checkpoint.dir."""
+"""Which checkpoint a run resumes from. On the driver, before any rank starts: whether
+it can (complete, the same model, not already past train.steps), and whether the run
+may write into checkpoint.dir. On the ranks: where a restarted run starts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from fsdp_exp import distributed
 from fsdp_exp.checkpoint.files import (
     Checkpoint,
     CheckpointError,
@@ -71,10 +72,17 @@ def resolve_resume(cfg: dict) -> str | None:
     return str(checkpoint.path)
 
 
-def resume_point(cfg: dict) -> Path | None:
+def restart_count(device: torch.device) -> int:
+    """On a rank: how many times the launcher has restarted the ranks. The largest count
+    over the ranks: under a multi-node torchrun only the agent whose rank failed counts a
+    restart, and the other nodes' ranks just join its new round."""
+    mine = float(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return int(max(distributed.gather(mine, device)))
+
+
+def resume_point(cfg: dict, restarts: int) -> Path | None:
     """On a rank: the checkpoint to start from. After the launcher restarted the ranks
     (launcher.max_restarts), the latest in checkpoint.dir; otherwise the driver's choice."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     root = cfg["checkpoint"].get("dir")
     if restarts and root and latest(Path(root)) is not None:
         return latest(Path(root))

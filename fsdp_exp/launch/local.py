@@ -61,7 +61,8 @@ def elastic_run(task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, opt
     quiet_elastic()
     alarm_s = math.ceil(time_limit_s) if time_limit_s else None
     try:
-        return elastic_launch(LaunchConfig(**options), run_rank)(task, cfg, str(run_dir), alarm_s)
+        with fresh_store_per_restart(options["max_restarts"]):
+            return elastic_launch(LaunchConfig(**options), run_rank)(task, cfg, str(run_dir), alarm_s)
     except ChildFailedError as err:
         raise run_failed(err.failures, run_dir, time_limit_s) from None
 
@@ -88,17 +89,43 @@ def run_failed(failures: dict[int, ProcessFailure], run_dir: Path, time_limit_s:
 
 
 @contextlib.contextmanager
-def threads_per_rank(nproc: int) -> Iterator[None]:
-    """Split the cores between the ranks through OMP_NUM_THREADS, as torchrun does, but
-    in the environment the ranks start with (the elastic launcher leaves it unset)."""
-    if "OMP_NUM_THREADS" in os.environ:
+def fresh_store_per_restart(max_restarts: int) -> Iterator[None]:
+    """Restarted ranks meet in a new store, not in the one of the ranks before them.
+
+    By default the c10d rendezvous lends its own store to the ranks, and it outlives a
+    restart: the restarted ranks then find the old ranks' gloo addresses in it and hang
+    or fail connecting to them (pytorch/pytorch#135712). With sharing off, every
+    rendezvous round gives rank 0 a fresh store on a free port. Rank 0 then serves the
+    store itself, so only runs that can restart do it: a run under memory.limit_gb
+    keeps the same memory on every rank.
+    """
+    if not max_restarts:
         yield
         return
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    with scoped_env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"):
+        yield
+
+
+@contextlib.contextmanager
+def scoped_env(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment (and the ranks') for the block, unless
+    the user set it."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
     try:
         yield
     finally:
-        del os.environ["OMP_NUM_THREADS"]
+        del os.environ[name]
+
+
+@contextlib.contextmanager
+def threads_per_rank(nproc: int) -> Iterator[None]:
+    """Split the cores between the ranks through OMP_NUM_THREADS, as torchrun does, but
+    in the environment the ranks start with (the elastic launcher leaves it unset)."""
+    with scoped_env("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))):
+        yield
 
 
 def failure_line(message: Any) -> str:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from fsdp_exp import distributed
 from fsdp_exp.build import build_experiment
 from fsdp_exp.checkpoint.export import export_full_model
-from fsdp_exp.checkpoint.resume import resolve_resume, resume_point
+from fsdp_exp.checkpoint.resume import resolve_resume, restart_count, resume_point
 from fsdp_exp.memory import (
     OutOfMemory,
     allocation_failure,
@@ -56,8 +55,8 @@ def train_rank(cfg: dict, run_dir: Path) -> dict:
         apply_limit(limit_gb, ranks.device)
         if ranks.is_main:
             log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
-        resume = resume_point(cfg)
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        restarts = restart_count(ranks.device)
+        resume = resume_point(cfg, restarts)
         if restarts and ranks.is_main:
             log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
         exp = build_experiment(cfg, ranks, run_dir, resume)

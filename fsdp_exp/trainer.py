@@ -135,8 +135,8 @@ class Trainer:
         self.model.train()
         batches = iter(self.batches)
         first, warmup_end = self.start_step + 1, self.start_step + self.warmup_steps
+        self.memory.start_run()
         window = _Window(first_step=first, start=time.perf_counter(), data_wait_s=0.0)
-        self.memory.start_window()
         totals = {"steady": _Totals(), "all": _Totals()}
         run_peaks: dict[str, list[float]] = {}
         record: dict = {}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +65,29 @@ def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
     assert env["overrides"] == summary["overrides"] and "git_commit" in env
     assert summary["mfu"] is None, "a CPU has no known peak: no MFU rather than a wrong one"
     assert summary["tflops_per_device"] > 0
+
+
+# 300 MiB of 1 MiB blocks freed before training: after a large free, glibc serves such
+# blocks from its heap, which keeps the pages once they are freed.
+FREED_BEFORE_TRAINING = """
+import json, torch
+from fsdp_exp.metrics.memory import MemoryMonitor
+monitor = MemoryMonitor(torch.device("cpu"))
+torch.empty(64 * 2**20, dtype=torch.uint8)
+blocks = [torch.ones(2**20, dtype=torch.uint8) for _ in range(300)]
+kept = torch.ones(2**10)  # above the blocks in the heap
+del blocks
+before = monitor.held_gb()
+monitor.start_run()
+print(json.dumps({"before": before, "held": monitor.held_gb(), "peak": monitor.window_peaks()["peak_mem_gb"]}))
+"""
+
+
+def test_memory_freed_before_training_is_not_counted_in_the_peak() -> None:
+    out = subprocess.run([sys.executable, "-c", FREED_BEFORE_TRAINING], capture_output=True, text=True, check=True)
+    gb = json.loads(out.stdout)
+    assert gb["before"] - gb["held"] > 0.25, gb
+    assert gb["peak"] < gb["before"] - 0.25, gb
 
 
 @pytest.mark.slow

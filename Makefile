@@ -18,11 +18,12 @@ test-slow:  ## the longer end-to-end checks
 run:  ## the default experiment
 	$(BIN)/python -m fsdp_exp
 
-bench:  ## every benchmark (about 30 minutes on 2 CPU cores); figures go in docs/BENCHMARKS.md
+bench:  ## every benchmark (about 40 minutes on 2 CPU cores); figures go in docs/BENCHMARKS.md
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/startup.py
 	$(BIN)/python bench/checkpoint_stall.py
 	$(BIN)/python bench/max_batch_search.py
+	$(BIN)/python bench/memory_theory.py
 
 clean:
 	rm -rf outputs/* .pytest_cache

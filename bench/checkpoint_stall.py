@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
+from machine import default_ranks, header
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("dcp", "dcp_async", "dcp_async_pinned")
@@ -166,10 +165,9 @@ def main() -> None:
     if args.worker:
         breakdown_worker(args)
         return
-    nproc = torch.cuda.device_count() or 2
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU, {nproc} gloo ranks"
+    nproc = default_ranks()
 
-    print(f"{date.today()}  {platform.node()}  {device}  torch {torch.__version__}")
+    print(header(nproc, torch.cuda.is_available()))
     if args.breakdown:
         breakdown(args, 2)
         return

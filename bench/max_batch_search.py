@@ -18,14 +18,13 @@ of sizes it asks for and the sum of their probes' wall times.
 from __future__ import annotations
 
 import argparse
-import platform
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 from typing import Callable
 
 import torch
+from machine import header
 
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.run import prepare
@@ -95,9 +94,7 @@ def main() -> None:
                 return probe(size).outcome()
             return policy(outcome), sizes
 
-        print(f"{date.today()}  {platform.node()}  "
-              f"{torch.cuda.get_device_name(0) if plan.cfg['device'] == 'cuda' else f'CPU, {plan.nproc} gloo ranks'}"
-              f"  torch {torch.__version__}")
+        print(header(plan.nproc, plan.cfg['device'] == 'cuda'))
         print(f"overrides: {' '.join(overrides)}")
         start = time.perf_counter()
         results = {

@@ -24,16 +24,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from datetime import date
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from machine import header
 
 from fsdp_exp.models import build_model
 
@@ -114,7 +113,7 @@ def measured_peaks(size: str, overrides: list[str], batch_size: int, steps: int,
     result = subprocess.run(
         [sys.executable, "-m", "fsdp_exp", "model=gpt", f"model.size={size}", "data=synthetic_tokens",
          f"data.seq_len={seq_len}", f"train.batch_size={batch_size}", f"train.steps={steps}",
-         "train.log_every=1", "metrics.warmup_steps=1", f"launcher.nproc_per_node={RANKS}",
+         "train.log_every=1", "metrics.warmup_steps=1", "device=cpu", f"launcher.nproc_per_node={RANKS}",
          "wandb.mode=disabled", *overrides, f"hydra.run.dir={out}"],
         cwd=REPO, capture_output=True, text=True,
     )
@@ -132,15 +131,15 @@ def main() -> None:
     args = parser.parse_args()
 
     big, tiny = (shape(size, args.batch_size, args.seq_len) for size in (args.size, "tiny"))
-    print(f"{date.today()}  {platform.node()}  CPU, {RANKS} gloo ranks  torch {torch.__version__}")
+    print(header(RANKS, on_gpu=False))
     print(f"gpt {args.size} ({big.params / 1e6:.1f}M params: root unit {big.root / 1e6:.1f}M, "
           f"largest block {big.block / 1e6:.1f}M), fp32, AdamW, batch {args.batch_size}/rank x "
           f"{args.seq_len} tokens, {args.steps} steps; activations {big.activations / MB:.0f} MB")
     print("per rank, MB; measured = peak less the tiny model's run (its peak less its theory), under "
           f"{LIMIT[0]}; no limit = the same without it")
-    header = (f"{'sharding':<15} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>6} {'formula':>8} "
+    columns = (f"{'sharding':<15} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>6} {'formula':>8} "
               f"{'on top':>7} {'theory':>7} {'measured':>9} {'/formula':>9} {'/theory':>8} {'no limit':>9}")
-    print(header)
+    print(columns)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for variant, overrides in VARIANTS.items():

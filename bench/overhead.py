@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import date
 from pathlib import Path
 
 import torch
+from machine import default_ranks, header
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,10 +52,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
-    nproc = torch.cuda.device_count() or 2
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU, {nproc} gloo ranks"
+    nproc = default_ranks()
 
-    print(f"{date.today()}  {platform.node()}  {device}  torch {torch.__version__}")
+    print(header(nproc, torch.cuda.is_available()))
     print(f"default ViT, synthetic data, batch {args.batch_size}/rank, {args.steps} steps "
           f"({args.warmup} warm-up), {args.reps} alternating reps")
     print(f"{'rep':>3}  {'fsdp_exp steps/s':>16}  {'hand loop steps/s':>17}  {'ratio':>6}")

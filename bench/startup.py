@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
+from machine import default_ranks, header
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,9 +53,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
-    nproc = torch.cuda.device_count() or 2
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU, {nproc} gloo ranks"
-    print(f"{date.today()}  {platform.node()}  {device}  torch {torch.__version__}")
+    nproc = default_ranks()
+    print(header(nproc, torch.cuda.is_available()))
     print(f"default ViT, synthetic data, batch {args.batch_size}/rank, {args.reps} alternating reps")
     print(f"{'rep':>3}  {'fsdp_exp s':>10}  {'torchrun hand loop s':>20}  {'ratio':>6}")
     ours, theirs = [], []

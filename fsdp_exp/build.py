@@ -139,7 +139,7 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path, resume: Path | None
     checkpoint.attach(state)
     trainer.checkpoint = checkpoint
     if resume is not None:
-        trainer.start_step = state.load(resume)
+        trainer.start_step, trainer.start_loss = state.load(resume)
         if ranks.is_main:
             log.info("resumed from %s at step %d", resume, trainer.start_step)
 
@@ -157,7 +157,7 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path, resume: Path | None
         w = cfg["wandb"]
         wandb = Wandb(
             mode=w["mode"], project=w["project"], entity=w["entity"], group=w["group"],
-            tags=w["tags"], config=cfg, run_dir=run_dir, job_type=w["job_type"],
+            tags=w["tags"], config=cfg, run_dir=run_dir, job_type=w["job_type"], run_id=w["id"],
         )
         progress = Progress(train["steps"], done=trainer.start_step)
         trainer.sinks = [jsonl, progress, wandb]

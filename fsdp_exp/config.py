@@ -7,6 +7,7 @@ values that are well-typed but impossible, before any process starts.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
@@ -281,6 +282,7 @@ class WandbSchema:
     entity: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)
+    id: str | None = None
 
 
 @dataclass
@@ -408,6 +410,8 @@ def check(cfg: DictConfig, gpu_count: int) -> None:
                 f"step(s) must end by train.steps={cfg.train.steps}"
             )
     _at_least(cfg, "data.num_workers", 0)
+    if cfg.wandb.id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(cfg.wandb.id)):
+        raise ConfigError(f"wandb.id={cfg.wandb.id}: at most 64 letters, digits, '-' or '_'")
     _check_max_batch(cfg.max_batch)
     if cfg.train.lr <= 0:
         raise ConfigError(f"train.lr={cfg.train.lr}: must be greater than 0")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,9 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     assert isinstance(resolved, dict)
     resolved["device"] = resolve_device(resolved["device"], gpu_count)
     wandb = resolved["wandb"]
+    # The id is fixed here, once: ranks restarted or requeued from this config log to the same run.
     wandb.update(mode=resolve_wandb_mode(wandb["mode"]), tags=list(wandb["tags"]) + overrides,
-                 group=wandb["group"] or group, job_type=job_type)
+                 group=wandb["group"] or group, job_type=job_type, id=wandb["id"] or uuid.uuid4().hex[:16])
 
     launcher = build(cfg.launcher)
     sharding = build(cfg.sharding)

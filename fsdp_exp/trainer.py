@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol
@@ -15,6 +16,8 @@ from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.memory import MemoryMonitor
 from fsdp_exp.sharding import gradient_sync
 
+log = logging.getLogger("fsdp_exp")
+
 
 class Sink(Protocol):
     def log(self, record: dict) -> None: ...
@@ -26,7 +29,7 @@ class Checkpointer(Protocol):
     blocked_s: list[float]
 
     def before_update(self) -> None: ...
-    def after_step(self, step: int, last: bool) -> None: ...
+    def after_step(self, step: int, last: bool, loss: torch.Tensor) -> None: ...
     def close(self) -> None: ...
 
 
@@ -65,12 +68,13 @@ class Trainer:
         lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
         checkpoint: Checkpointer | None = None,
         start_step: int = 0,
+        start_loss: float | None = None,
     ):
         """`batches` yields micro-batches of `batch_size // grad_accum` samples; one step
         takes `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
         `flops_per_step`: this rank's FLOPs per optimizer step; with `peak_tflops`, MFU.
         `start_step`: the step a resumed run continues after (its first `warmup_steps`
-        steps are warm-up again)."""
+        steps are warm-up again); `start_loss`: the loss the checkpoint saved at it."""
         self.model = model
         self.optimizer = optimizer
         self.batches = batches
@@ -89,6 +93,7 @@ class Trainer:
         self.lr_schedule = lr_schedule
         self.checkpoint = checkpoint
         self.start_step = start_step
+        self.start_loss = start_loss
         self.memory = MemoryMonitor(ranks.device)
         self.data_wait_s = 0.0
 
@@ -132,6 +137,8 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train; return the run's figures: steady-state means and the run's peaks."""
+        if self.start_step >= self.steps:
+            return self._nothing_to_train()
         self.model.train()
         batches = iter(self.batches)
         first, warmup_end = self.start_step + 1, self.start_step + self.warmup_steps
@@ -147,7 +154,7 @@ class Trainer:
             for hook in self.hooks:
                 hook.after_step(step)
             if self.checkpoint is not None:
-                self.checkpoint.after_step(step, last=step == self.steps)
+                self.checkpoint.after_step(step, last=step == self.steps, loss=loss)
             logged = step % self.log_every == 0 or step == self.steps
             if logged or step == warmup_end:  # a window never straddles warm-up
                 record, per_rank = self._record(step, loss, window, warmup_end)
@@ -181,6 +188,16 @@ class Trainer:
             summary["checkpoint_saves"] = len(saves)
             summary["checkpoint_blocked_s"] = max(distributed.gather(sum(saves) / len(saves), self.ranks.device))
         return summary
+
+    def _nothing_to_train(self) -> dict:
+        """A restart after the final checkpoint (a rank died, or the job was preempted, after
+        the last step): no step is left, so no throughput either; the loss is the saved one."""
+        if self.ranks.is_main:
+            log.warning("resumed at step %d of %d: nothing left to train", self.start_step, self.steps)
+        if self.checkpoint is not None:
+            self.checkpoint.close()
+        return {"steps": self.steps, "resumed_from_step": self.start_step, "final_loss": self.start_loss,
+                "world_size": self.ranks.world_size, "global_batch_size": self.global_batch}
 
     def _record(self, step: int, loss: torch.Tensor, window: _Window,
                 warmup_end: int) -> tuple[dict, dict[str, list[float]]]:

@@ -29,7 +29,10 @@ from fsdp_exp.checkpoint.files import latest, open_checkpoint
 from fsdp_exp.checkpoint.resume import resolve_resume
 from fsdp_exp.cli import compose_checked, precheck
 from fsdp_exp.config import ConfigError
+from fsdp_exp.launch.local import LocalLauncher
 from fsdp_exp.models import build_model
+from fsdp_exp.run import prepare
+from tests import rank_tasks
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 from tests.test_data import make_dataset
 
@@ -145,6 +148,28 @@ def test_a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_the_same(
     assert len(events) == 1 and events[0]["step"] in range(EVERY, killed_at + 1, EVERY), events
     final = read_json(out / "summary.json")["final_loss"]
     assert abs(final - read_json(reference / "summary.json")["final_loss"]) <= 1e-6
+
+
+
+def test_a_restart_after_the_final_checkpoint_trains_nothing_and_keeps_the_loss_and_the_wandb_run(
+        tmp_path: Path) -> None:
+    """Rank 1 dies after the last step, once its checkpoint is saved: the restarted ranks
+    resume at train.steps, train no step, and report the loss saved with that checkpoint.
+    Both attempts log to one wandb run id (offline: one run directory each)."""
+    overrides = [*COMMON, "train.steps=4", "checkpoint.every=2", "checkpoint=dcp", "train.batch_size=8",
+                 "launcher.max_restarts=1", "wandb.mode=offline"]
+    plan = prepare(compose_checked(overrides), 0, overrides)
+    out = tmp_path / "run"
+    plan.task.settle(plan.cfg, out)
+    summary = LocalLauncher(max_restarts=1).launch(rank_tasks.train_then_rank1_dies_once, plan.cfg, out, plan.nproc)
+
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records if r.get("event") == "resumed"] == [4], records
+    assert "nothing left to train" in (out / "rank0.log").read_text()
+    assert summary["resumed_from_step"] == 4 and "samples_per_s" not in summary, summary
+    assert summary["final_loss"] == [r["loss"] for r in records if r.get("step") == 4 and "loss" in r][-1]
+    attempts = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 2 and {a.name.rsplit("-", 1)[1] for a in attempts} == {plan.cfg["wandb"]["id"]}, attempts
 
 
 # One rank saving a 200 MB state (a 4096 x 4096 layer and its AdamW moments) twice.

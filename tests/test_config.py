@@ -25,6 +25,7 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["train.lr=fast"], "train.lr=fast: must be a number"),
         (["offload=maybe"], "offload=maybe: must be true or false"),
         (["wandb.mode=loud"], "wandb.mode=loud: choose one of: auto, online, offline, disabled"),
+        (["wandb.id=run/1"], "wandb.id=run/1: at most 64 letters, digits, '-' or '_'"),
         (["precision.param_dtype=int8"], "choose one of: float32, bfloat16, float16"),
         (["train.foo=1"], "train.foo: unknown key; train has: activation_checkpointing, batch_size, compile, grad_accum"),
         (["+train.foo=1"], "train.foo: unknown key; train has: activation_checkpointing, batch_size, compile, grad_accum"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from fsdp_exp.checkpoint.dcp import DCPCheckpoint
 from fsdp_exp.checkpoint.files import CheckpointError
 from fsdp_exp.checkpoint.state import TrainState
@@ -27,7 +29,7 @@ class NoCheckpoint:
     def before_update(self) -> None:
         pass
 
-    def after_step(self, step: int, last: bool) -> None:
+    def after_step(self, step: int, last: bool, loss: torch.Tensor) -> None:
         pass
 
     def close(self) -> None:

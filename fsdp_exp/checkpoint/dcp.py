@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from fsdp_exp import distributed
 from fsdp_exp.checkpoint.files import mark_latest, prune, step_name
 from fsdp_exp.checkpoint.state import TrainState
 
@@ -72,17 +74,18 @@ class DCPCheckpoint:
             self._staging = None
             self.blocked_s[-1] += time.perf_counter() - start
 
-    def after_step(self, step: int, last: bool) -> None:
+    def after_step(self, step: int, last: bool, loss: torch.Tensor) -> None:
         if self._pending is not None and self._pending[1].done():
             self._finish_pending()
         if step % self.every == 0 or last:
-            self.save(step)
+            self.save(step, loss)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, loss: torch.Tensor | None = None) -> None:
+        """Collective. `loss`: this rank's loss at `step`; their mean is saved with it."""
         start = time.perf_counter()
         self._finish_pending()
         path = self.root / step_name(step)
-        self.state.write_small_state(path, step)
+        self.state.write_small_state(path, step, distributed.mean(loss) if loss is not None else None)
         tensors = self.state.tensors()
         if self.mode == "sync":
             dcp.save(tensors, checkpoint_id=path)

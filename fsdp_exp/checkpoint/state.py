@@ -2,7 +2,7 @@
 
 Tensors (the sharded model and optimizer state) go through DCP, so each rank writes and
 reads only its shards, at any world size. The rest is small and goes in JSON, never a
-pickle: the step, the data position, the LR schedule, the loss scale, the model config
+pickle: the step, the mean loss at it, the data position, the LR schedule, the loss scale, the model config
 (rank 0's train_state.json) and each rank's RNG state (rng_rank<N>.json).
 """
 
@@ -42,12 +42,13 @@ class TrainState:
         model_state, optim_state = get_state_dict(unwrap(self.model), self.optimizer)
         return {"model": model_state, "optim": optim_state}
 
-    def write_small_state(self, path: Path, step: int) -> None:
+    def write_small_state(self, path: Path, step: int, loss: float | None = None) -> None:
         """train_state.json (rank 0) and this rank's RNG state, before the tensors."""
         path.mkdir(parents=True, exist_ok=True)
         if self.ranks.is_main:
             state = {
                 "step": step,
+                "loss": loss,
                 "world_size": self.ranks.world_size,
                 "data": self.batches.state_dict() if self.batches is not None else None,
                 "lr_schedule": _plain(self.lr_schedule.state_dict()) if self.lr_schedule else None,
@@ -57,8 +58,9 @@ class TrainState:
             write_atomically(path / TRAIN_STATE, json.dumps(state, indent=1))
         write_atomically(path / f"rng_rank{self.ranks.rank}.json", json.dumps(_rng_state(self.ranks.device)))
 
-    def load(self, path: Path) -> int:
-        """Restore everything from the checkpoint at `path`; the step it was saved at."""
+    def load(self, path: Path) -> tuple[int, float | None]:
+        """Restore everything from the checkpoint at `path`; the step it was saved at, and
+        the loss at that step (None in a checkpoint that did not save it)."""
         state = self.tensors()
         dcp.load(state, storage_reader=SafeReader(path))
         set_state_dict(unwrap(self.model), self.optimizer,
@@ -75,7 +77,7 @@ class TrainState:
             _set_rng_state(json.loads(rng.read_text()), self.ranks.device)
         elif self.ranks.is_main:
             log.info("saved by %d rank(s): ranks beyond them start new random streams", saved["world_size"])
-        return int(saved["step"])
+        return int(saved["step"]), saved.get("loss")
 
 
 def _plain(state: dict) -> dict:

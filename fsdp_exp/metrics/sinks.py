@@ -88,10 +88,15 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 class Wandb:
-    """Mirrors the records to one wandb run. A wandb failure is one warning; training goes on."""
+    """Mirrors the records to one wandb run. A wandb failure is one warning; training goes on.
+
+    `run_id` is the same for every attempt of a run (restarts, requeues): online, a restarted
+    run continues its wandb run; offline (wandb cannot resume there), each attempt is one
+    offline run directory under that id.
+    """
 
     def __init__(self, mode: str, project: str, entity: str | None, group: str | None,
-                 tags: list[str], config: dict, run_dir: Path, job_type: str):
+                 tags: list[str], config: dict, run_dir: Path, job_type: str, run_id: str | None = None):
         self.run: Any = None
         if mode == "disabled":
             return
@@ -102,6 +107,7 @@ class Wandb:
                 mode=mode, project=project, entity=entity, group=group,
                 tags=[t[:64] for t in tags] or None,  # wandb caps a tag at 64 characters
                 config=config, dir=str(run_dir), job_type=job_type, name=run_dir.name,
+                id=run_id, resume="allow" if run_id and mode == "online" else None,
                 settings=wandb.Settings(silent=True, console="off"),
             )
         except Exception as err:  # noqa: BLE001 - any wandb failure must not stop training

@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install test test-slow run bench clean
+.PHONY: install test test-slow run bench bench-gpu clean
 
 install:  ## make .venv and install the package editable with its dev extras
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ bench:  ## every benchmark (about 40 minutes on 2 CPU cores); figures go in docs
 	$(BIN)/python bench/checkpoint_stall.py
 	$(BIN)/python bench/max_batch_search.py
 	$(BIN)/python bench/memory_theory.py
+
+bench-gpu:  ## GPT throughput and MFU, and the FSDP blog's max-batch table, on one GPU
+	$(BIN)/python bench/gpu.py
 
 clean:
 	rm -rf outputs/* .pytest_cache

@@ -15,5 +15,5 @@ def default_ranks() -> int:
 
 
 def header(nproc: int, on_gpu: bool) -> str:
-    device = torch.cuda.get_device_name(0) if on_gpu else f"CPU, {nproc} gloo ranks"
+    device = torch.cuda.get_device_name(0) if on_gpu else f"CPU, {nproc} gloo rank{'s' if nproc != 1 else ''}"
     return f"{date.today()}  {platform.node()}  {device}  torch {torch.__version__}"

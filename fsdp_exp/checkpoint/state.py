@@ -2,8 +2,8 @@
 
 Tensors (the sharded model and optimizer state) go through DCP, so each rank writes and
 reads only its shards, at any world size. The rest is small and goes in JSON, never a
-pickle: the step, the mean loss at it, the data position, the LR schedule, the loss scale, the model config
-(rank 0's train_state.json) and each rank's RNG state (rng_rank<N>.json).
+pickle: the step, the mean loss at it, the data position, the LR schedule, the loss scale,
+the model config (rank 0's train_state.json) and each rank's RNG state (rng_rank<N>.json).
 """
 
 from __future__ import annotations

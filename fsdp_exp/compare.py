@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from fsdp_exp.metrics.sinks import wandb_project
 
 EXIT_BAD_INPUT = 2
 NOT_FINISHED = "no summary.json: the run did not finish (interrupted or still running)"
@@ -86,8 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", help="where to write comparison.md/.csv/.png (default: the one "
                         "directory of runs given, else outputs/compare/<date>_<time>)")
     parser.add_argument("--wandb", metavar="GROUP", help="also compare the runs of this wandb group")
-    parser.add_argument("--project", default="fsdp_exp", help="wandb project (default: fsdp_exp)")
-    parser.add_argument("--entity", help="wandb entity (default: your default entity)")
+    parser.add_argument("--project", default=wandb_project(), help="wandb project (default: WANDB_PROJECT, else fsdp_exp)")
+    parser.add_argument("--entity", default=os.environ.get("WANDB_ENTITY") or None,
+                        help="wandb entity (default: WANDB_ENTITY, else your default entity)")
     args = parser.parse_args(argv)
     if not args.paths and not args.wandb:
         parser.error("give at least one PATH or --wandb GROUP")

@@ -278,7 +278,7 @@ class MaxBatchSchema:
 @dataclass
 class WandbSchema:
     mode: WandbMode = MISSING
-    project: str = MISSING
+    project: str | None = None
     entity: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from fsdp_exp.config import ConfigError
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.memory import check_limit
 from fsdp_exp.metrics.environment import environment
-from fsdp_exp.metrics.sinks import resolve_wandb_mode, summary_table, write_summary
+from fsdp_exp.metrics.sinks import resolve_wandb, summary_table, write_summary
 
 log = logging.getLogger("fsdp_exp")
 
@@ -87,10 +86,7 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     resolved = OmegaConf.to_container(experiment, resolve=True, enum_to_str=True)
     assert isinstance(resolved, dict)
     resolved["device"] = resolve_device(resolved["device"], gpu_count)
-    wandb = resolved["wandb"]
-    # The id is fixed here, once: ranks restarted or requeued from this config log to the same run.
-    wandb.update(mode=resolve_wandb_mode(wandb["mode"]), tags=list(wandb["tags"]) + overrides,
-                 group=wandb["group"] or group, job_type=job_type, id=wandb["id"] or uuid.uuid4().hex[:16])
+    resolved["wandb"] = resolve_wandb(resolved["wandb"], overrides, group, job_type)
 
     launcher = build(cfg.launcher)
     sharding = build(cfg.sharding)

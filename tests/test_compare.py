@@ -186,15 +186,17 @@ def test_nothing_usable_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -
 
 
 def test_wandb_without_a_key_is_one_clear_line(tmp_path: Path) -> None:
+    """The project and entity default to WANDB_PROJECT and WANDB_ENTITY, as for the runs."""
     result = run_cli("--wandb", "somegroup", cwd=tmp_path, module=COMPARE, timeout=120,
                      extra_env={"WANDB_API_KEY": "", "WANDB_MODE": "offline", "HOME": str(tmp_path),
-                                "NETRC": str(tmp_path / "no.netrc")})
+                                "NETRC": str(tmp_path / "no.netrc"), "WANDB_PROJECT": "sweeps",
+                                "WANDB_ENTITY": "team"})
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("fsdp_exp.compare: --wandb somegroup: could not read the group's runs "
-                               "from wandb project fsdp_exp (")
+                               "from wandb project team/sweeps (")
     assert "API key" in lines[0]
 
 

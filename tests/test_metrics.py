@@ -116,16 +116,64 @@ def test_flops_are_counted_and_match_the_analytic_count_for_gpt(tmp_path: Path) 
 
 
 def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:
+    """The project comes from WANDB_PROJECT, as the config leaves it open."""
     out = tmp_path / "run"
     result = run_cli(*SMALL_VIT, "wandb.mode=offline", "train.steps=4", "train.log_every=2",
-                     f"hydra.run.dir={out}", cwd=tmp_path)
+                     f"hydra.run.dir={out}", cwd=tmp_path, extra_env={"WANDB_PROJECT": "project_from_env"})
     assert result.returncode == 0, result.stderr
     (log_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     data = log_file.read_bytes()  # wandb's record log: protobuf strings are stored as-is
     metric_keys = (b"samples_per_s", b"peak_mem_gb", b"step_time_s", b"data_wait_share", b"loss")
     summary_and_config = (b"final_loss", b"environment", b"model.num_layers=2")  # the tag too
-    for key in metric_keys + summary_and_config:
+    for key in metric_keys + summary_and_config + (b"project_from_env",):
         assert key in data, key
+
+
+def test_wandb_mode_from_the_environment_disables_wandb(tmp_path: Path) -> None:
+    """wandb.mode=auto (the default) with WANDB_MODE=disabled: no wandb run, not even offline."""
+    out = tmp_path / "run"
+    result = run_cli(*SMALL_VIT[:1], "train.steps=2", f"hydra.run.dir={out}", cwd=tmp_path,
+                     extra_env={"WANDB_MODE": "disabled", "WANDB_API_KEY": ""})
+    assert result.returncode == 0, result.stderr
+    assert read_json(out / "summary.json")["status"] == "ok"
+    assert not (out / "wandb").exists()
+
+
+WANDB_ENV = ("WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_API_KEY")
+
+
+@pytest.mark.parametrize(
+    "overrides, env, expected",
+    [
+        ([], {}, ("offline", "fsdp_exp", None)),
+        ([], {"WANDB_API_KEY": "k" * 40}, ("online", "fsdp_exp", None)),
+        ([], {"WANDB_MODE": "disabled", "WANDB_PROJECT": "p", "WANDB_ENTITY": "e"}, ("disabled", "p", "e")),
+        ([], {"WANDB_MODE": "offline", "WANDB_API_KEY": "k" * 40}, ("offline", "fsdp_exp", None)),
+        ([], {"WANDB_MODE": "dryrun"}, ("offline", "fsdp_exp", None)),  # wandb's older name
+        (["wandb.mode=offline", "wandb.project=mine", "wandb.entity=team"],  # the config wins
+         {"WANDB_MODE": "online", "WANDB_PROJECT": "p", "WANDB_ENTITY": "e"}, ("offline", "mine", "team")),
+    ],
+)
+def test_wandb_settings_the_config_leaves_open_come_from_the_environment(
+        overrides: list[str], env: dict, expected: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver resolves them once (prepare), and every rank gets the result."""
+    from fsdp_exp.cli import compose_config
+    from fsdp_exp.run import prepare
+
+    monkeypatch.setenv("NETRC", str(tmp_path / "no.netrc"))
+    for name in WANDB_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    wandb = prepare(compose_config(overrides), 0, overrides).cfg["wandb"]
+    assert (wandb["mode"], wandb["project"], wandb["entity"]) == expected
+
+
+def test_a_bad_wandb_mode_in_the_environment_is_one_line(tmp_path: Path) -> None:
+    result = run_cli("--cfg", "job", cwd=tmp_path, extra_env={"WANDB_MODE": "loud"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "fsdp_exp: WANDB_MODE=loud: with wandb.mode=auto, choose one of: online, offline, disabled"]
 
 
 @pytest.mark.slow

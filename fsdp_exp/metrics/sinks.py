@@ -6,9 +6,12 @@ import json
 import logging
 import os
 import sys
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
+
+from fsdp_exp.config import ConfigError
 
 log = logging.getLogger("fsdp_exp")
 
@@ -78,10 +81,44 @@ class Progress:
             self.bar.close()
 
 
-def resolve_wandb_mode(mode: str) -> str:
-    """`auto`: online when an API key is configured (WANDB_API_KEY or ~/.netrc), else offline."""
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def resolve_wandb(settings: dict, overrides: list[str], group: str | None, job_type: str) -> dict:
+    """The run's wandb settings, fixed once on the driver, so every rank, restart and
+    requeue logs the same run to the same place.
+
+    Where the config leaves them open, wandb's environment variables decide, as in wandb
+    itself: mode `auto` is WANDB_MODE, else online when an API key is configured, else
+    offline; project null is WANDB_PROJECT, else fsdp_exp; entity null is WANDB_ENTITY,
+    else the key's default entity. The group defaults to the sweep, the overrides join the
+    tags, and the id is drawn here.
+    """
+    return {
+        **settings,
+        "mode": wandb_mode(settings["mode"]),
+        "project": settings["project"] or wandb_project(),
+        "entity": settings["entity"] or os.environ.get("WANDB_ENTITY") or None,
+        "group": settings["group"] or group,
+        "tags": [*settings["tags"], *overrides],
+        "job_type": job_type,
+        "id": settings["id"] or uuid.uuid4().hex[:16],
+    }
+
+
+def wandb_project() -> str:
+    return os.environ.get("WANDB_PROJECT") or "fsdp_exp"
+
+
+def wandb_mode(mode: str) -> str:
     if mode != "auto":
         return mode
+    from_env = os.environ.get("WANDB_MODE")
+    if from_env:
+        env_mode = {"dryrun": "offline", "run": "online"}.get(from_env, from_env)  # wandb's older names
+        if env_mode not in WANDB_MODES:
+            raise ConfigError(f"WANDB_MODE={from_env}: with wandb.mode=auto, choose one of: {', '.join(WANDB_MODES)}")
+        return env_mode
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     has_key = bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
     return "online" if has_key else "offline"

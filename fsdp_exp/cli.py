@@ -7,10 +7,13 @@ and WORLD_SIZE (started by an external torchrun) acts as one worker instead.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
@@ -19,6 +22,7 @@ from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -43,6 +47,7 @@ EXIT_RUN_FAILED = 1
 config.register()
 failed_runs: list[str] = []
 runs_started = 0
+ran_elsewhere = False  # a launcher plugin ran the runs; their own lines went to its logs
 
 
 def main() -> None:
@@ -56,7 +61,7 @@ def main() -> None:
         print(f"fsdp_exp: {err}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
     hydra_main()
-    if failed_runs and runs_started > 1:  # a single run has already said why
+    if failed_runs and (runs_started > 1 or ran_elsewhere):  # a single run here has already said why
         print(f"fsdp_exp: {len(failed_runs)} of {runs_started} runs failed:", file=sys.stderr)
         for line in failed_runs:
             print(f"  {line}", file=sys.stderr)
@@ -84,6 +89,31 @@ def hydra_main(cfg: DictConfig) -> None:
     )
     if summary["status"] != "ok":
         failed_runs.append(f"{hc.runtime.output_dir}: {summary.get('error', summary['status'])}")
+
+
+class SweepOutcome(Callback):
+    """Counts a sweep's runs and failures when Hydra's launcher plugin ran them in other
+    processes (hydra/launcher=submitit_local, submitit_slurm), where hydra_main's count is
+    not seen: from the summary.json each run wrote. conf/config.yaml sets it."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.start = time.time() - 1  # file times may be whole seconds
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        global runs_started, ran_elsewhere
+        if runs_started:  # the runs ran in this process, and hydra_main counted them
+            return
+        sweep = Path(config.hydra.sweep.dir).absolute()
+        made = [p.parent for p in [*sweep.glob("*/.hydra"), *sweep.glob("*/*/.hydra")] if p.stat().st_mtime >= self.start]
+        for run_dir in sorted(made, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]):
+            runs_started += 1
+            ran_elsewhere = True
+            if not (run_dir / "summary.json").is_file():
+                failed_runs.append(f"{run_dir}: no summary.json: the run did not finish (see the launcher's logs)")
+                continue
+            summary = json.loads((run_dir / "summary.json").read_text())
+            if summary["status"] != "ok":
+                failed_runs.append(f"{run_dir}: {summary.get('error', summary['status'])}")
 
 
 def precheck(argv: list[str]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
 
 
@@ -59,3 +61,36 @@ def test_offload_and_fp16_train(tmp_path: Path) -> None:
     assert summary["status"] == "ok" and summary["world_size"] == 2
     assert all(r["loss"] == r["loss"] for r in read_jsonl(out / "metrics.jsonl")), "NaN loss"
     assert json.loads((out / "summary.json").read_text())["choices"]["precision"] == "fp16"
+
+
+# Hydra's submitit launcher plugin, on this machine; one rank per run keeps it small.
+SUBMITIT_LOCAL = ["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", "launcher.nproc_per_node=1",
+                  *SMALL_VIT, "train.steps=2"]
+
+
+def test_a_sweep_under_hydras_submitit_launcher_runs_its_runs_at_the_same_time(tmp_path: Path) -> None:
+    result = run_cli(*SUBMITIT_LOCAL, "sharding=full,ddp", cwd=tmp_path, timeout=400)
+    assert result.returncode == 0, result.stderr
+    (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    assert (sweep / ".submitit").is_dir(), "the plugin did not launch the runs"
+    runs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert [p.name for p in runs] == ["0", "1"]
+    summaries = [read_json(run / "summary.json") for run in runs]
+    assert [s["status"] for s in summaries] == ["ok", "ok"], summaries
+    assert {s["choices"]["sharding"] for s in summaries} == {"full", "ddp"}
+    started = [(run / ".hydra").stat().st_mtime for run in runs]
+    ended = [(run / "summary.json").stat().st_mtime for run in runs]
+    assert max(started) < min(ended), "the runs did not overlap"
+
+
+@pytest.mark.slow
+def test_a_failed_run_under_hydras_submitit_launcher_fails_the_command(tmp_path: Path) -> None:
+    """The runs ran in submitit's processes; the command still lists the failed one and exits 1."""
+    result = run_cli(*SUBMITIT_LOCAL, "memory.limit_gb=0.5", "train.batch_size=2048,16", cwd=tmp_path, timeout=400)
+    assert result.returncode == 1, result.stderr
+    (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == "fsdp_exp: 1 of 2 runs failed:", result.stderr
+    assert lines[1].startswith(f"  {sweep / '0'}: rank 0 failed: OutOfMemory: ran out of memory under memory.limit_gb=0.5")
+    assert read_json(sweep / "0" / "summary.json")["status"] == "oom"
+    assert read_json(sweep / "1" / "summary.json")["status"] == "ok"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config
@@ -125,7 +126,15 @@ def precheck(argv: list[str]) -> None:
     parsed = [parse_override(text) for text in args.overrides]
     runs = BasicSweeper.split_arguments(parsed, None)[0] if args.multirun else [args.overrides]
     for overrides in runs:
-        compose_checked(list(overrides), config_name)
+        check_launcher_plugin(compose_checked(list(overrides), config_name))
+
+
+def check_launcher_plugin(cfg: DictConfig) -> None:
+    """Without SLURM, Hydra's SLURM launcher plugin fails in submitit with a traceback."""
+    plugin = str(OmegaConf.select(cfg, "hydra.launcher._target_", default=""))
+    if plugin.endswith("submitit_launcher.SlurmLauncher") and shutil.which("srun") is None:
+        raise ConfigError("hydra/launcher=submitit_slurm: no SLURM here (srun not found); "
+                          "use hydra/launcher=submitit_local to try it on this machine")
 
 
 def parse_override(text: str) -> Override:

@@ -87,6 +87,23 @@ def test_sharding_none_stands_in_for_the_ranks_it_replaces() -> None:
     assert plan.nproc == 1 and plan.cfg["train"]["batch_size"] == 3 * 32
 
 
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["hydra/launcher=nope"], "hydra/launcher=nope: no such option; choose one of: basic, submitit_local, submitit_slurm"),
+        (["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=abc"], "hydra.launcher.timeout_min=abc: must be an integer"),
+        (["hydra/launcher=submitit_slurm"], "hydra/launcher=submitit_slurm: no SLURM here (srun not found); "
+                                            "use hydra/launcher=submitit_local to try it on this machine"),
+    ],
+)
+def test_hydras_launcher_plugins_are_checked_with_the_runs(
+        overrides: list[str], expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun
+    with pytest.raises(ConfigError) as err:
+        precheck(["-m", *overrides, "sharding=full,ddp"])
+    assert str(err.value) == expected
+
+
 def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:
     with pytest.raises(ConfigError, match="train.steps=0: must be at least 1"):
         precheck(["-m", "sharding=full,grad_op", "train.steps=5,0"])

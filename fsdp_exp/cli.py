@@ -130,9 +130,15 @@ def precheck(argv: list[str]) -> None:
 
 
 def check_launcher_plugin(cfg: DictConfig) -> None:
-    """Without SLURM, Hydra's SLURM launcher plugin fails in submitit with a traceback."""
+    """Hydra's submitit plugins run each run as one task, which starts the run's ranks itself."""
     plugin = str(OmegaConf.select(cfg, "hydra.launcher._target_", default=""))
-    if plugin.endswith("submitit_launcher.SlurmLauncher") and shutil.which("srun") is None:
+    if not plugin.startswith("hydra_plugins.hydra_submitit_launcher."):
+        return
+    for key in ("nodes", "tasks_per_node"):
+        if cfg.hydra.launcher[key] != 1:
+            raise ConfigError(f"hydra.launcher.{key}={cfg.hydra.launcher[key]}: must be 1 (each run is one task that "
+                              "starts its ranks on one node); for a run across nodes, use launcher=slurm")
+    if plugin.endswith(".SlurmLauncher") and shutil.which("srun") is None:  # else a traceback from submitit
         raise ConfigError("hydra/launcher=submitit_slurm: no SLURM here (srun not found); "
                           "use hydra/launcher=submitit_local to try it on this machine")
 

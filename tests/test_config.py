@@ -94,6 +94,10 @@ def test_sharding_none_stands_in_for_the_ranks_it_replaces() -> None:
         (["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=abc"], "hydra.launcher.timeout_min=abc: must be an integer"),
         (["hydra/launcher=submitit_slurm"], "hydra/launcher=submitit_slurm: no SLURM here (srun not found); "
                                             "use hydra/launcher=submitit_local to try it on this machine"),
+        (["hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"], "hydra.launcher.tasks_per_node=2: must "
+         "be 1 (each run is one task that starts its ranks on one node); for a run across nodes, use launcher=slurm"),
+        (["hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2"], "hydra.launcher.nodes=2: must be 1 (each run is "
+         "one task that starts its ranks on one node); for a run across nodes, use launcher=slurm"),
     ],
 )
 def test_hydras_launcher_plugins_are_checked_with_the_runs(

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import math
+from enum import Enum
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-SCHEDULES = ("constant", "cosine")
+
+class LrSchedule(str, Enum):
+    def __str__(self) -> str:
+        return self.value
+
+    constant = "constant"
+    cosine = "cosine"
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int) -> LambdaLR:

@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
+import uuid
 import warnings
+from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from fsdp_exp.errors import ConfigError
 
 log = logging.getLogger("fsdp_exp")
 
@@ -78,10 +84,49 @@ class Progress:
             self.bar.close()
 
 
+class WandbMode(str, Enum):
+    def __str__(self) -> str:
+        return self.value
+
+    auto = "auto"
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+@dataclass
+class WandbSettings:
+    """conf/wandb/*: one wandb run per experiment, mirroring metrics.jsonl."""
+
+    mode: WandbMode = WandbMode.auto  # auto: online with an API key, else offline
+    project: str = "fsdp_exp"
+    entity: str | None = None
+    group: str | None = None  # None: the multirun sweep's directory, or none for a single run
+    tags: list[str] = field(default_factory=list)  # the overrides are added
+    id: str | None = None  # None: a new run id, kept by restarts and requeues; or a run to continue (online)
+
+    def __post_init__(self) -> None:
+        self.job_type = "train"  # the task, set by the driver
+        if self.id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(self.id)):
+            raise ConfigError(f"wandb.id={self.id}: at most 64 letters, digits, '-' or '_'")
+
+    def for_run(self, overrides: list[str], group: str | None, job_type: str) -> WandbSettings:
+        """What every attempt of one run logs with. The id is drawn here, once: ranks
+        restarted or requeued from this run log to the same wandb run."""
+        settings = replace(self, mode=WandbMode(resolve_wandb_mode(self.mode)), tags=[*self.tags, *overrides],
+                           group=self.group or group, id=self.id or uuid.uuid4().hex[:16])
+        settings.job_type = job_type
+        return settings
+
+    def sink(self, config: dict, run_dir: Path) -> Wandb:
+        return Wandb(mode=self.mode, project=self.project, entity=self.entity, group=self.group, tags=self.tags,
+                     config=config, run_dir=run_dir, job_type=self.job_type, run_id=self.id)
+
+
 def resolve_wandb_mode(mode: str) -> str:
     """`auto`: online when an API key is configured (WANDB_API_KEY or ~/.netrc), else offline."""
     if mode != "auto":
-        return mode
+        return str(WandbMode(mode).value)
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     has_key = bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
     return "online" if has_key else "offline"

@@ -119,6 +119,14 @@ class TextSchema(DataSchema):
 
 
 @dataclass
+class TokenFileSchema(DataSchema):
+    path: str | None = None
+    seq_len: int = MISSING
+    stride: int | None = None
+    vocab_size: int = MISSING
+
+
+@dataclass
 class TorchvisionSchema(DataSchema):
     name: str = MISSING
     root: str = MISSING
@@ -318,6 +326,7 @@ def register() -> None:
         ("data", "synthetic", SyntheticSchema),
         ("data", "synthetic_tokens", SyntheticTokensSchema),
         ("data", "text", TextSchema),
+        ("data", "token_file", TokenFileSchema),
         ("data", "torchvision", TorchvisionSchema),
         ("sharding", "fully_shard", FullyShardSchema),
         ("sharding", "hybrid", HybridShardSchema),
@@ -455,7 +464,8 @@ def _check_model_fits_data(cfg: DictConfig) -> None:
     language_model = "vocab_size" in cfg.model
     token_data = "seq_len" in cfg.data
     if language_model and not token_data:
-        raise ConfigError("data: this model reads tokens; use data=synthetic_tokens or data=text")
+        raise ConfigError("data: this model reads tokens; use data=synthetic_tokens or data=text, "
+                          "or data=token_file for uint16 .bin files")
     if token_data and not language_model:
         raise ConfigError("data: this model reads images; use data=synthetic, mnist or fashion_mnist")
     if language_model:
@@ -467,4 +477,5 @@ def _check_model_fits_data(cfg: DictConfig) -> None:
         if data_vocab > cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size}: smaller than the data's {data_vocab} tokens"
+                + (f" (data.vocab_size={data_vocab})" if "vocab_size" in cfg.data else "")
             )

@@ -103,6 +103,7 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     nproc = world if sharding.distributed else 1
     if ranks_run_here(cfg.launcher):
         check_limit(cfg.memory.limit_gb, resolved["device"], 1 if resolved["device"] == "cuda" else nproc)
+        build(cfg.data)  # the data's own checks, such as data=token_file's files
     task = build(cfg.task)
     task.check(resolved)
     if not sharding.distributed:

@@ -35,6 +35,7 @@ class Eval:
             open_checked(path, cfg["model"], "task.weights")
         elif not path.is_file():
             raise ConfigError(f"task.weights={path}: no such file or checkpoint")
+        instantiate(cfg["data"]).eval_dataset()  # a missing held-out split is refused before the run
 
     @torch.no_grad()
     def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:

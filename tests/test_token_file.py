@@ -72,10 +72,17 @@ def test_eval_reads_val_bin_in_windows_that_do_not_overlap(tmp_path: Path) -> No
     assert targets == list(range(1001, 1049)), "each held-out token is predicted once"
 
 
-def test_eval_without_val_bin_names_data_path(tmp_path: Path) -> None:
+def test_eval_needs_a_whole_val_bin_and_names_data_path(tmp_path: Path) -> None:
     file = write_tokens(tmp_path / "train.bin", np.arange(100))
+    data = TokenFile(path=str(tmp_path), seq_len=8, vocab_size=100)
     with pytest.raises(ConfigError, match=f"^data.path={re.escape(str(tmp_path))}: no val.bin in this directory"):
-        TokenFile(path=str(tmp_path), seq_len=8, vocab_size=100).eval_dataset()
+        data.eval_dataset()
+    write_tokens(tmp_path / "val.bin", np.arange(8))
+    with pytest.raises(ConfigError, match="val.bin holds 8 tokens; data.seq_len=8 needs at least 9"):
+        data.eval_dataset()
+    write_tokens(tmp_path / "val.bin", np.arange(95, 105))
+    with pytest.raises(ConfigError, match="val.bin holds token id 100 at token 5"):
+        data.eval_dataset()
     with pytest.raises(ConfigError, match=f"^data.path={re.escape(str(file))}: one .bin file has no held-out split"):
         TokenFile(path=str(file), seq_len=8, vocab_size=100).eval_dataset()
 

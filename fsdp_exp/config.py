@@ -26,6 +26,7 @@ from fsdp_exp.checkpoint import DCPCheckpoint, NoCheckpoint
 from fsdp_exp.data import TrainData
 from fsdp_exp.data.custom import CustomData
 from fsdp_exp.data.images import SyntheticImages, TorchvisionImages
+from fsdp_exp.data.token_file import TokenFile
 from fsdp_exp.data.tokens import SyntheticTokens, TextBytes
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.launch.local import LocalLauncher
@@ -126,7 +127,7 @@ class Experiment:
 # Each group's options, by schema name: conf/<group>/<option>.yaml extends one of these.
 SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"synthetic": SyntheticImages, "torchvision": TorchvisionImages,
-             "synthetic_tokens": SyntheticTokens, "text": TextBytes},
+             "synthetic_tokens": SyntheticTokens, "text": TextBytes, "token_file": TokenFile},
     "sharding": {"fully_shard": FullyShard, "hybrid": HybridShard, "ddp": DDP, "none": NoSharding},
     "precision": {"precision": Precision},
     "checkpoint": {"none": NoCheckpoint, "dcp": DCPCheckpoint},

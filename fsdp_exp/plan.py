@@ -62,7 +62,8 @@ def prepare(cfg: DictConfig, local_gpus: int, overrides: list[str], group: str |
         raise ConfigError("model.init_device=meta: needs sharding=full, grad_op or hybrid to shard the model")
     if exp.train.compile:
         check_compile(exp.device)
-    check_model_reads_data(exp, model.module)
+    if exp.launcher.runs_here:  # on a cluster, the data's files may be there only
+        check_model_reads_data(exp, model.module)
     exp.profile.check(exp.train.steps)
     nproc = world if exp.sharding.distributed else 1
     if exp.launcher.runs_here:
@@ -110,7 +111,8 @@ def check_model_reads_data(exp: Experiment, model: nn.Module | None) -> None:
     language = exp.data.tokens_per_sample > 0
     key = f"data.seq_len={inputs.shape[-1]}" if language else "data"
     kind = ("this data gives token sequences: use a language model (model=gpt or model=hf)" if language
-            else "this data gives images: use a model that reads them (model=vit or model=cnn)")
+            else "this data gives images (model=vit or cnn reads them); a language model reads "
+                 "data=synthetic_tokens, text or token_file")
     if model is None:
         return
     batch = inputs.unsqueeze(0).expand(2, *inputs.shape).to("meta")

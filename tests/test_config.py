@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from omegaconf import OmegaConf
 
@@ -109,13 +110,21 @@ def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["sharding=bogus"], ["-m", "sharding=full,grad_op", "train.batch_size=8,0"], ["train.nope=1"]],
+    [["sharding=bogus"], ["-m", "sharding=full,grad_op", "train.batch_size=8,0"], ["train.nope=1"],
+     ["model=cnn", "data=fashion_mnist", "data.root=/nonexistent"],
+     ["checkpoint=dcp", "checkpoint.dir=/proc/forbidden"],
+     ["task=eval", "task.weights=bad.safetensors"]],
+    ids=["option", "sweep", "key", "data.root", "checkpoint.dir", "damaged-weights"],
 )
 def test_cli_refuses_with_one_line_and_leaves_nothing_behind(args: list[str], tmp_path: Path) -> None:
+    weights = tmp_path.parent / f"{tmp_path.name}-weights"
+    weights.mkdir()
+    (weights / "bad.safetensors").write_bytes(bytes(range(256)) * 8)  # not a safetensors file
+    args = [a.replace("task.weights=", f"task.weights={weights}/") for a in args]
     result = run_cli(*args, cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fsdp_exp: "), result.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"fsdp_exp: {args[-1].split('=')[0]}"), result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert list(tmp_path.iterdir()) == [], "a refused run must leave no output directory"
 
@@ -124,3 +133,23 @@ def test_an_unknown_option_lists_the_options_not_the_schemas() -> None:
     with pytest.raises(ConfigError) as err:
         precheck(["checkpoint=dcp_sync"])
     assert str(err.value).endswith("choose one of: dcp, dcp_async, dcp_async_pinned, none"), str(err.value)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
+def test_damaged_weights_for_eval_are_refused_in_one_line(name: str, tmp_path: Path) -> None:
+    weights = tmp_path / name
+    weights.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
+    with pytest.raises(ConfigError) as err:
+        precheck(["task=eval", f"task.weights={weights}"])
+    assert str(err.value).startswith(f"task.weights={weights}: not a weights file"), str(err.value)
+
+
+def test_weights_of_another_model_are_refused_before_eval(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from fsdp_exp.models import build_model
+
+    model, _ = build_model(compose_checked(["model=cnn"]).model)
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="saved from a different model: class_token is absent there"):
+        precheck(["task=eval", f"task.weights={tmp_path / 'model.safetensors'}"])

@@ -83,14 +83,12 @@ class TextBytes(TrainData):
     def __post_init__(self) -> None:
         super().__post_init__()
         at_least("data.seq_len", self.seq_len, 1)
-        for key in ("path", "eval_path"):
-            path = getattr(self, key)
-            if path is not None and not Path(path).expanduser().is_file():
-                raise ConfigError(f"data.{key}={path}: no such file")
 
     def eval_dataset(self) -> Dataset:
         if self.eval_path is None:
             raise ConfigError("data.eval_path: data=text has no held-out split; set it to a text file to evaluate on")
+        if not Path(self.eval_path).expanduser().is_file():
+            raise ConfigError(f"data.eval_path={self.eval_path}: no such file")
         return replace(self, path=self.eval_path, eval_path=None).dataset()
 
     @property

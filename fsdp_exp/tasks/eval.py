@@ -38,6 +38,7 @@ class Eval:
         if self.weights is None:
             raise ConfigError("task.weights: task=eval needs weights (model.safetensors, model.pt, "
                               "a step_* directory or a checkpoint.dir)")
+        exp.data.eval_dataset()  # a missing held-out split is refused before the run
         path = Path(self.weights).expanduser()
         if path.is_dir():
             open_checked(path, exp.model, "task.weights")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -28,7 +27,7 @@ from fsdp_exp.data.custom import CustomData
 from fsdp_exp.data.images import SyntheticImages, TorchvisionImages
 from fsdp_exp.data.token_file import TokenFile
 from fsdp_exp.data.tokens import SyntheticTokens, TextBytes
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import Choice, ConfigError, at_least
 from fsdp_exp.launch.local import LocalLauncher
 from fsdp_exp.launch.ray import RayLauncher
 from fsdp_exp.launch.slurm import SlurmLauncher
@@ -48,10 +47,7 @@ from fsdp_exp.tasks.train import Train
 __all__ = ["ConfigError", "Experiment", "register"]
 
 
-class Device(str, Enum):
-    def __str__(self) -> str:
-        return self.value
-
+class Device(Choice):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"

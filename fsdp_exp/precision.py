@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import Choice, ConfigError
 
 
-class DType(str, Enum):
-    def __str__(self) -> str:
-        return self.value
-
+class DType(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"

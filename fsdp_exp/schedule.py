@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import math
-from enum import Enum
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from fsdp_exp.errors import Choice
 
-class LrSchedule(str, Enum):
-    def __str__(self) -> str:
-        return self.value
 
+class LrSchedule(Choice):
     constant = "constant"
     cosine = "cosine"
 

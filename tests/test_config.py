@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from omegaconf import OmegaConf
 
 from fsdp_exp.cli import compose_checked, precheck
-from fsdp_exp.sharding import FullyShard
 from fsdp_exp.errors import ConfigError
+from fsdp_exp.sharding import FullyShard
 from tests.conftest import run_cli
 
 

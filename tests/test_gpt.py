@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_exp.errors import ConfigError
 from fsdp_exp.data.tokens import SyntheticTokens, TextBytes, shipped_corpus
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.models.gpt import GPT_SIZES, Block, build_gpt
 
 

@@ -114,3 +114,33 @@ def test_the_users_data_holds_out_samples_for_eval(project: Path) -> None:
     train, held_out = exp.data.dataset(), exp.data.eval_dataset()
     assert len(train) == len(held_out) == 2048
     assert not torch.equal(train[0][0], held_out[0][0])
+
+
+SGD = ["optimizer._target_=torch.optim.SGD", "+optimizer.momentum=0.9", "train.lr=0.05"]
+
+
+@pytest.mark.slow
+def test_the_users_model_trains_the_same_under_every_sharding_option(project: Path) -> None:
+    """Sharded, offloaded, meta-initialised and checkpointed runs of the user's model match
+    its unsharded run step by step; bf16 with compile trains too."""
+    common = ["model=mynet", "data=squares", SEARCHPATH, *SMALL, "train.log_every=1", *SGD]
+    result = run_cli("-m", *common, "sharding=none,full,grad_op,hybrid,ddp", cwd=project, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (sweep,) = (project / "outputs" / "multirun").glob("*/*")
+    runs = {read_json(run / "summary.json")["choices"]["sharding"]: run for run in sweep.iterdir() if run.is_dir()}
+    out = project / "offload_meta_ac"
+    result = run_cli(*common, "sharding=full", "offload=true", "model.init_device=meta",
+                     "train.activation_checkpointing=true", f"hydra.run.dir={out}", cwd=project, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs["offload_meta_ac"] = out
+    reference = [r["loss"] for r in read_jsonl(runs.pop("none") / "metrics.jsonl")]
+    assert reference[-1] < reference[0]
+    for name, run in runs.items():
+        losses = [r["loss"] for r in read_jsonl(run / "metrics.jsonl")]
+        assert losses == pytest.approx(reference, rel=1e-5), name
+
+    out = project / "bf16_compiled"
+    result = run_cli(*common, "precision=bf16", "train.compile=true", f"hydra.run.dir={out}", cwd=project, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert losses[-1] < losses[0] and read_json(out / "summary.json")["status"] == "ok"

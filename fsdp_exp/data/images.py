@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.data import GeneratedData, TrainData
+from fsdp_exp.errors import ConfigError, at_least
 
 
 @dataclass

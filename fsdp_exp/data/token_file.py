@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fsdp_exp.data.tokens import TokenData
 from fsdp_exp.errors import ConfigError, at_least
-from fsdp_exp.data import TrainData
 
 # Token ids are checked against vocab_size whenever the data is built (on the driver before
 # any rank starts, then on each rank). A file of up to _SCAN_TOKENS tokens (128 MB, a few
@@ -33,7 +33,7 @@ _LLMC_MAGIC = 20240520
 
 
 @dataclass
-class TokenFile(TrainData):
+class TokenFile(TokenData):
     """Windows of a uint16 token file; `path` is a directory holding train.bin (and val.bin
     for task=eval) or one .bin file, which then has no held-out split.
 
@@ -57,14 +57,6 @@ class TokenFile(TrainData):
         if self.vocab_size > _UINT16_IDS:
             raise ConfigError(f"data.vocab_size={self.vocab_size}: uint16 files hold ids below "
                               f"{_UINT16_IDS}, so at most {_UINT16_IDS}")
-
-    @property
-    def tokens_per_sample(self) -> int:
-        return self.seq_len
-
-    @property
-    def num_classes(self) -> int:  # type: ignore[override]
-        return self.vocab_size
 
     def dataset(self) -> Dataset:
         """The files are checked here: on the driver before any rank starts (when the ranks

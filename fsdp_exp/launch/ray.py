@@ -95,8 +95,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
-from fsdp_exp.errors import ConfigError
-from fsdp_exp.errors import at_least
+from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.launch.local import failure_line
 from fsdp_exp.launch.tail import NewLines

@@ -77,8 +77,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_exp.checkpoint.files import latest
-from fsdp_exp.errors import ConfigError
-from fsdp_exp.errors import at_least
+from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.launch import RunFailed, check_nproc
 from fsdp_exp.launch.local import CPU_RANKS, failure_line, threads_per_rank
 from fsdp_exp.launch.tail import NewLines

@@ -10,11 +10,10 @@ import sys
 import uuid
 import warnings
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import Choice, ConfigError
 
 log = logging.getLogger("fsdp_exp")
 
@@ -84,10 +83,7 @@ class Progress:
             self.bar.close()
 
 
-class WandbMode(str, Enum):
-    def __str__(self) -> str:
-        return self.value
-
+class WandbMode(Choice):
     auto = "auto"
     online = "online"
     offline = "offline"

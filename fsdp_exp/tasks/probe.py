@@ -16,11 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.checkpoint import NoCheckpoint
-from fsdp_exp.metrics.sinks import WandbMode
-from fsdp_exp.profile import NoProfile
-
 from fsdp_exp.launch import RunFailed
-from fsdp_exp.metrics.sinks import write_summary
+from fsdp_exp.metrics.sinks import WandbMode, write_summary
+from fsdp_exp.profile import NoProfile
 from fsdp_exp.tasks.batch_search import Outcome
 from fsdp_exp.tasks.train import train_rank
 

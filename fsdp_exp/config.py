@@ -165,6 +165,7 @@ def as_dict(exp: Experiment) -> dict:
     """The experiment as plain JSON-ready values (wandb's config, fingerprints)."""
     values = asdict(exp)
     values["model"] = exp.model.as_dict()
+    values["environment"] = exp.environment
     return json.loads(json.dumps(values, default=str))
 
 

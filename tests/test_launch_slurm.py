@@ -232,7 +232,7 @@ def test_the_world_size_is_nodes_times_ranks_per_node() -> None:
     assert SlurmLauncher(cluster="local").world_size(0) == 2
     assert SlurmLauncher(cluster="local", nproc_per_node=3).world_size(0) == 3
     assert SlurmLauncher(cluster="local", gpus_per_node=0, nproc_per_node="auto").per_node() == 2
-    assert SlurmLauncher(cluster="local", gpus_per_node=4, nodes=2).per_node() == 4
+    assert SlurmLauncher(cluster="slurm", gpus_per_node=4, nodes=2).per_node() == 4
 
 
 def test_the_settings_become_the_job_script_submitit_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,7 @@ import torch
 from machine import header
 
 from fsdp_exp.cli import compose_checked
-from fsdp_exp.run import prepare
+from fsdp_exp.plan import prepare
 from fsdp_exp.tasks.batch_search import BatchSearch, Outcome
 from fsdp_exp.tasks.probe import Probe, run_probe
 
@@ -74,13 +74,13 @@ def main() -> None:
     overrides = ["task=max_batch", f"memory.limit_gb={args.limit_gb}", f"max_batch.search_up_to={args.up_to}",
                  "wandb.mode=disabled", *args.overrides]
     plan = prepare(compose_checked(overrides), torch.cuda.device_count(), overrides)
-    steps, timeout = plan.cfg["max_batch"]["steps_per_probe"], plan.cfg["max_batch"]["probe_timeout"]
+    steps, timeout = plan.exp.max_batch.steps_per_probe, plan.exp.max_batch.probe_timeout
     probes: dict[int, Probe] = {}
 
     with tempfile.TemporaryDirectory() as tmp:
         def probe(size: int) -> Probe:
             if size not in probes:
-                probes[size] = run_probe(plan.cfg, size, Path(tmp) / f"b{size}", plan.launcher, plan.nproc,
+                probes[size] = run_probe(plan.exp, size, Path(tmp) / f"b{size}", plan.launcher, plan.nproc,
                                          steps, timeout)
                 print(f"  probe {len(probes):>2}: {probes[size].line()}", flush=True)
             return probes[size]
@@ -94,7 +94,7 @@ def main() -> None:
                 return probe(size).outcome()
             return policy(outcome), sizes
 
-        print(header(plan.nproc, plan.cfg['device'] == 'cuda'))
+        print(header(plan.nproc, plan.exp.device == 'cuda'))
         print(f"overrides: {' '.join(overrides)}")
         start = time.perf_counter()
         results = {

@@ -11,7 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
 
 
 def block_names(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list[str]:

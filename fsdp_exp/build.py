@@ -1,7 +1,9 @@
-"""From the resolved config to the trainer's object graph, on one rank.
+"""From the experiment's built settings to the trainer's object graph, on one rank.
 
-This is where Hydra stops: each config group becomes an object here (`instantiate` on its
-`_target_`), and the trainer receives only those objects.
+The ranks receive `fsdp_exp.config.Experiment`, whose groups are already objects (built
+on the driver); here they become the live things a rank trains with: the sharded model,
+the optimizer, the batches, the checkpointer and the metric sinks. The trainer receives
+only those objects.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,21 +29,26 @@ from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.flops import (
     count_step_flops,
     device_peak_tflops,
-    gpt_flops_per_token,
+    lm_flops_per_token,
 )
 from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
-from fsdp_exp.models import build_model
+from fsdp_exp.models import check_logits
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes
 from fsdp_exp.trainer import Trainer
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 T = TypeVar("T")
 log = logging.getLogger("fsdp_exp")
 
 
 @dataclass
-class Experiment:
+class Built:
+    """One rank's live objects for a run."""
+
     trainer: Trainer
     checkpoint: Any
     wandb: Wandb | None
@@ -60,7 +67,7 @@ def rank0_first(ranks: Ranks, make: Callable[[], T]) -> T:
     return made
 
 
-def build_model_for_training(cfg: dict, sharding: Any, precision: Any, ranks: Ranks) -> tuple[nn.Module, list[dict]]:
+def build_model_for_training(cfg: Experiment, ranks: Ranks) -> tuple[nn.Module, list[dict]]:
     """The model with its per-block transforms and sharding applied, and its FSDP units.
 
     With `model.init_device=meta` the model is built without memory, sharded, and only
@@ -68,26 +75,26 @@ def build_model_for_training(cfg: dict, sharding: Any, precision: Any, ranks: Ra
     build with the same seed, made once on rank 0's CPU and sent out shard by shard
     (DTensor's own random init is wrong on a CPU mesh).
     """
-    train, meta = cfg["train"], cfg["model"]["init_device"] == "meta"
-    torch.manual_seed(cfg["seed"])  # the same initial weights on every rank
+    sharding, train, meta = cfg.sharding, cfg.train, cfg.model.init_device == "meta"
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model, blocks = build_model(cfg["model"])
+        model, blocks = cfg.model.build()
     units = sharding.select_units(model, blocks)
     fsdp_units = unit_sizes(model, units) if sharding.shards_params else []
     names = block_names(model, blocks)
-    if train["activation_checkpointing"]:
+    if train.activation_checkpointing:
         checkpoint_blocks(model, names)
-    if train["compile"]:
+    if train.compile:
         compile_blocks(model, names)
     if not meta:
         model.to(ranks.device)
-    model = sharding.apply(model, units, ranks.device, precision, offload=cfg["offload"])
+    model = sharding.apply(model, units, ranks.device, cfg.precision, offload=cfg.offload)
     if meta:
-        model.to_empty(device="cpu" if cfg["offload"] else ranks.device)
+        model.to_empty(device="cpu" if cfg.offload else ranks.device)
         full_state: dict = {}
         if ranks.is_main:
-            torch.manual_seed(cfg["seed"])
-            full_state = build_model(cfg["model"])[0].state_dict()
+            torch.manual_seed(cfg.seed)
+            full_state = cfg.model.build()[0].state_dict()
         set_model_state_dict(
             unwrap(model), full_state,
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
@@ -95,47 +102,44 @@ def build_model_for_training(cfg: dict, sharding: Any, precision: Any, ranks: Ra
     return model, fsdp_units
 
 
-def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path, resume: Path | None = None) -> Experiment:
+def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path | None = None) -> Built:
     """Every object of the run on this rank; with `resume`, restored from that checkpoint."""
-    precision = instantiate(cfg["precision"])
-    sharding = instantiate(cfg["sharding"])
-    model, fsdp_units = build_model_for_training(cfg, sharding, precision, ranks)
-    optimizer = instantiate(cfg["optimizer"])(model.parameters())
+    model, fsdp_units = build_model_for_training(cfg, ranks)
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
 
-    train = cfg["train"]
-    data = instantiate(cfg["data"])
-    micro_batch = train["batch_size"] // train["grad_accum"]
+    train, data = cfg.train, cfg.data
+    micro_batch = train.batch_size // train.grad_accum
     batches = rank0_first(
         ranks,
-        lambda: data.batches(micro_batch, ranks.rank, ranks.world_size, cfg["seed"],
+        lambda: data.batches(micro_batch, ranks.rank, ranks.world_size, cfg.seed,
                              pin_memory=ranks.device.type == "cuda"),
     )
 
     figures: dict = {"fsdp_units": fsdp_units}
-    grad_scaler = precision.grad_scaler(ranks.device.type)
-    schedule = lr_schedule(optimizer, train["lr_schedule"], train["lr_warmup_steps"], train["steps"])
+    grad_scaler = cfg.precision.grad_scaler(ranks.device.type)
+    schedule = lr_schedule(optimizer, train.lr_schedule, train.lr_warmup_steps, train.steps)
     trainer = Trainer(
         model=model,
         optimizer=optimizer,
         batches=batches,
         ranks=ranks,
-        steps=train["steps"],
-        batch_size=train["batch_size"],
-        log_every=train["log_every"],
-        warmup_steps=cfg["metrics"]["warmup_steps"],
-        grad_accum=train["grad_accum"],
+        steps=train.steps,
+        batch_size=train.batch_size,
+        log_every=train.log_every,
+        warmup_steps=cfg.metrics.warmup_steps,
+        grad_accum=train.grad_accum,
         grad_scaler=grad_scaler,
         lr_schedule=schedule,
         tokens_per_sample=data.tokens_per_sample,
-        peak_tflops=device_peak_tflops(ranks.device, precision.param_dtype, cfg["metrics"]["peak_tflops"]),
+        peak_tflops=device_peak_tflops(ranks.device, cfg.precision.param_dtype, cfg.metrics.peak_tflops),
     )
     figures.update(count_flops(trainer, batches, cfg, micro_batch))
     trainer.flops_per_step = figures["flops_per_step"]
 
     # After the FLOP count, whose forward pass draws dropout masks: the restored RNG
     # state is then the one the saved run had at its next step.
-    checkpoint = instantiate(cfg["checkpoint"])
-    state = TrainState(model, optimizer, ranks, cfg["model"], batches, schedule, grad_scaler)
+    checkpoint = cfg.checkpoint
+    state = TrainState(model, optimizer, ranks, cfg.model.as_dict(), batches, schedule, grad_scaler)
     checkpoint.attach(state)
     trainer.checkpoint = checkpoint
     if resume is not None:
@@ -143,7 +147,7 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path, resume: Path | None
         if ranks.is_main:
             log.info("resumed from %s at step %d", resume, trainer.start_step)
 
-    profile = instantiate(cfg["profile"])
+    profile = cfg.profile
     profile.attach(run_dir, ranks.rank, ranks.device)
     trainer.hooks.append(profile)
     jsonl = wandb = progress = None
@@ -154,15 +158,13 @@ def build_experiment(cfg: dict, ranks: Ranks, run_dir: Path, resume: Path | None
         jsonl = JsonLines(run_dir / "metrics.jsonl")
         if resume is not None:  # earlier records stay; readers take the last record of a step
             jsonl.log({"event": "resumed", "step": trainer.start_step, "checkpoint": str(resume)})
-        w = cfg["wandb"]
-        wandb = Wandb(
-            mode=w["mode"], project=w["project"], entity=w["entity"], group=w["group"],
-            tags=w["tags"], config=cfg, run_dir=run_dir, job_type=w["job_type"], run_id=w["id"],
-        )
-        progress = Progress(train["steps"], done=trainer.start_step)
+        from fsdp_exp.config import as_dict
+
+        wandb = cfg.wandb.sink(as_dict(cfg), run_dir)
+        progress = Progress(train.steps, done=trainer.start_step)
         trainer.sinks = [jsonl, progress, wandb]
         trainer.hooks.append(progress)
-    return Experiment(trainer, checkpoint, wandb, jsonl, progress, figures)
+    return Built(trainer, checkpoint, wandb, jsonl, progress, figures)
 
 
 def log_flops(figures: dict) -> None:
@@ -178,20 +180,22 @@ def log_flops(figures: dict) -> None:
                     abs(ratio - 1) * 100)
 
 
-def count_flops(trainer: Trainer, batches: Any, cfg: dict, micro_batch: int) -> dict:
+def count_flops(trainer: Trainer, batches: Any, cfg: Experiment, micro_batch: int) -> dict:
     """This rank's FLOPs per optimizer step, counted once on a batch shaped like the real
     ones (so the data order is untouched); for `gpt`, also the analytic 6N count."""
     inputs, targets = batches.dataset[0]
     shaped = (inputs.expand(micro_batch, *inputs.shape).contiguous(),
               targets.expand(micro_batch, *targets.shape).contiguous())
-    flops = count_step_flops(trainer.model, lambda: trainer.loss(*shaped)) * trainer.grad_accum
-    figures = {"flops_per_step": flops}
-    model = cfg["model"]
-    if "vocab_size" in model:
-        from fsdp_exp.models.gpt import GPT_SIZES
+    def loss() -> torch.Tensor:  # the model contract, checked once on real tensors
+        logits = trainer.model(shaped[0].to(trainer.ranks.device))
+        check_logits(logits, shaped[1], cfg.model.name)
+        return trainer.loss_of(logits, shaped[1])
 
-        shape = GPT_SIZES[model["size"]]
-        seq_len = inputs.shape[-1]
-        per_token = gpt_flops_per_token(shape["n_layer"], shape["n_embd"], model["vocab_size"], seq_len)
-        figures["flops_per_step_analytic"] = per_token * seq_len * micro_batch * trainer.grad_accum
+    flops = count_step_flops(trainer.model, loss) * trainer.grad_accum
+    figures = {"flops_per_step": flops}
+    if trainer.tokens_per_sample:
+        seq_len = trainer.tokens_per_sample
+        per_token = lm_flops_per_token(unwrap(trainer.model), seq_len)
+        if per_token is not None:
+            figures["flops_per_step_analytic"] = per_token * seq_len * micro_batch * trainer.grad_accum
     return figures

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
 
 
 def find_conf_dir() -> str:
@@ -154,7 +154,7 @@ def compose_checked(overrides: list[str], config_name: str = "config") -> DictCo
     """The composed config for these overrides, with the hydra node, after every check."""
     import torch
 
-    from fsdp_exp.run import prepare
+    from fsdp_exp.plan import prepare
 
     cfg = compose_config(overrides, config_name)
     prepare(cfg, torch.cuda.device_count(), overrides)
@@ -175,7 +175,8 @@ def explain(err: Exception) -> str:
     """One line from a Hydra or OmegaConf composition error: the key, and what is allowed."""
     if isinstance(err, MissingConfigException) and err.options is not None:
         group, _, name = (err.missing_cfg_file or "").rpartition("/")
-        return f"{group}={name}: no such option; choose one of: {', '.join(err.options)}"
+        options = [o for o in err.options if not o.startswith("schema_")]  # schemas, not options
+        return f"{group}={name}: no such option; choose one of: {', '.join(options)}"
     cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
     key = getattr(cause, "full_key", None)
     first_line = str(getattr(cause, "msg", None) or cause).strip().split("\n")[0]

@@ -10,11 +10,12 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
 
 GB = 2**30
 
@@ -52,12 +53,19 @@ def device_memory_gb(device_type: str) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
 
 
+@dataclass
+class MemorySettings:
+    limit_gb: float | None = None  # per rank: caps the GPU allocator, or a real allocation limit on CPU
+
+    def __post_init__(self) -> None:
+        if self.limit_gb is not None and self.limit_gb <= 0:
+            raise ConfigError(f"memory.limit_gb={self.limit_gb}: must be greater than 0")
+
+
 def check_limit(limit_gb: float | None, device_type: str, ranks_per_device: int) -> None:
     """Refuse a limit the device cannot give each of its ranks."""
     if limit_gb is None:
         return
-    if limit_gb <= 0:
-        raise ConfigError(f"memory.limit_gb={limit_gb}: must be greater than 0")
     total = device_memory_gb(device_type)
     if limit_gb * ranks_per_device > total:
         where = "this GPU has" if device_type == "cuda" else f"{ranks_per_device} ranks share this machine's"

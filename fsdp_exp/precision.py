@@ -9,18 +9,30 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from fsdp_exp.errors import Choice, ConfigError
+
+
+class DType(Choice):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
 
 def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, str(name).split(".")[-1])
+    return getattr(torch, DType(name).value)
 
 
 @dataclass
 class Precision:
-    param_dtype: str = "float32"
-    reduce_dtype: str = "float32"
-    output_dtype: str = "float32"
-    loss_scaling: bool = False
+    param_dtype: DType = DType.float32  # the dtype forward and backward compute in
+    reduce_dtype: DType = DType.float32  # the dtype gradients are reduced in
+    output_dtype: DType = DType.float32  # the dtype of the model's output (logits)
+    loss_scaling: bool = False  # dynamic loss scaling, agreed across ranks (fp16 needs it)
     initial_scale: float = 2.0**16
+
+    def __post_init__(self) -> None:
+        if self.initial_scale <= 0:
+            raise ConfigError(f"precision.initial_scale={self.initial_scale}: must be greater than 0")
 
     def fsdp_policy(self, root: bool) -> MixedPrecisionPolicy:
         """Every dtype explicit: `reduce_dtype=None` changed meaning between torch releases.

@@ -14,10 +14,16 @@ from typing import Any
 
 import torch
 
+from fsdp_exp.errors import ConfigError, at_least
+
 log = logging.getLogger("fsdp_exp")
 
 
+@dataclass
 class NoProfile:
+    def check(self, train_steps: int) -> None:
+        pass
+
     def attach(self, run_dir: Path, rank: int, device: torch.device) -> None:
         pass
 
@@ -30,8 +36,19 @@ class NoProfile:
 
 @dataclass
 class MemoryProfile(NoProfile):
-    start_step: int = 3
-    steps: int = 2
+    start_step: int = 3  # the first profiled step
+    steps: int = 2  # how many steps the window holds
+
+    def __post_init__(self) -> None:
+        at_least("profile.start_step", self.start_step, 1)
+        at_least("profile.steps", self.steps, 1)
+
+    def check(self, train_steps: int) -> None:
+        if self.start_step + self.steps - 1 > train_steps:
+            raise ConfigError(
+                f"profile.start_step={self.start_step}: the window of {self.steps} "
+                f"step(s) must end by train.steps={train_steps}"
+            )
 
     def attach(self, run_dir: Path, rank: int, device: torch.device) -> None:
         self.run_dir, self.rank, self.device = Path(run_dir), rank, device

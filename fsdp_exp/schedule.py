@@ -7,7 +7,12 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-SCHEDULES = ("constant", "cosine")
+from fsdp_exp.errors import Choice
+
+
+class LrSchedule(Choice):
+    constant = "constant"
+    cosine = "cosine"
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int) -> LambdaLR:

@@ -104,8 +104,11 @@ class Trainer:
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy over classes (images) or over every position's next token (LMs)."""
         inputs = inputs.to(self.ranks.device, non_blocking=True)
+        return self.loss_of(self.model(inputs), targets)
+
+    def loss_of(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = targets.to(self.ranks.device, non_blocking=True)
-        logits = self.model(inputs).float()
+        logits = logits.float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def _next(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,16 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from fsdp_exp.checkpoint.files import latest, open_checkpoint
 from fsdp_exp.checkpoint.resume import resolve_resume
 from fsdp_exp.cli import compose_checked, precheck
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.local import LocalLauncher
 from fsdp_exp.models import build_model
-from fsdp_exp.run import prepare
+from fsdp_exp.plan import prepare
 from tests import rank_tasks
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 from tests.test_data import make_dataset
@@ -160,8 +159,8 @@ def test_a_restart_after_the_final_checkpoint_trains_nothing_and_keeps_the_loss_
                  "launcher.max_restarts=1", "wandb.mode=offline"]
     plan = prepare(compose_checked(overrides), 0, overrides)
     out = tmp_path / "run"
-    plan.task.settle(plan.cfg, out)
-    summary = LocalLauncher(max_restarts=1).launch(rank_tasks.train_then_rank1_dies_once, plan.cfg, out, plan.nproc)
+    plan.task.settle(plan.exp, out)
+    summary = LocalLauncher(max_restarts=1).launch(rank_tasks.train_then_rank1_dies_once, plan.exp, out, plan.nproc)
 
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records if r.get("event") == "resumed"] == [4], records
@@ -169,7 +168,7 @@ def test_a_restart_after_the_final_checkpoint_trains_nothing_and_keeps_the_loss_
     assert summary["resumed_from_step"] == 4 and "samples_per_s" not in summary, summary
     assert summary["final_loss"] == [r["loss"] for r in records if r.get("step") == 4 and "loss" in r][-1]
     attempts = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(attempts) == 2 and {a.name.rsplit("-", 1)[1] for a in attempts} == {plan.cfg["wandb"]["id"]}, attempts
+    assert len(attempts) == 2 and {a.name.rsplit("-", 1)[1] for a in attempts} == {plan.exp.wandb.id}, attempts
 
 
 # One rank saving a 200 MB state (a 4096 x 4096 layer and its AdamW moments) twice.
@@ -347,11 +346,11 @@ def test_bad_checkpoint_input_is_refused_before_a_run(tmp_path: Path, reference:
 
 def test_resume_auto_picks_the_latest_in_checkpoint_dir_and_nothing_in_an_empty_one(
         tmp_path: Path, reference: Path) -> None:
-    cfg = {"resume": "auto", "checkpoint": {"dir": str(reference / "checkpoints")},
-           "model": OmegaConf.to_container(compose_checked(BAD).model), "train": {"steps": 30}}
-    assert resolve_resume(cfg) == str(step_dir(reference, 24))
-    cfg["checkpoint"]["dir"] = str(tmp_path / "empty")
-    assert resolve_resume(cfg) is None
+    exp = prepare(compose_checked([*BAD, "checkpoint=dcp", "train.steps=30", "resume=auto"]), 0, []).exp
+    exp.checkpoint.dir = str(reference / "checkpoints")
+    assert resolve_resume(exp) == str(step_dir(reference, 24))
+    exp.checkpoint.dir = str(tmp_path / "empty")
+    assert resolve_resume(exp) is None
 
 
 @pytest.mark.slow

@@ -5,15 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
 from fsdp_exp.cli import compose_checked, precheck
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.sharding import FullyShard
 from tests.conftest import run_cli
 
 
 def test_default_config_composes_and_passes_checks() -> None:
     cfg = compose_checked([])
-    assert cfg.sharding._target_.endswith("FullyShard") and cfg.sharding.reshard_after_forward
+    assert OmegaConf.get_type(cfg.sharding) is FullyShard and cfg.sharding.reshard_after_forward
     assert cfg.model.num_layers == 10 and cfg.model.hidden_dim == 128 and cfg.model.patch_size == 7
 
 
@@ -29,7 +32,14 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["precision.param_dtype=int8"], "choose one of: float32, bfloat16, float16"),
         (["train.foo=1"], "train.foo: unknown key; train has: activation_checkpointing, batch_size, compile, grad_accum"),
         (["+train.foo=1"], "train.foo: unknown key; train has: activation_checkpointing, batch_size, compile, grad_accum"),
-        (["model=cnn", "model.num_layers=3"], "model.num_layers: unknown key; model has: blocks, dropout1"),
+        (["model=cnn", "model.num_layers=3"], "model.num_layers: not in model; add a new key with +model.num_layers="),
+        (["model=cnn", "+model.num_layers=3"], "model.num_layers: unknown key; model has: blocks, dropout1, dropout2"),
+        (["model=custom"], "model._target_: name the builder, a class or function such as mypkg.Net"),
+        (["model=custom", "model._target_=torch.nn.Linear", "+model.in_features=4"],
+         "model: torch.nn.Linear: Linear.__init__() missing 1 required positional argument: 'out_features'"),
+        (["model=custom", "model._target_=nowhere.Net"], "model._target_=nowhere.Net: cannot import it"),
+        (["model.blocks=[torch.nn.GRU]"], "model.blocks: torch.nn.modules.rnn.GRU is not in the model"),
+        (["model.init_device=disk"], "model.init_device=disk: choose one of: cpu, meta"),
         (["train.batch_size=0"], "train.batch_size=0: must be at least 1"),
         (["train.steps=-3"], "train.steps=-3: must be at least 1"),
         (["train.lr=0"], "train.lr=0.0: must be greater than 0"),
@@ -46,9 +56,14 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["train.grad_accum=3"], "train.grad_accum=3: must divide train.batch_size=32"),
         (["train.grad_accum=0"], "train.grad_accum=0: must be at least 1"),
         (["model=gpt", "data=synthetic_tokens", "model.size=huge"], "model.size=huge: choose one of: tiny, small, medium, large, xl"),
-        (["model=gpt"], "data: this model reads tokens; use data=synthetic_tokens or data=text"),
-        (["data=text"], "data: this model reads images"),
-        (["model=gpt", "data=text", "data.seq_len=2048"], "data.seq_len=2048: longer than model.block_size=1024"),
+        (["model=gpt"], "data: model fsdp_exp.models.gpt.build_gpt cannot read this data's inputs (samples of "
+                        "shape [1, 28, 28], float32)"),
+        (["data=text"], "data.seq_len=128: model fsdp_exp.models.vit.build_vit cannot read this data's inputs "
+                        "(token ids of shape [128], int64)"),
+        (["model=gpt", "data=text", "data.seq_len=2048"],
+         "data.seq_len=2048: model fsdp_exp.models.gpt.build_gpt cannot read this data's inputs (token ids of "
+         "shape [2048], int64): sequence length 2048 is longer than block_size=1024"),
+        (["model=gpt", "data=text", "model.vocab_size=100"], "model.vocab_size=100: smaller than the data's 256 tokens"),
         (["model.init_device=meta", "sharding=ddp"], "model.init_device=meta: needs sharding=full, grad_op or hybrid"),
         (["memory.limit_gb=0"], "memory.limit_gb=0.0: must be greater than 0"),
         (["memory.limit_gb=100000"], "memory.limit_gb=100000.0: above the device's memory (2 ranks share"),
@@ -66,11 +81,11 @@ def test_bad_override_names_the_key_and_what_is_allowed(overrides: list[str], ex
 
 
 def test_more_ranks_than_gpus_is_refused() -> None:
-    from fsdp_exp.config import check
+    from fsdp_exp.plan import prepare
 
     cfg = compose_checked(["device=auto", "launcher.nproc_per_node=3"])  # fine on CPU
     with pytest.raises(ConfigError, match="launcher.nproc_per_node=3: only 2 GPU"):
-        check(cfg, gpu_count=2)
+        prepare(cfg, 2, [])
 
 
 def test_compile_is_refused_where_it_cannot_work(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -81,10 +96,10 @@ def test_compile_is_refused_where_it_cannot_work(monkeypatch: pytest.MonkeyPatch
 
 
 def test_sharding_none_stands_in_for_the_ranks_it_replaces() -> None:
-    from fsdp_exp.run import prepare
+    from fsdp_exp.plan import prepare
 
     plan = prepare(compose_checked(["sharding=none", "launcher.nproc_per_node=3"]), 0, [])
-    assert plan.nproc == 1 and plan.cfg["train"]["batch_size"] == 3 * 32
+    assert plan.nproc == 1 and plan.exp.train.batch_size == 3 * 32
 
 
 @pytest.mark.parametrize(
@@ -115,12 +130,46 @@ def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["sharding=bogus"], ["-m", "sharding=full,grad_op", "train.batch_size=8,0"], ["train.nope=1"]],
+    [["sharding=bogus"], ["-m", "sharding=full,grad_op", "train.batch_size=8,0"], ["train.nope=1"],
+     ["model=cnn", "data=fashion_mnist", "data.root=/nonexistent"],
+     ["checkpoint=dcp", "checkpoint.dir=/proc/forbidden"],
+     ["task=eval", "task.weights=bad.safetensors"]],
+    ids=["option", "sweep", "key", "data.root", "checkpoint.dir", "damaged-weights"],
 )
 def test_cli_refuses_with_one_line_and_leaves_nothing_behind(args: list[str], tmp_path: Path) -> None:
+    weights = tmp_path.parent / f"{tmp_path.name}-weights"
+    weights.mkdir()
+    (weights / "bad.safetensors").write_bytes(bytes(range(256)) * 8)  # not a safetensors file
+    args = [a.replace("task.weights=", f"task.weights={weights}/") for a in args]
     result = run_cli(*args, cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fsdp_exp: "), result.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"fsdp_exp: {args[-1].split('=')[0]}"), result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert list(tmp_path.iterdir()) == [], "a refused run must leave no output directory"
+
+
+def test_an_unknown_option_lists_the_options_not_the_schemas() -> None:
+    with pytest.raises(ConfigError) as err:
+        precheck(["checkpoint=dcp_sync"])
+    assert str(err.value).endswith("choose one of: dcp, dcp_async, dcp_async_pinned, none"), str(err.value)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
+def test_damaged_weights_for_eval_are_refused_in_one_line(name: str, tmp_path: Path) -> None:
+    weights = tmp_path / name
+    weights.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
+    with pytest.raises(ConfigError) as err:
+        precheck(["task=eval", f"task.weights={weights}"])
+    assert str(err.value).startswith(f"task.weights={weights}: not a weights file"), str(err.value)
+
+
+def test_weights_of_another_model_are_refused_before_eval(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from fsdp_exp.models import build_model
+
+    model, _ = build_model(compose_checked(["model=cnn"]).model)
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="saved from a different model: class_token is absent there"):
+        precheck(["task=eval", f"task.weights={tmp_path / 'model.safetensors'}"])

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_exp.config import ConfigError
 from fsdp_exp.data.images import _NORMALIZE, SyntheticImages, TorchvisionImages
+from fsdp_exp.errors import ConfigError
 from tests.conftest import read_json, run_cli
 
 

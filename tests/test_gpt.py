@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_exp.config import ConfigError
 from fsdp_exp.data.tokens import SyntheticTokens, TextBytes, shipped_corpus
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.models.gpt import GPT_SIZES, Block, build_gpt
 
 
@@ -70,7 +70,7 @@ def test_small_has_the_gpt2_124m_parameter_count() -> None:
 
 
 def test_unknown_size_names_the_allowed_ones() -> None:
-    with pytest.raises(ValueError, match="tiny, small, medium, large, xl"):
+    with pytest.raises(ConfigError, match="model.size=huge: choose one of: tiny, small, medium, large, xl"):
         build_gpt("huge", vocab_size=10, block_size=8)
 
 

@@ -47,12 +47,11 @@ def test_under_external_torchrun_each_process_is_one_rank(tmp_path: Path) -> Non
 def test_a_failing_run_exits_nonzero_with_one_error_line(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli(
-        *SMALL_VIT, "data=fashion_mnist", f"data.root={tmp_path / 'empty'}", f"hydra.run.dir={out}",
-        cwd=tmp_path,
-    )
+        *SMALL_VIT, "data.num_samples=10", "train.batch_size=8", f"hydra.run.dir={out}", cwd=tmp_path,
+    )  # each of the 2 ranks gets 5 samples: only a rank finds out
     assert result.returncode == 1
     assert "Traceback" not in result.stdout + result.stderr
-    assert "rank 0 failed: ConfigError: data.root=" in result.stderr + result.stdout
+    assert "rank 0 failed: ConfigError: train.batch_size=8: larger than this rank's share" in result.stderr + result.stdout
     summary = read_json(out / "summary.json")
-    assert summary["status"] == "failed" and "data.download=true" in summary["error"]
+    assert summary["status"] == "failed" and "lower it or use more data" in summary["error"]
     assert "Traceback" in (out / "rank0.log").read_text(), "the rank's log keeps the traceback"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.slurm import SlurmLauncher
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 
@@ -221,18 +221,18 @@ def test_without_submitit_launcher_slurm_is_one_line_naming_the_extra(tmp_path: 
     ({"cluster": "local", "timeout_min": 0}, "launcher.timeout_min=0: must be at least 1"),
 ], ids=["no-sbatch", "bad-cluster", "local-nodes", "timeout"])
 def test_what_cannot_be_submitted_is_refused_by_the_checks(settings: dict, message: str) -> None:
-    """`ranks()` is what fsdp_exp.run.prepare calls during the checks (the test above runs it
-    through the CLI); the constructor cannot refuse, Hydra would wrap its error."""
+    """The values are checked as the launcher is built, what this machine must have when
+    the driver asks for the world size (the test above runs both through the CLI)."""
     with pytest.raises(ConfigError) as refused:
-        SlurmLauncher(**settings).ranks(on_gpu=False)
+        SlurmLauncher(**settings).world_size(0)
     assert str(refused.value) == message
 
 
 def test_the_world_size_is_nodes_times_ranks_per_node() -> None:
-    assert SlurmLauncher(cluster="local").ranks(on_gpu=False) == 2
-    assert SlurmLauncher(cluster="local", nproc_per_node=3).ranks(on_gpu=False) == 3
+    assert SlurmLauncher(cluster="local").world_size(0) == 2
+    assert SlurmLauncher(cluster="local", nproc_per_node=3).world_size(0) == 3
     assert SlurmLauncher(cluster="local", gpus_per_node=0, nproc_per_node="auto").per_node() == 2
-    assert SlurmLauncher(cluster="local", gpus_per_node=4, nodes=2).per_node() == 4
+    assert SlurmLauncher(cluster="slurm", gpus_per_node=4, nodes=2).per_node() == 4
 
 
 def test_the_settings_become_the_job_script_submitit_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_exp.cli import precheck
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 
 RUN = [*SMALL_VIT, "train.steps=4", "train.log_every=1", "train.batch_size=8"]

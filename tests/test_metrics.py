@@ -158,15 +158,15 @@ def test_wandb_settings_the_config_leaves_open_come_from_the_environment(
         overrides: list[str], env: dict, expected: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver resolves them once (prepare), and every rank gets the result."""
     from fsdp_exp.cli import compose_config
-    from fsdp_exp.run import prepare
+    from fsdp_exp.plan import prepare
 
     monkeypatch.setenv("NETRC", str(tmp_path / "no.netrc"))
     for name in WANDB_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    wandb = prepare(compose_config(overrides), 0, overrides).cfg["wandb"]
-    assert (wandb["mode"], wandb["project"], wandb["entity"]) == expected
+    wandb = prepare(compose_config(overrides), 0, overrides).exp.wandb
+    assert (wandb.mode, wandb.project, wandb.entity) == expected
 
 
 def test_a_bad_wandb_mode_in_the_environment_is_one_line(tmp_path: Path) -> None:

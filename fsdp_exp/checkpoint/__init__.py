@@ -7,7 +7,7 @@ them can write the full model at the end (`checkpoint.export_full`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -20,8 +20,16 @@ from fsdp_exp.checkpoint.state import TrainState
 class NoCheckpoint:
     """checkpoint=none: nothing saved during training."""
 
-    export_full: bool = False
-    blocked_s: list[float] = field(default_factory=list)
+    export_full: bool = False  # at the end, write the full unsharded weights to model.safetensors
+    saves = False  # nothing during training, so no checkpoint.dir
+    dir = None
+    overwrite = True
+
+    def __post_init__(self) -> None:
+        self.blocked_s: list[float] = []
+
+    def check(self) -> None:
+        pass
 
     def attach(self, state: TrainState) -> None:
         pass

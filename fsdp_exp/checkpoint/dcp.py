@@ -14,9 +14,10 @@ At most one save is in flight: a new save first waits for the previous one.
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from fsdp_exp import distributed
 from fsdp_exp.checkpoint.files import mark_latest, prune, step_name
 from fsdp_exp.checkpoint.state import TrainState
+from fsdp_exp.errors import ConfigError
 
 log = logging.getLogger("fsdp_exp")
 MODES = ("sync", "async", "async_pinned")
@@ -35,13 +37,38 @@ MODES = ("sync", "async", "async_pinned")
 
 @dataclass
 class DCPCheckpoint:
-    mode: str = "sync"
-    every: int = 100
-    keep: int | None = 3
-    dir: str | None = None  # set by the driver: checkpoint.dir, or <run>/checkpoints
-    overwrite: bool = False
-    export_full: bool = False
-    blocked_s: list[float] = field(default_factory=list)  # training time lost to each save
+    mode: str = "sync"  # sync | async | async_pinned ("async" cannot be an Enum name)
+    every: int = 100  # steps between saves; the last step is always saved
+    keep: int | None = 3  # the newest K checkpoints are kept, older ones removed; None keeps all
+    dir: str | None = None  # None: checkpoints/ in the run directory (the driver sets it)
+    overwrite: bool = False  # a new run may write into a dir holding another run's checkpoints
+    export_full: bool = False  # at the end, also write the full unsharded weights to model.safetensors
+    saves = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"checkpoint.mode={self.mode}: choose one of: {', '.join(MODES)}")
+        if self.every < 1:
+            raise ConfigError(f"checkpoint.every={self.every}: must be at least 1")
+        if self.keep is not None and self.keep < 1:
+            raise ConfigError(f"checkpoint.keep={self.keep}: must be at least 1, or null to keep all")
+        self.blocked_s: list[float] = []  # training time lost to each save
+
+    def check(self) -> None:
+        """On the driver: `dir`, when set, is a directory this process can create and write."""
+        if self.dir is None:
+            return
+        path = Path(self.dir).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"checkpoint.dir={self.dir}: is a file, not a directory")
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        try:
+            tempfile.TemporaryDirectory(dir=existing).cleanup()
+        except OSError as err:
+            raise ConfigError(f"checkpoint.dir={self.dir}: cannot be written here "
+                              f"({err.strerror} in {existing}); choose a directory you can write") from None
 
     def attach(self, state: TrainState) -> None:
         """Called on every rank once the objects exist (collective: makes a process group)."""

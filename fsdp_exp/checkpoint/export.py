@@ -7,11 +7,13 @@ nothing else, so it loads with `safetensors.torch.load_file` or
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -41,6 +43,29 @@ def export_full_model(model: nn.Module, path: Path) -> None:
     )
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_weights(state, path)
+
+
+def weight_shapes(path: Path, key: str) -> dict[str, list[int]]:
+    """The tensors a weights file holds, by name, read without loading them (the
+    safetensors header, or a memory-mapped .pt); a damaged file is a CheckpointError."""
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+        try:
+            state = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        except RuntimeError as err:  # the legacy (not zip) format cannot be memory-mapped
+            if "mmap" not in str(err):
+                raise
+            state = torch.load(path, weights_only=True, map_location="cpu")
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise TypeError(f"holds a {type(state).__name__}, not a state dict of tensors")
+        return {name: list(t.shape) for name, t in state.items()}
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"{key}={path}: not a weights file (not a state dict torch.save wrote)") from None
+    except Exception as err:  # noqa: BLE001 - a damaged or foreign file
+        first = " ".join(str(err).split())[:200]
+        raise CheckpointError(f"{key}={path}: not a weights file ({type(err).__name__}: {first})") from None
 
 
 def load_weights(model: nn.Module, path: Path, key: str) -> None:

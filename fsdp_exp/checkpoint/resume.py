@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,46 +18,49 @@ from fsdp_exp.checkpoint.files import (
     model_differences,
     open_checkpoint,
 )
-from fsdp_exp.config import ConfigError
-from fsdp_exp.models import build_model
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.models import ModelSpec
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 
-def model_shapes(model_cfg: dict) -> dict[str, list[int]]:
+def model_shapes(model: ModelSpec) -> dict[str, list[int]]:
     """The plain model's state-dict shapes, built on the meta device (no memory)."""
     with torch.device("meta"):
-        model, _ = build_model(model_cfg)
-    return {name: list(t.shape) for name, t in model.state_dict().items()}
+        built, _ = model.build()
+    return {name: list(t.shape) for name, t in built.state_dict().items()}
 
 
-def check_same_model(checkpoint: Checkpoint, model_cfg: dict, key: str) -> None:
-    differences = model_differences(checkpoint, model_shapes(model_cfg), model_cfg)
+def check_same_model(checkpoint: Checkpoint, model: ModelSpec, key: str) -> None:
+    differences = model_differences(checkpoint, model_shapes(model), model.as_dict())
     if differences:
         more = f"; and {len(differences) - 4} more" if len(differences) > 4 else ""
         raise ConfigError(f"{key}={checkpoint.path}: saved from a different model: "
                           f"{'; '.join(differences[:4])}{more}")
 
 
-def open_checked(path: str | Path, model_cfg: dict, key: str) -> Checkpoint:
+def open_checked(path: str | Path, model: ModelSpec, key: str) -> Checkpoint:
     """The checkpoint at `path`, complete and of this model, or a ConfigError saying why."""
     try:
         checkpoint = open_checkpoint(Path(path), key)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
-    check_same_model(checkpoint, model_cfg, key)
+    check_same_model(checkpoint, model, key)
     return checkpoint
 
 
-def resolve_resume(cfg: dict) -> str | None:
+def resolve_resume(cfg: Experiment) -> str | None:
     """The checkpoint to resume from, as an absolute path, or None for a fresh start.
 
     `resume=auto`: the latest in checkpoint.dir, if it has one. `resume=<path>`: that
     checkpoint (or that directory's latest). A fresh run refuses a checkpoint.dir that
     holds another run's checkpoints unless checkpoint.overwrite=true.
     """
-    resume, ckpt = cfg["resume"], cfg["checkpoint"]
-    root = Path(ckpt["dir"]) if ckpt.get("dir") else None
+    resume, ckpt = cfg.resume, cfg.checkpoint
+    root = Path(ckpt.dir) if ckpt.dir else None
     if resume is None:
-        if root is not None and latest(root) is not None and not ckpt.get("overwrite"):
+        if root is not None and latest(root) is not None and not ckpt.overwrite:
             raise ConfigError(
                 f"checkpoint.dir={root}: holds another run's checkpoints (latest {latest(root).name}); "
                 "set resume=auto to continue it, or checkpoint.overwrite=true to write over it")
@@ -65,10 +69,10 @@ def resolve_resume(cfg: dict) -> str | None:
         if root is None or latest(root) is None:
             return None
         resume = str(root)
-    checkpoint = open_checked(resume, cfg["model"], "resume")
-    if checkpoint.step >= cfg["train"]["steps"]:
+    checkpoint = open_checked(resume, cfg.model, "resume")
+    if checkpoint.step >= cfg.train.steps:
         raise ConfigError(f"resume={checkpoint.path}: already at step {checkpoint.step} of "
-                          f"train.steps={cfg['train']['steps']}; raise train.steps to train further")
+                          f"train.steps={cfg.train.steps}; raise train.steps to train further")
     return str(checkpoint.path)
 
 
@@ -80,10 +84,10 @@ def restart_count(device: torch.device) -> int:
     return int(max(distributed.gather(mine, device)))
 
 
-def resume_point(cfg: dict, restarts: int) -> Path | None:
+def resume_point(cfg: Experiment, restarts: int) -> Path | None:
     """On a rank: the checkpoint to start from. After the launcher restarted the ranks
     (launcher.max_restarts), the latest in checkpoint.dir; otherwise the driver's choice."""
-    root = cfg["checkpoint"].get("dir")
+    root = cfg.checkpoint.dir
     if restarts and root and latest(Path(root)) is not None:
         return latest(Path(root))
-    return Path(cfg["resume"]) if cfg.get("resume") else None
+    return Path(cfg.resume) if cfg.resume else None

@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError, at_least
 
 
 class TrainData:
     """A dataset of (input, target) pairs plus how to load it. Subclasses make `dataset()`.
 
     `tokens_per_sample` is 0 for images and the sequence length for language models.
+    `num_classes`: how many distinct targets there are (classes, or the token vocabulary),
+    when known; the model's logits must have at least that many.
     """
 
     num_workers: int = 0
     tokens_per_sample: int = 0
+    num_classes: int | None = None
+
+    def __post_init__(self) -> None:
+        at_least("data.num_workers", self.num_workers, 0)
 
     def dataset(self) -> Dataset:
         raise NotImplementedError
+
+    def enough_for(self, samples: int) -> TrainData:
+        """This data with at least `samples` samples, where it is generated (task=max_batch's
+        probes); data read from files is what it is."""
+        return self
 
     def eval_dataset(self) -> Dataset:
         """Samples held out from training, for task=eval."""
@@ -42,6 +53,15 @@ class TrainData:
                 f"({len(sampler)} samples); lower it or use more data"
             )
         return Batches(dataset, sampler, batch_size, world_size, self.num_workers, pin_memory)
+
+
+class GeneratedData(TrainData):
+    """Data made from a seed: as many samples as asked for (`num_samples`)."""
+
+    num_samples: int
+
+    def enough_for(self, samples: int) -> TrainData:
+        return replace(self, num_samples=max(self.num_samples, samples))  # type: ignore[type-var]
 
 
 @dataclass

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from fsdp_exp.config import ConfigError
-from fsdp_exp.data import TrainData
+from fsdp_exp.data import GeneratedData, TrainData
+from fsdp_exp.errors import ConfigError, at_least
 
 
 @dataclass
-class SyntheticImages(TrainData):
+class SyntheticImages(GeneratedData):
     """A fixed random pattern per class plus noise; the same for every seed-sharing rank."""
 
     num_samples: int = 10000
@@ -21,7 +21,13 @@ class SyntheticImages(TrainData):
     num_classes: int = 10
     noise: float = 1.0
     num_workers: int = 0
-    seed: int = 0
+    seed: int = 0  # fixes the class patterns; the same data for every training seed
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("num_samples", "image_size", "num_classes"):
+            at_least(f"data.{key}", getattr(self, key), 1)
+        at_least("data.noise", self.noise, 0)
 
     def dataset(self) -> Dataset:
         g = torch.Generator().manual_seed(self.seed)
@@ -52,20 +58,23 @@ _NORMALIZE = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
 class TorchvisionImages(TrainData):
     """torchvision's MNIST or FashionMNIST, read from `<root>/<name>/raw` by torchvision."""
 
-    name: str = "FashionMNIST"
-    root: str = "data"
+    name: str = "FashionMNIST"  # MNIST | FashionMNIST
+    root: str = "data"  # the IDX files are read from <root>/<name>/raw
     download: bool = False
     num_workers: int = 0
-    train: bool = True
+    num_classes = 10
 
-    def dataset(self) -> Dataset:
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.name not in _NORMALIZE:
+            raise ConfigError(f"data.name={self.name}: choose one of: {', '.join(_NORMALIZE)}")
+
+    def dataset(self, train: bool = True) -> Dataset:
         import torchvision.datasets
 
-        if self.name not in _NORMALIZE:
-            raise ConfigError(f"data.name={self.name}: choose one of {', '.join(_NORMALIZE)}")
         cls = getattr(torchvision.datasets, self.name)
         try:
-            source = cls(self.root, train=self.train, download=self.download)
+            source = cls(self.root, train=train, download=self.download)
         except RuntimeError as err:  # torchvision: "Dataset not found. You can use download=True"
             raw = Path(self.root) / self.name / "raw"
             raise ConfigError(
@@ -79,4 +88,4 @@ class TorchvisionImages(TrainData):
 
     def eval_dataset(self) -> Dataset:
         """The test split (t10k files)."""
-        return replace(self, train=False).dataset()
+        return self.dataset(train=False)

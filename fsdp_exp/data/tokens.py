@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from fsdp_exp.config import ConfigError
-from fsdp_exp.data import TrainData
+from fsdp_exp.data import GeneratedData, TrainData
+from fsdp_exp.errors import ConfigError, at_least
 
 # Share of tokens in a synthetic sequence drawn at random instead of from the table:
 # enough that the loss cannot reach zero, little enough that the table is easy to learn.
@@ -18,8 +18,23 @@ _NOISE = 0.1
 _HELD_OUT = 1_000_003  # offset to the seed of held-out sequences
 
 
+class TokenData(TrainData):
+    """Sequences of `seq_len` token ids below `vocab_size`, each target the next token."""
+
+    seq_len: int
+    vocab_size: int
+
+    @property
+    def tokens_per_sample(self) -> int:  # type: ignore[override]
+        return self.seq_len
+
+    @property
+    def num_classes(self) -> int:  # type: ignore[override]
+        return self.vocab_size
+
+
 @dataclass
-class SyntheticTokens(TrainData):
+class SyntheticTokens(GeneratedData, TokenData):
     """Sequences that mostly follow a fixed random "next token" table, with some noise.
 
     A model that learns the table predicts about 90% of the tokens, so the loss falls
@@ -32,9 +47,10 @@ class SyntheticTokens(TrainData):
     seed: int = 0
     num_workers: int = 0
 
-    @property
-    def tokens_per_sample(self) -> int:
-        return self.seq_len
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("num_samples", "seq_len", "vocab_size"):
+            at_least(f"data.{key}", getattr(self, key), 1)
 
     def dataset(self) -> Dataset:
         g = torch.Generator().manual_seed(self.seed)
@@ -62,22 +78,25 @@ def shipped_corpus() -> Path:
 
 
 @dataclass
-class TextBytes(TrainData):
+class TextBytes(TokenData):
     """Byte-level language modelling on one text file: vocab 256, one sample per offset."""
 
-    path: str | None = None
+    path: str | None = None  # None: the short English text shipped with fsdp_exp
     seq_len: int = 128
     num_workers: int = 0
-    eval_path: str | None = None  # held-out text for task=eval
+    eval_path: str | None = None  # held-out text for task=eval (the training text has no split)
+    vocab_size = 256  # byte-level tokens
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        at_least("data.seq_len", self.seq_len, 1)
 
     def eval_dataset(self) -> Dataset:
         if self.eval_path is None:
             raise ConfigError("data.eval_path: data=text has no held-out split; set it to a text file to evaluate on")
+        if not Path(self.eval_path).expanduser().is_file():
+            raise ConfigError(f"data.eval_path={self.eval_path}: no such file")
         return replace(self, path=self.eval_path, eval_path=None).dataset()
-
-    @property
-    def tokens_per_sample(self) -> int:
-        return self.seq_len
 
     def dataset(self) -> Dataset:
         path = shipped_corpus() if self.path is None else Path(self.path).expanduser()

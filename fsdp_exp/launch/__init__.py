@@ -1,8 +1,12 @@
 """conf/launcher/*: how the ranks of one run are started. The trainer is the same under each.
 
-A launcher is built from its config (`_target_`) on the driver and offers:
+A launcher is a dataclass whose fields are its settings; the driver asks it (`Launcher`):
 
-- `ranks(on_gpu) -> int`: the world size it will start;
+- `world_size(on_gpu) -> int`: the world size it will start (and its own checks);
+- `gpus(local_gpus) -> int`: the GPUs its ranks will have;
+- `runs_here`: whether its ranks run on this machine;
+- `restarts`: how often it restarts failed ranks (set by `restarts_key`);
+- `starts_all_ranks`: whether this one command starts every rank of the run;
 - `launch(task, cfg, run_dir, nproc, time_limit_s=None)`: start `nproc` fresh ranks, each
   running `fsdp_exp.launch.worker.run_rank(task, cfg, run_dir, time_limit_s)` with RANK,
   LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and return rank 0's result
@@ -12,6 +16,30 @@ A launcher is built from its config (`_target_`) on the driver and offers:
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from fsdp_exp.errors import ConfigError
+
+
+class Launcher(Protocol):
+    restarts: int
+    restarts_key: str  # the key that sets `restarts`
+    runs_here: bool
+    starts_all_ranks: bool
+
+    def world_size(self, on_gpu: bool) -> int: ...
+    def gpus(self, local_gpus: int) -> int: ...
+    def launch(self, task: Callable[[Any, Path], Any], cfg: Any, run_dir: Path, nproc: int,
+               time_limit_s: float | None = None) -> Any: ...
+
+
+def check_nproc(nproc_per_node: Any) -> None:
+    """`launcher.nproc_per_node`: "auto" or a whole number of ranks."""
+    nproc = nproc_per_node
+    if nproc != "auto" and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+        raise ConfigError(f"launcher.nproc_per_node={nproc}: must be auto or an integer >= 1")
 
 
 class RunFailed(Exception):

@@ -18,11 +18,11 @@ from hydra.core.utils import setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fsdp_exp import distributed
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.worker import setup_rank
 from fsdp_exp.metrics.environment import environment
 from fsdp_exp.metrics.sinks import write_summary
-from fsdp_exp.run import prepare
+from fsdp_exp.plan import prepare
 from fsdp_exp.tasks.train import Train, train_rank
 
 
@@ -55,10 +55,10 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
                               "torchrun; run it as python -m fsdp_exp task=max_batch ...")
     except ConfigError as err:
         return refuse(rank, str(err))
-    resolved = plan.cfg
-    resolved["environment"] = environment(resolved["device"], world_size, argv)
+    exp = plan.exp
+    exp.environment = environment(str(exp.device), world_size, argv)
 
-    distributed.init(resolved["device"])
+    distributed.init(exp.device)
     shared = [run_dir_text]
     dist.broadcast_object_list(shared, src=0)
     run_dir = Path(shared[0])
@@ -69,16 +69,16 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
     dist.barrier()
     setup_rank(run_dir, rank)
     try:
-        plan.task.settle(resolved, run_dir)
+        plan.task.settle(exp, run_dir)
     except ConfigError as err:
         return refuse(rank, str(err))
 
     try:
-        figures = train_rank(resolved, run_dir)
+        figures = train_rank(exp, run_dir)
     except Exception as err:
         if rank == 0:
             write_summary(run_dir, {"status": "failed", "error": f"{type(err).__name__}: {err}"})
         raise
     if rank == 0:
-        write_summary(run_dir, {"status": "ok", **figures, "overrides": argv, "device": resolved["device"]})
+        write_summary(run_dir, {"status": "ok", **figures, "overrides": argv, "device": str(exp.device)})
     return 0

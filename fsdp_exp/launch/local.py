@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     ProcessFailure,
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from fsdp_exp.launch import RunFailed
+from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.launch import RunFailed, check_nproc
 from fsdp_exp.launch.worker import rank_log_path, run_rank
 
 CPU_RANKS = 2  # what `auto` means on a machine without GPUs
@@ -27,14 +27,32 @@ CPU_RANKS = 2  # what `auto` means on a machine without GPUs
 
 @dataclass
 class LocalLauncher:
-    nproc_per_node: Any = "auto"
+    nproc_per_node: Any = "auto"  # auto: one rank per GPU, or 2 on a CPU-only machine
     max_restarts: int = 0  # restarts of all ranks after one fails (they resume from the latest checkpoint)
+    runs_here = True
+    starts_all_ranks = True
+    restarts_key = "launcher.max_restarts"
 
-    def ranks(self, on_gpu: bool) -> int:
-        """The world size: `nproc_per_node`, or for `auto` one rank per GPU (2 on CPU)."""
-        if self.nproc_per_node != "auto":
-            return int(self.nproc_per_node)
-        return torch.cuda.device_count() if on_gpu else CPU_RANKS
+    def __post_init__(self) -> None:
+        check_nproc(self.nproc_per_node)
+        at_least("launcher.max_restarts", self.max_restarts, 0)
+
+    @property
+    def restarts(self) -> int:
+        return self.max_restarts
+
+    def world_size(self, gpus: int) -> int:
+        """`nproc_per_node`, or for `auto` one rank per GPU (2 on CPU). `gpus`: the GPUs
+        the ranks run on, 0 on CPU."""
+        if self.nproc_per_node == "auto":
+            return gpus or CPU_RANKS
+        if gpus and self.nproc_per_node > gpus:
+            raise ConfigError(f"launcher.nproc_per_node={self.nproc_per_node}: only {gpus} GPU(s) here, "
+                              "one rank per GPU")
+        return int(self.nproc_per_node)
+
+    def gpus(self, local_gpus: int) -> int:
+        return local_gpus
 
     def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any:

@@ -41,7 +41,7 @@ Design:
   metrics.jsonl (and wandb).
 - **Restarts.** `max_failures` is Ray's FailureConfig: after a worker fails, Ray Train
   restarts the whole worker group, up to that many times; each worker then sets
-  `cfg["resume"]` to `ray.train.get_checkpoint()` (Ray's copy of the latest reported
+  `cfg.resume` to `ray.train.get_checkpoint()` (Ray's copy of the latest reported
   checkpoint), and rank 0 logs "restart N of the ranks", as with launcher=local. A
   checkpoint that was committed but not reported yet when a worker died is not used: the
   run repeats those steps, with the same result.
@@ -65,7 +65,7 @@ Design:
 - Ctrl-C on the driver ends the run: the fit runs in a thread of the driver (so Ray does
   not replace the process's SIGINT handler), and on KeyboardInterrupt the driver
   disconnects from Ray, which ends the run's actors.
-- ray is an optional extra. Without it, `ranks()` (called by `fsdp_exp.run.prepare`
+- ray is an optional extra. Without it, `world_size()` (called by `fsdp_exp.plan.prepare`
   during the checks) raises one ConfigError line naming `pip install -e .[ray]`. Not the
   constructor: Hydra's `instantiate` wraps whatever a constructor raises in an
   InstantiationException, which the CLI does not turn into a line.
@@ -92,15 +92,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.launch.local import failure_line
 from fsdp_exp.launch.tail import NewLines
 from fsdp_exp.launch.worker import rank_log_path, run_rank
 from fsdp_exp.memory import OutOfMemory
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
@@ -120,17 +123,41 @@ def _missing_extra() -> ConfigError:
 
 @dataclass
 class RayLauncher:
-    num_workers: int = 2
-    use_gpu: bool = False
-    resources_per_worker: dict = field(default_factory=lambda: {"CPU": 1})
-    address: str | None = None  # None: start a local Ray; "auto": this node's cluster; or host:port
-    storage_path: str | None = None  # None: <run_dir>/ray
-    max_failures: int = 0
-    start_timeout: int = 60
+    num_workers: int = 2  # the world size: one rank per Ray Train worker
+    use_gpu: bool = False  # true: one GPU per worker (nccl); false: CPU workers (gloo)
+    # What Ray reserves for each worker (with use_gpu, GPU: 1 is added); CPU is also each
+    # worker's torch threads (Ray sets OMP_NUM_THREADS to it).
+    resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    address: str | None = None  # None: start a local Ray, kept for the whole command; "auto": this node's cluster; or host:port
+    storage_path: str | None = None  # Ray's storage (its copies of the checkpoints), a path or a URI; None: <run_dir>/ray
+    max_failures: int = 0  # after a worker fails, Ray restarts all workers this many times (from the latest checkpoint)
+    start_timeout: int = 60  # seconds to join the cluster at `address` before a clear error
+    starts_all_ranks = True
+    restarts_key = "launcher.max_failures"
 
-    def ranks(self, on_gpu: bool) -> int:
-        """The world size: `num_workers`. Also the launcher's checks, since
-        `fsdp_exp.run.prepare` calls this before any run."""
+    def __post_init__(self) -> None:
+        at_least("launcher.num_workers", self.num_workers, 1)
+        at_least("launcher.max_failures", self.max_failures, 0)
+        if self.start_timeout < 1:
+            raise ConfigError(f"launcher.start_timeout={self.start_timeout}: must be at least 1 (seconds)")
+        for name, amount in dict(self.resources_per_worker or {}).items():
+            if amount < 0:
+                raise ConfigError(f"launcher.resources_per_worker.{name}={amount}: must be at least 0")
+
+    @property
+    def restarts(self) -> int:
+        return self.max_failures
+
+    @property
+    def runs_here(self) -> bool:
+        return self.address is None
+
+    def gpus(self, local_gpus: int) -> int:
+        return self.num_workers if self.use_gpu else 0
+
+    def world_size(self, gpus: int) -> int:
+        """`num_workers`. Also the checks of what this machine must have, since the
+        driver calls it before any run."""
         self.check()
         return self.num_workers
 
@@ -143,13 +170,6 @@ class RayLauncher:
             raise _missing_extra() from None
         if any(importlib.util.find_spec(name) is None for name in TRAIN_EXTRA):
             raise _missing_extra()
-        if self.num_workers < 1:
-            raise ConfigError(f"launcher.num_workers={self.num_workers}: must be at least 1")
-        if self.start_timeout < 1:
-            raise ConfigError(f"launcher.start_timeout={self.start_timeout}: must be at least 1 (seconds)")
-        for name, amount in dict(self.resources_per_worker or {}).items():
-            if amount < 0:
-                raise ConfigError(f"launcher.resources_per_worker.{name}={amount}: must be at least 0")
         if self.use_gpu and self.address is None:
             import torch
 
@@ -184,7 +204,7 @@ class RayLauncher:
         connect(self.address, self.start_timeout, nproc * resources.get("CPU", 1.0))
         storage = self.storage(run_dir)
         name = f"fsdp_exp-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        ckpt = cfg.get("checkpoint") or {}
+        ckpt = cfg.checkpoint
         job = RankJob(task=task, cfg=cfg, run_dir=str(run_dir),
                       time_limit_s=math.ceil(time_limit_s) if time_limit_s else None,
                       ray_dir=None if "://" in storage else str(Path(storage) / name))
@@ -197,7 +217,7 @@ class RayLauncher:
                 name=name,
                 storage_path=storage,
                 failure_config=FailureConfig(max_failures=self.max_failures, controller_failure_limit=0),
-                checkpoint_config=CheckpointConfig(num_to_keep=ckpt.get("keep") if ckpt.get("dir") else None),
+                checkpoint_config=CheckpointConfig(num_to_keep=ckpt.keep if ckpt.saves else None),
             ),
         )
         watch = Watch(run_dir, nproc)
@@ -418,8 +438,8 @@ def _train_loop(config: dict) -> Any:
 class RankJob:
     """What each Ray Train worker runs: one rank of the run (Ray pickles it to the workers)."""
 
-    task: Callable[[dict, Path], Any]
-    cfg: dict
+    task: Callable[[Any, Path], Any]
+    cfg: Experiment
     run_dir: str
     time_limit_s: int | None = None
     ray_dir: str | None = None  # Ray's directory of this run, when it is a local path
@@ -435,18 +455,18 @@ class RankJob:
         os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)  # restarts are Ray's: resume is set below
         cfg = copy.deepcopy(self.cfg)
         restored = ray.train.get_checkpoint()
-        if restored is not None and "resume" in cfg:
-            cfg["resume"] = restored_path(restored, cfg, rank)
+        if restored is not None:
+            cfg.resume = restored_path(restored, cfg, rank)
         restarts = self.count_start(restored) if rank == 0 else 0
         reporter = Reporter(rank, cfg, Path(self.run_dir))
 
-        def task(cfg: dict, run_dir: Path) -> Any:
+        def task(cfg: Experiment, run_dir: Path) -> Any:
             quiet = QuietRay()  # on the handlers run_rank has just set up
             for handler in logging.getLogger().handlers:
                 handler.addFilter(quiet)
             if restarts:
                 log.warning("restart %d of the ranks (Ray Train restarted the worker group), from %s",
-                            restarts, cfg.get("resume") or "step 0 (no checkpoint yet)")
+                            restarts, cfg.resume or "step 0 (no checkpoint yet)")
             reporter.start()
             return self.task(cfg, run_dir)
 
@@ -486,14 +506,14 @@ class QuietRay(logging.Filter):
         return record.levelno >= logging.WARNING or not record.pathname.startswith(self.package)
 
 
-def restored_path(checkpoint: Any, cfg: dict, rank: int) -> str:
+def restored_path(checkpoint: Any, cfg: Experiment, rank: int) -> str:
     """Where the ranks read Ray's checkpoint: its own path on a local (or mounted) file
     system; from remote storage, rank 0 first downloads it into checkpoint.dir, which every
     rank reads (train_rank takes rank 0's `resume` on every rank)."""
     filesystem = getattr(checkpoint, "filesystem", None)
     if filesystem is None or filesystem.type_name == "local":
         return str(checkpoint.path)
-    target = Path(cfg["checkpoint"]["dir"]) / ".ray_restored" / Path(checkpoint.path).name
+    target = Path(cfg.checkpoint.dir) / ".ray_restored" / Path(checkpoint.path).name
     if rank == 0:
         shutil.rmtree(target, ignore_errors=True)
         checkpoint.to_directory(str(target))
@@ -504,8 +524,8 @@ def json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def resume_step(cfg: dict) -> int:
-    resume = cfg.get("resume")
+def resume_step(cfg: Experiment) -> int:
+    resume = cfg.resume
     if not resume:
         return 0
     try:
@@ -531,16 +551,15 @@ class Reporter:
     report that fails ends the thread; `finish` then raises it.
     """
 
-    def __init__(self, rank: int, cfg: dict, run_dir: Path):
+    def __init__(self, rank: int, cfg: Experiment, run_dir: Path):
         self.rank = rank
-        train, ckpt = cfg.get("train") or {}, cfg.get("checkpoint") or {}
-        steps, log_every = train.get("steps"), train.get("log_every")
-        self.root = Path(ckpt["dir"]) if ckpt.get("dir") and ckpt.get("every") else None
+        steps, log_every, ckpt = cfg.train.steps, cfg.train.log_every, cfg.checkpoint
+        self.root = Path(ckpt.dir) if ckpt.saves and ckpt.dir else None
         self.saves: list[int] = []
         self.logged: set[int] = set()
-        if self.root is not None and isinstance(steps, int) and isinstance(log_every, int):
+        if self.root is not None:
             left = range(resume_step(cfg) + 1, steps + 1)
-            self.saves = [s for s in left if s % ckpt["every"] == 0 or s == steps]
+            self.saves = [s for s in left if s % ckpt.every == 0 or s == steps]
             self.logged = {s for s in left if s % log_every == 0 or s == steps}
         self.metrics = run_dir / "metrics.jsonl"
         self.new_records = NewLines(self.metrics, size(self.metrics))  # not earlier attempts' records

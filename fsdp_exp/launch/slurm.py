@@ -24,7 +24,7 @@ Design:
   leave them waiting in a collective until its timeout).
 - **Requeue.** The job's callable is `RankJob`, whose `checkpoint()` submitit calls on
   rank 0 when the job is signalled (USR2: preemption, or `signal_delay_s` before
-  `timeout_min`). It returns the same job with `cfg["resume"]` set to the latest checkpoint
+  `timeout_min`). It returns the same job with `cfg.resume` set to the latest checkpoint
   in `checkpoint.dir` (`fsdp_exp.checkpoint.files.latest`), and submitit requeues it (on
   SLURM `scontrol requeue`, same job id; locally the controller restarts the tasks). The
   ranks then resume exactly as after a restart of launcher=local (TORCHELASTIC_RESTART_COUNT
@@ -49,9 +49,9 @@ Design:
   (as submitit.helpers.TorchDistributedEnvironment does), unless the job's `setup` lines
   export MASTER_PORT.
 - submitit is an optional extra. Without it, or with cluster=slurm on a machine without
-  sbatch, `ranks()` (called by `fsdp_exp.run.prepare` during the checks) raises one
-  ConfigError line. Not the constructor: Hydra's `instantiate` wraps whatever a
-  constructor raises in an InstantiationException, which the CLI does not turn into a line.
+  sbatch, `world_size()` (called by the driver during the checks) raises one ConfigError
+  line. Not the constructor: the ranks unpickle the launcher's config on machines that
+  need not have submitit.
 - Simulating preemption locally: `LocalJob._interrupt()` sends USR2 to the local
   controller, which has no handler for it and dies, leaving the tasks orphaned; it does not
   work with the local executor. What works, and is what SLURM does (`--signal=USR2@90`
@@ -77,8 +77,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_exp.checkpoint.files import latest
-from fsdp_exp.config import ConfigError
-from fsdp_exp.launch import RunFailed
+from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.launch import RunFailed, check_nproc
 from fsdp_exp.launch.local import CPU_RANKS, failure_line, threads_per_rank
 from fsdp_exp.launch.tail import NewLines
 from fsdp_exp.launch.worker import rank_log_path, run_rank
@@ -107,24 +107,52 @@ def _missing_extra() -> ConfigError:
 
 @dataclass
 class SlurmLauncher:
-    nproc_per_node: Any = "auto"
-    max_restarts: int = 0  # requeues after preemption or timeout, and resubmissions after a failure
-    cluster: str = "slurm"  # slurm | local (submitit's local executor)
+    cluster: str = "slurm"  # slurm: sbatch on this cluster | local: submitit's local executor, here
+    nproc_per_node: Any = "auto"  # ranks (SLURM tasks) per node; auto: gpus_per_node, or 2 when it is 0
+    nodes: int = 1  # the world size is nodes x nproc_per_node; local: 1
+    gpus_per_node: int = 0  # GPUs asked for per node (one rank per GPU, nccl); 0: CPU ranks (gloo)
+    cpus_per_task: int = 2  # cores per rank; the ranks' torch threads
+    mem_gb: float | None = None  # memory per node; None: the partition's default
+    timeout_min: int = 60  # the job's time limit; 90 s before it (30 s locally) the job is requeued
+    # Requeues after preemption or the time limit, and resubmissions after a failure, each
+    # from the latest checkpoint in checkpoint.dir.
+    max_restarts: int = 0
     partition: str | None = None
-    nodes: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int = 2
-    mem_gb: float | None = None
-    timeout_min: int = 60
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
-    setup: list[str] = field(default_factory=list)
-    folder: str | None = None  # submitit's job files and logs; None: <run_dir>/slurm
+    setup: list[str] = field(default_factory=list)  # shell lines run before the ranks start
+    folder: str | None = None  # submitit's job files and logs; None: slurm/ in the run directory
+    starts_all_ranks = True
+    restarts_key = "launcher.max_restarts"
 
-    def ranks(self, on_gpu: bool) -> int:
-        """The world size: `nodes` x `nproc_per_node` (auto: gpus_per_node, or 2 without GPUs).
-        Also the launcher's checks, since `fsdp_exp.run.prepare` calls this before any run."""
+    def __post_init__(self) -> None:
+        if self.cluster not in CLUSTERS:
+            raise ConfigError(f"launcher.cluster={self.cluster}: choose one of: {', '.join(CLUSTERS)}")
+        check_nproc(self.nproc_per_node)
+        for key, low in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("timeout_min", 1),
+                         ("max_restarts", 0)):
+            at_least(f"launcher.{key}", getattr(self, key), low)
+        if self.mem_gb is not None and self.mem_gb <= 0:
+            raise ConfigError(f"launcher.mem_gb={self.mem_gb}: must be greater than 0, or null")
+        if self.cluster == "local" and self.nodes > 1:
+            raise ConfigError(f"launcher.nodes={self.nodes}: launcher.cluster=local runs on this "
+                              "machine only; use launcher.nodes=1")
+
+    @property
+    def restarts(self) -> int:
+        return self.max_restarts
+
+    @property
+    def runs_here(self) -> bool:
+        return self.cluster == "local"
+
+    def gpus(self, local_gpus: int) -> int:
+        return self.gpus_per_node
+
+    def world_size(self, gpus: int) -> int:
+        """`nodes` x `nproc_per_node` (auto: gpus_per_node, or 2 without GPUs). Also the
+        checks of what this machine must have, since the driver calls it before any run."""
         self.check()
         return self.nodes * self.per_node()
 
@@ -139,20 +167,10 @@ class SlurmLauncher:
             import submitit  # noqa: F401
         except ImportError:
             raise _missing_extra() from None
-        if self.cluster not in CLUSTERS:
-            raise ConfigError(f"launcher.cluster={self.cluster}: choose one of: {', '.join(CLUSTERS)}")
-        for key, low in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("timeout_min", 1)):
-            if getattr(self, key) < low:
-                raise ConfigError(f"launcher.{key}={getattr(self, key)}: must be at least {low}")
-        if self.mem_gb is not None and self.mem_gb <= 0:
-            raise ConfigError(f"launcher.mem_gb={self.mem_gb}: must be greater than 0, or null")
         if self.cluster == "slurm" and shutil.which("sbatch") is None:
             raise ConfigError("launcher.cluster=slurm: no SLURM here (sbatch not found); "
                               "use launcher.cluster=local to try it on this machine")
         if self.cluster == "local":
-            if self.nodes > 1:
-                raise ConfigError(f"launcher.nodes={self.nodes}: launcher.cluster=local runs on this "
-                                  "machine only; use launcher.nodes=1")
             import torch
 
             if self.gpus_per_node > torch.cuda.device_count():
@@ -407,8 +425,8 @@ class RankJob:
     def restarted(self) -> RankJob:
         """The next attempt: from the latest checkpoint in checkpoint.dir, if there is one."""
         cfg = copy.deepcopy(self.cfg)
-        root = (cfg.get("checkpoint") or {}).get("dir")
+        root = cfg.checkpoint.dir
         newest = latest(Path(root)) if root else None
         if newest is not None:
-            cfg["resume"] = str(newest)
+            cfg.resume = str(newest)
         return dataclasses.replace(self, cfg=cfg, restarts=self.restarts + 1)

@@ -20,9 +20,9 @@ from typing import Any, Callable
 import torch
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch import RunFailed
-from fsdp_exp.launch.local import CPU_RANKS, elastic_run, threads_per_rank
+from fsdp_exp.launch.local import LocalLauncher, elastic_run, threads_per_rank
 
 
 def parse_nnodes(nnodes: Any) -> tuple[int, int]:
@@ -39,15 +39,14 @@ def parse_nnodes(nnodes: Any) -> tuple[int, int]:
 
 
 @dataclass
-class TorchrunLauncher:
-    nnodes: Any = 1
-    nproc_per_node: Any = "auto"
-    rdzv_endpoint: str = "localhost:29400"
-    rdzv_id: str = "fsdp_exp"
-    rdzv_timeout: int = 300
-    max_restarts: int = 0
+class TorchrunLauncher(LocalLauncher):
+    nnodes: Any = 1  # the number of machines, or min:max for an elastic run
+    rdzv_endpoint: str = "localhost:29400"  # host:port of one of the nodes, reachable from all
+    rdzv_id: str = "fsdp_exp"  # the same on every node of a run, different between runs
+    rdzv_timeout: int = 300  # seconds to wait for the nodes to meet before a clear error
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.min_nodes, self.max_nodes = parse_nnodes(self.nnodes)
         if self.rdzv_timeout < 1:
             raise ConfigError(f"launcher.rdzv_timeout={self.rdzv_timeout}: must be at least 1 (seconds)")
@@ -55,19 +54,22 @@ class TorchrunLauncher:
         if not host or not port.isdigit():
             raise ConfigError(f"launcher.rdzv_endpoint={self.rdzv_endpoint}: must be host:port")
 
-    def per_node(self, on_gpu: bool) -> int:
-        if self.nproc_per_node != "auto":
-            return int(self.nproc_per_node)
-        return torch.cuda.device_count() if on_gpu else CPU_RANKS
+    @property
+    def starts_all_ranks(self) -> bool:  # type: ignore[override]
+        """Each node's command starts its own ranks: only a one-node run is all here."""
+        return self.max_nodes == 1
 
-    def ranks(self, on_gpu: bool) -> int:
+    def world_size(self, gpus: int) -> int:
         """The world size when every node has joined."""
-        return self.per_node(on_gpu) * self.max_nodes
+        return self.per_node(gpus) * self.max_nodes
+
+    def per_node(self, gpus: int) -> int:
+        return super().world_size(gpus)
 
     def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any:
         """This node's ranks; the figures every rank returns (the same on every rank)."""
-        per_node = self.per_node(cfg["device"] == "cuda")
+        per_node = self.per_node(torch.cuda.device_count() if cfg.device == "cuda" else 0)
         options = dict(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=per_node,
                        run_id=self.rdzv_id, rdzv_endpoint=self.rdzv_endpoint,
                        rdzv_configs={"join_timeout": self.rdzv_timeout, "timeout": self.rdzv_timeout},

@@ -54,3 +54,12 @@ def gpt_flops_per_token(n_layer: int, n_embd: int, vocab_size: int, seq_len: int
     full attention as FlopCounterMode counts causal SDPA."""
     block_weights = 12 * n_embd * n_embd  # qkv 3d^2, out d^2, MLP 8d^2
     return 6 * (n_layer * block_weights + n_embd * vocab_size) + 12 * n_layer * n_embd * seq_len
+
+
+def lm_flops_per_token(model: nn.Module, seq_len: int) -> int | None:
+    """The analytic count for a language model whose shape is known, else None."""
+    from fsdp_exp.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return gpt_flops_per_token(len(model.blocks), model.wte.embedding_dim, model.vocab_size, seq_len)
+    return None

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import uuid
 import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import Choice, ConfigError
 
 log = logging.getLogger("fsdp_exp")
 
@@ -81,43 +83,61 @@ class Progress:
             self.bar.close()
 
 
-WANDB_MODES = ("online", "offline", "disabled")
+class WandbMode(Choice):
+    auto = "auto"
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
 
 
-def resolve_wandb(settings: dict, overrides: list[str], group: str | None, job_type: str) -> dict:
-    """The run's wandb settings, fixed once on the driver, so every rank, restart and
-    requeue logs the same run to the same place.
+@dataclass
+class WandbSettings:
+    """conf/wandb/*: one wandb run per experiment, mirroring metrics.jsonl."""
 
-    Where the config leaves them open, wandb's environment variables decide, as in wandb
-    itself: mode `auto` is WANDB_MODE, else online when an API key is configured, else
-    offline; project null is WANDB_PROJECT, else fsdp_exp; entity null is WANDB_ENTITY,
-    else the key's default entity. The group defaults to the sweep, the overrides join the
-    tags, and the id is drawn here.
-    """
-    return {
-        **settings,
-        "mode": wandb_mode(settings["mode"]),
-        "project": settings["project"] or wandb_project(),
-        "entity": settings["entity"] or os.environ.get("WANDB_ENTITY") or None,
-        "group": settings["group"] or group,
-        "tags": [*settings["tags"], *overrides],
-        "job_type": job_type,
-        "id": settings["id"] or uuid.uuid4().hex[:16],
-    }
+    mode: WandbMode = WandbMode.auto  # auto: WANDB_MODE, else online with an API key, else offline
+    project: str | None = None  # None: WANDB_PROJECT, else fsdp_exp
+    entity: str | None = None  # None: WANDB_ENTITY, else the API key's default entity
+    group: str | None = None  # None: the multirun sweep's directory, or none for a single run
+    tags: list[str] = field(default_factory=list)  # the overrides are added
+    id: str | None = None  # None: a new run id, kept by restarts and requeues; or a run to continue (online)
+
+    def __post_init__(self) -> None:
+        self.job_type = "train"  # the task, set by the driver
+        if self.id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(self.id)):
+            raise ConfigError(f"wandb.id={self.id}: at most 64 letters, digits, '-' or '_'")
+
+    def for_run(self, overrides: list[str], group: str | None, job_type: str) -> WandbSettings:
+        """What every attempt of one run logs with, fixed once on the driver: ranks restarted
+        or requeued from this run log to the same wandb run, in the same place. The id is
+        drawn here. Where the config leaves a setting open, wandb's own variables decide,
+        as in wandb itself: WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY."""
+        settings = replace(
+            self, mode=WandbMode(resolve_wandb_mode(self.mode)), project=self.project or wandb_project(),
+            entity=self.entity or os.environ.get("WANDB_ENTITY") or None, tags=[*self.tags, *overrides],
+            group=self.group or group, id=self.id or uuid.uuid4().hex[:16])
+        settings.job_type = job_type
+        return settings
+
+    def sink(self, config: dict, run_dir: Path) -> Wandb:
+        return Wandb(mode=self.mode, project=self.project, entity=self.entity, group=self.group, tags=self.tags,
+                     config=config, run_dir=run_dir, job_type=self.job_type, run_id=self.id)
 
 
 def wandb_project() -> str:
     return os.environ.get("WANDB_PROJECT") or "fsdp_exp"
 
 
-def wandb_mode(mode: str) -> str:
+def resolve_wandb_mode(mode: str) -> str:
+    """`auto`: WANDB_MODE when set, else online when an API key is configured (WANDB_API_KEY
+    or ~/.netrc), else offline."""
     if mode != "auto":
-        return mode
+        return str(WandbMode(mode).value)
     from_env = os.environ.get("WANDB_MODE")
     if from_env:
         env_mode = {"dryrun": "offline", "run": "online"}.get(from_env, from_env)  # wandb's older names
-        if env_mode not in WANDB_MODES:
-            raise ConfigError(f"WANDB_MODE={from_env}: with wandb.mode=auto, choose one of: {', '.join(WANDB_MODES)}")
+        allowed = [m.value for m in WandbMode if m is not WandbMode.auto]
+        if env_mode not in allowed:
+            raise ConfigError(f"WANDB_MODE={from_env}: with wandb.mode=auto, choose one of: {', '.join(allowed)}")
         return env_mode
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     has_key = bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())

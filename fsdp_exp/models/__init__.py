@@ -1,20 +1,138 @@
-"""conf/model/*: each option names a builder (`_target_`), its arguments, `blocks` and
-`init_device`."""
+"""conf/model/*: a model option is a builder (`_target_`, a class or a function), the
+keyword arguments it takes, `blocks` and `init_device`.
+
+The schema is open: fsdp_exp types its own two keys and passes every other key to the
+builder, so a user's model with arguments fsdp_exp cannot know needs no code here.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
-from hydra.utils import get_class, instantiate
+import torch
+from hydra.utils import get_class, get_method
 from torch import nn
 
+from fsdp_exp.errors import ConfigError
 
-def build_model(cfg: Mapping[str, Any]) -> tuple[nn.Module, tuple[type[nn.Module], ...]]:
-    """The model, and the classes whose instances become their own FSDP unit.
+INIT_DEVICES = ("cpu", "meta")
+OWN_KEYS = ("_target_", "blocks", "init_device")
 
-    `blocks` and `init_device` describe how to shard and place the model, not how to
-    build it, so they are kept away from the builder's arguments.
+
+@dataclass
+class ModelSpec:
+    """How to build the model and how to shard and place it.
+
+    target: the builder's import path; it returns an nn.Module whose forward takes a
+      batch of inputs and returns logits (see the README's model contract).
+    kwargs: every other key of the option, passed to the builder.
+    blocks: import paths of the classes whose instances become FSDP units.
+    init_device: cpu (build, then move to the device) | meta (build without memory,
+      shard, then fill each rank's shards).
     """
-    args = {key: value for key, value in cfg.items() if key not in ("blocks", "init_device")}
-    blocks = tuple(get_class(name) for name in cfg["blocks"])
-    return instantiate(args), blocks
+
+    target: str
+    kwargs: dict = field(default_factory=dict)
+    blocks: list[str] = field(default_factory=list)
+    init_device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.init_device not in INIT_DEVICES:
+            raise ConfigError(f"model.init_device={self.init_device}: choose one of: {', '.join(INIT_DEVICES)}")
+
+    @classmethod
+    def from_config(cls, node: Mapping[str, Any]) -> ModelSpec:
+        """From the composed `model` node: its own keys typed, the rest the builder's."""
+        target = node.get("_target_")
+        if not isinstance(target, str) or not target or target == "???":
+            raise ConfigError("model._target_: name the builder, a class or function such as mypkg.Net "
+                              "(model=custom model._target_=mypkg.Net)")
+        blocks = node.get("blocks") or []
+        if isinstance(blocks, str) or not all(isinstance(name, str) for name in blocks):
+            raise ConfigError(f"model.blocks={blocks}: a list of class import paths, e.g. [mypkg.Block]")
+        kwargs = {key: value for key, value in node.items() if key not in OWN_KEYS}
+        return cls(target, kwargs, list(blocks), str(node.get("init_device", "cpu")))
+
+    @property
+    def name(self) -> str:
+        return self.target
+
+    def as_dict(self) -> dict:
+        """The option as it was composed (what checkpoints record)."""
+        return {"_target_": self.target, **self.kwargs, "blocks": list(self.blocks), "init_device": self.init_device}
+
+    def builder(self) -> Callable[..., nn.Module]:
+        try:
+            return get_method(self.target)
+        except Exception as err:  # Hydra: ImportError or ValueError, with a long text
+            raise ConfigError(f"model._target_={self.target}: cannot import it ({_first_line(err)})") from None
+
+    def block_classes(self) -> tuple[type[nn.Module], ...]:
+        classes = []
+        for name in self.blocks:
+            try:
+                classes.append(get_class(name))
+            except Exception as err:
+                raise ConfigError(f"model.blocks: cannot import {name} ({_first_line(err)})") from None
+        return tuple(classes)
+
+    def check_arguments(self) -> None:
+        """Every key the option passes is one the builder takes."""
+        try:
+            params = inspect.signature(self.builder()).parameters
+        except (TypeError, ValueError):  # a builder without a signature to read
+            return
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return
+        takes = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for key in self.kwargs:
+            if key not in takes:
+                allowed = ", ".join(sorted([*takes, "blocks", "init_device"]))
+                raise ConfigError(f"model.{key}: unknown key; model has: {allowed} "
+                                  f"({self.target} takes {', '.join(takes) or 'no arguments'})")
+
+    def build(self) -> tuple[nn.Module, tuple[type[nn.Module], ...]]:
+        """The model, and the classes whose instances become their own FSDP unit."""
+        model = self.builder()(**self.kwargs)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model._target_={self.target}: returned a {type(model).__name__}, not a torch.nn.Module")
+        return model, self.block_classes() or own_blocks(model)
+
+
+def own_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The blocks a model names itself (Hugging Face's `_no_split_modules`), by class name."""
+    names = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    if not names:
+        return ()
+    found: dict[str, type[nn.Module]] = {}
+    for module in model.modules():
+        if type(module).__name__ in names:
+            found.setdefault(type(module).__name__, type(module))
+    return tuple(found.values())
+
+
+def check_logits(logits: object, targets: torch.Tensor, model: str, hint: str = "") -> None:
+    """The model contract: for a batch of targets of shape (batch, *S), logits of shape
+    (batch, *S, classes): (batch, classes) for a classifier, (batch, seq, vocab) for a
+    next-token language model."""
+    expected = tuple(targets.shape)
+    if isinstance(logits, torch.Tensor) and tuple(logits.shape[:-1]) == expected and logits.dim() > len(expected):
+        return
+    got = f"logits of shape {list(logits.shape)}" if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}"
+    raise ConfigError(f"model: {model} returns {got} for targets of shape {list(expected)}; expected logits of "
+                      f"shape {[*expected, 'classes']}{hint}")
+
+
+def build_model(model: ModelSpec | Mapping[str, Any]) -> tuple[nn.Module, tuple[type[nn.Module], ...]]:
+    """The model and its block classes, from a spec or a model option as a mapping."""
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
+    return spec.build()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_exp.errors import ConfigError
+
 # Shapes by name. `small` to `xl` are the GPT-2 family (124M, 350M, 774M, 1.5B with a
 # 50257-token vocabulary); `tiny` is for tests and quick runs on a CPU.
 GPT_SIZES: dict[str, dict] = {
@@ -131,5 +133,5 @@ class GPT(nn.Module):
 def build_gpt(size: str, vocab_size: int, block_size: int, dropout: float = 0.0) -> GPT:
     """A GPT of one of the named shapes in `GPT_SIZES`."""
     if size not in GPT_SIZES:
-        raise ValueError(f"unknown GPT size {size!r}: choose one of {', '.join(GPT_SIZES)}")
+        raise ConfigError(f"model.size={size}: choose one of: {', '.join(GPT_SIZES)}")
     return GPT(vocab_size=vocab_size, block_size=block_size, dropout=dropout, **GPT_SIZES[size])

@@ -1,7 +1,8 @@
 """conf/sharding/*: how the model's parameters, gradients and optimizer state are spread.
 
-Each option is a plan with `check(world_size, ...)`, run before any rank starts, and
-`apply(model, units, device, precision, offload)`, run on every rank.
+Each option is a plan: a dataclass whose fields are its settings (checked as it is
+built), `check(world_size, ...)` for what depends on the other groups, run before any
+rank starts, and `apply(model, units, device, precision, offload)`, run on every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.precision import Precision
 from fsdp_exp.sharding.wrap import WRAP_POLICIES, select_units
 
@@ -35,27 +36,30 @@ class FullyShard:
     reshards to groups of that many ranks after forward.
     """
 
-    reshard_after_forward: bool | int = True
-    wrap: str = "blocks"
-    min_params: int = 100_000
+    reshard_after_forward: bool | int = True  # or an int: reshard to groups of that many ranks
+    wrap: str = "blocks"  # blocks | size | blocks+size | root: which modules become FSDP units
+    min_params: int = 100_000  # for wrap=size: the fewest parameters a unit holds
     shards_params = True
     distributed = True
+
+    def __post_init__(self) -> None:
+        if self.wrap not in WRAP_POLICIES:
+            raise ConfigError(f"sharding.wrap={self.wrap}: choose one of: {', '.join(WRAP_POLICIES)}")
+        if self.min_params < 1:
+            raise ConfigError(f"sharding.min_params={self.min_params}: must be at least 1")
 
     def shard_size(self, world_size: int) -> int:
         return world_size
 
     def check(self, world_size: int, has_blocks: bool, offload: bool) -> None:
-        if self.wrap not in WRAP_POLICIES:
-            raise ConfigError(f"sharding.wrap={self.wrap}: choose one of: {', '.join(WRAP_POLICIES)}")
+        """What depends on the other groups: the world size, the model's blocks."""
         if "blocks" in self.wrap and not has_blocks:
             raise ConfigError(
                 f"sharding.wrap={self.wrap}: this model names no block classes (model.blocks is "
                 "empty); use sharding.wrap=size or root"
             )
-        if self.min_params < 1:
-            raise ConfigError(f"sharding.min_params={self.min_params}: must be at least 1")
         raf, shards = self.reshard_after_forward, self.shard_size(world_size)
-        if not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1 or shards % raf):
+        if not isinstance(raf, bool) and (raf < 1 or shards % raf):
             raise ConfigError(
                 f"sharding.reshard_after_forward={raf}: true, false, or a group size that divides "
                 f"the {shards} ranks each parameter is sharded over"
@@ -90,7 +94,7 @@ class FullyShard:
 class HybridShard(FullyShard):
     """HSDP: replicate over `replicate` groups, shard within each (a 2-D mesh)."""
 
-    replicate: int = 2
+    replicate: int = 2  # replica groups; parameters are sharded within each of world_size / replicate ranks
 
     def shard_size(self, world_size: int) -> int:
         return world_size // self.replicate
@@ -109,6 +113,7 @@ class HybridShard(FullyShard):
         )
 
 
+@dataclass
 class DDP:
     """PyTorch DistributedDataParallel: a full replica per rank, gradients all-reduced."""
 
@@ -131,6 +136,7 @@ class DDP:
         return Autocast(ddp, precision, device.type) if precision.param_dtype != "float32" else ddp
 
 
+@dataclass
 class NoSharding(DDP):
     """One process with the whole model: the reference the others must match. It trains
     the same global batch as the ranks it stands in for (see `train.batch_size`)."""

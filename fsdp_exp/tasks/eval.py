@@ -5,45 +5,56 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from torch.utils.data import DataLoader
 
-from fsdp_exp.checkpoint.export import load_weights
-from fsdp_exp.checkpoint.resume import open_checked
-from fsdp_exp.config import ConfigError
+from fsdp_exp.checkpoint.export import load_weights, weight_shapes
+from fsdp_exp.checkpoint.files import CheckpointError
+from fsdp_exp.checkpoint.resume import model_shapes, open_checked
+from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.models import ModelSpec
 from fsdp_exp.tasks.export import plain_model
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
 
 @dataclass
 class Eval:
-    weights: str | None = None
+    weights: str | None = None  # model.safetensors, model.pt, a DCP step_* directory or a checkpoint.dir
     batch_size: int = 256
-    show: int = 8
+    show: int = 8  # predictions printed next to their labels
 
-    def check(self, cfg: dict) -> None:
+    def __post_init__(self) -> None:
+        at_least("task.batch_size", self.batch_size, 1)
+        at_least("task.show", self.show, 0)
+
+    def check(self, exp: Experiment) -> None:
         if self.weights is None:
             raise ConfigError("task.weights: task=eval needs weights (model.safetensors, model.pt, "
                               "a step_* directory or a checkpoint.dir)")
+        exp.data.eval_dataset()  # a missing held-out split is refused before the run
         path = Path(self.weights).expanduser()
         if path.is_dir():
-            open_checked(path, cfg["model"], "task.weights")
+            open_checked(path, exp.model, "task.weights")
         elif not path.is_file():
             raise ConfigError(f"task.weights={path}: no such file or checkpoint")
+        else:
+            check_weights_file(path, exp.model)
 
     @torch.no_grad()
-    def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
+    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
         """In this process, on the first GPU when there is one."""
-        device = torch.device("cuda", 0) if cfg["device"] == "cuda" else torch.device("cpu")
-        model = plain_model(cfg["model"])
+        device = torch.device("cuda", 0) if exp.device == "cuda" else torch.device("cpu")
+        model = plain_model(exp.model)
         load_weights(model, Path(self.weights).expanduser(), "task.weights")
         model.to(device).eval()
-        data = instantiate(cfg["data"])
+        data = exp.data
         loader = DataLoader(data.eval_dataset(), batch_size=self.batch_size, shuffle=False)
         loss_sum, correct, count = 0.0, 0, 0
         shown: list[tuple[Any, Any]] = []
@@ -65,6 +76,20 @@ class Eval:
             log.info("predicted / label:\n%s", "\n".join(f"  {p!r:>12} / {t!r}" for p, t in shown))
         figures["examples"] = [{"predicted": p, "label": t} for p, t in shown]
         return figures
+
+
+def check_weights_file(path: Path, model: ModelSpec) -> None:
+    """A weights file that is readable and holds this model's tensors, by name and shape."""
+    try:
+        saved = weight_shapes(path, "task.weights")
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    wanted = model_shapes(model)
+    differences = [f"{name} is {saved.get(name) or 'absent'} there, {wanted.get(name) or 'absent'} here"
+                   for name in sorted(set(saved) | set(wanted)) if saved.get(name) != wanted.get(name)]
+    if differences:
+        more = f"; and {len(differences) - 4} more" if len(differences) > 4 else ""
+        raise ConfigError(f"task.weights={path}: saved from a different model: {'; '.join(differences[:4])}{more}")
 
 
 def _examples(predictions: torch.Tensor, targets: torch.Tensor, n: int) -> list[tuple[Any, Any]]:

@@ -5,43 +5,48 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fsdp_exp.checkpoint.export import FORMATS, load_weights, save_weights
 from fsdp_exp.checkpoint.resume import open_checked
-from fsdp_exp.config import ConfigError
-from fsdp_exp.models import build_model
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.models import ModelSpec
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
 
-def plain_model(model_cfg: dict) -> torch.nn.Module:
+def plain_model(spec: ModelSpec) -> torch.nn.Module:
     """The model without sharding, on CPU, with storage but no initialisation (the
     weights come from a file next)."""
     with torch.device("meta"):
-        model, _ = build_model(model_cfg)
+        model, _ = spec.build()
     return model.to_empty(device="cpu")
 
 
 @dataclass
 class Export:
-    checkpoint: str | None = None
-    format: str = "safetensors"
+    checkpoint: str | None = None  # a step_* directory, or a checkpoint.dir (its latest)
+    format: str = "safetensors"  # safetensors -> model.safetensors | pt -> model.pt
 
-    def check(self, cfg: dict) -> None:
+    def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ConfigError(f"task.format={self.format}: choose one of: {', '.join(FORMATS)}")
+
+    def check(self, exp: Experiment) -> None:
         if self.checkpoint is None:
             raise ConfigError("task.checkpoint: task=export needs a checkpoint (a step_* directory or a checkpoint.dir)")
-        open_checked(self.checkpoint, cfg["model"], "task.checkpoint")
+        open_checked(self.checkpoint, exp.model, "task.checkpoint")
 
-    def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
+    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
         """In this process on CPU: the weights are read shard by shard from the files, so
         no GPU ever holds the whole model."""
-        checkpoint = open_checked(self.checkpoint, cfg["model"], "task.checkpoint")
-        model = plain_model(cfg["model"])
+        checkpoint = open_checked(self.checkpoint, exp.model, "task.checkpoint")
+        model = plain_model(exp.model)
         load_weights(model, checkpoint.path, "task.checkpoint")
         out = Path(run_dir) / FORMATS[self.format]
         save_weights(model.state_dict(), out)

@@ -12,63 +12,91 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fsdp_exp.config import ConfigError
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.memory import device_memory_gb
 from fsdp_exp.tasks.batch_search import BatchSearch, fit_memory, recommended_size
 from fsdp_exp.tasks.probe import Probe, fingerprint, run_probe
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
 RECORD = "max_batch.json"
 
 
+@dataclass
+class MaxBatchSettings:
+    """max_batch.*: how task=max_batch searches."""
+
+    steps_per_probe: int = 3  # optimizer steps per probe; at least 2, so optimizer state counts
+    probe_timeout: float = 600  # seconds; a probe past it is killed and recorded as failed
+    resolution: int = 1  # the answer is exact to this; every probed size is a multiple of it
+    margin: float = 0.1  # the recommended size keeps this share of the memory limit free
+    search_up_to: int = 4096  # the largest batch size tried
+
+    def __post_init__(self) -> None:
+        if self.steps_per_probe < 2:
+            raise ConfigError(f"max_batch.steps_per_probe={self.steps_per_probe}: must be at least 2 "
+                              "(the second step holds the optimizer state the first one made)")
+        if self.probe_timeout <= 0:
+            raise ConfigError(f"max_batch.probe_timeout={self.probe_timeout}: must be greater than 0 (seconds)")
+        if self.resolution < 1:
+            raise ConfigError(f"max_batch.resolution={self.resolution}: must be at least 1")
+        if not 0 <= self.margin < 1:
+            raise ConfigError(f"max_batch.margin={self.margin}: must be at least 0 and below 1")
+        if self.search_up_to < self.resolution:
+            raise ConfigError(f"max_batch.search_up_to={self.search_up_to}: must be at least "
+                              f"max_batch.resolution={self.resolution}")
+
+
+@dataclass
 class MaxBatch:
-    def check(self, cfg: dict) -> None:
+    def check(self, exp: Experiment) -> None:
         """Refuse what the search cannot do, before any probe starts."""
-        if cfg["device"] == "cpu" and cfg["memory"]["limit_gb"] is None:
+        if exp.device == "cpu" and exp.memory.limit_gb is None:
             raise ConfigError(
                 "memory.limit_gb: task=max_batch on CPU needs a per-rank limit to fit in "
                 "(without one the boundary is the machine's RAM and the kernel's OOM killer)"
             )
-        if cfg["train"]["grad_accum"] != 1:
+        if exp.train.grad_accum != 1:
             raise ConfigError(
-                f"train.grad_accum={cfg['train']['grad_accum']}: task=max_batch searches the batch "
+                f"train.grad_accum={exp.train.grad_accum}: task=max_batch searches the batch "
                 "of one forward and backward; set train.grad_accum=1"
             )
-        nnodes = cfg["launcher"].get("nnodes", 1)
-        if str(nnodes) not in ("1", "1:1"):
+        if not exp.launcher.starts_all_ranks:
             raise ConfigError(
-                f"launcher.nnodes={nnodes}: with launcher=torchrun each node's command would search on its own; "
-                "search on one node, or with launcher=slurm or ray, whose one command starts every probe")
-        for key in ("max_restarts", "max_failures"):
-            if cfg["launcher"].get(key):
-                raise ConfigError(
-                    f"launcher.{key}={cfg['launcher'][key]}: task=max_batch needs every probe "
-                    f"to fail when it runs out of memory, not to restart; set launcher.{key}=0")
-        if cfg.get("resume"):
-            raise ConfigError(f"resume={cfg['resume']}: task=max_batch starts every probe fresh; "
+                f"launcher.nnodes={exp.launcher.nnodes}: with launcher=torchrun each node's command would search "
+                "on its own; search on one node, or with launcher=slurm or ray, whose one command starts every probe")
+        if exp.launcher.restarts:
+            key = exp.launcher.restarts_key
+            raise ConfigError(
+                f"{key}={exp.launcher.restarts}: task=max_batch needs every probe "
+                f"to fail when it runs out of memory, not to restart; set {key}=0")
+        if exp.resume:
+            raise ConfigError(f"resume={exp.resume}: task=max_batch starts every probe fresh; "
                               "resume is for task=train")
 
-    def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
-        return Sweep(cfg, run_dir, launcher, nproc).run()
+    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
+        return Sweep(exp, run_dir, launcher, nproc).run()
 
 
 @dataclass
 class Sweep:
-    cfg: dict
+    cfg: Experiment
     run_dir: Path
     launcher: Any
     nproc: int
 
     def __post_init__(self) -> None:
-        settings = self.cfg["max_batch"]
-        self.steps = settings["steps_per_probe"]
-        self.timeout_s = settings["probe_timeout"]
-        self.limit_gb = self.cfg["memory"]["limit_gb"] or device_memory_gb(self.cfg["device"])
-        self.search = BatchSearch(self.limit_gb, settings["resolution"], settings["search_up_to"])
+        settings = self.cfg.max_batch
+        self.steps = settings.steps_per_probe
+        self.timeout_s = settings.probe_timeout
+        self.limit_gb = self.cfg.memory.limit_gb or device_memory_gb(self.cfg.device)
+        self.search = BatchSearch(self.limit_gb, settings.resolution, settings.search_up_to)
         self.fingerprint = fingerprint(self.cfg, self.nproc, self.steps)
         self.probes: list[Probe] = []
         self.need: Probe | None = None  # batch 1 without the limit, when it did not fit under it
@@ -130,7 +158,7 @@ class Sweep:
         """Why not even the smallest batch trains; for an OOM under a limit, what it needs."""
         first = self.probes[0]
         size = first.batch_size
-        limit = self.cfg["memory"]["limit_gb"]
+        limit = self.cfg.memory.limit_gb
         if first.status != "oom" or limit is None:
             return f"batch {size} does not train: {first.reason}"
         log.info("batch %d ran out of memory under memory.limit_gb=%g; measuring its need without the limit",
@@ -143,7 +171,7 @@ class Sweep:
 
     def save(self, boundary: int | None) -> dict:
         """max_batch.json, rewritten whole after every probe, so no probe is ever lost."""
-        settings = self.cfg["max_batch"]
+        settings = self.cfg.max_batch
         model = fit_memory(self.outcomes())
         for probe in self.probes:
             probe.predicted_peak_gb = model.peak_gb(probe.batch_size) if model else None
@@ -154,13 +182,13 @@ class Sweep:
         after = next((p for p in self.probes if p.batch_size == hi), None)
         record = {
             "setup": setup_line(self.cfg),
-            "device": self.cfg["device"],
+            "device": self.cfg.device.value,
             "world_size": self.nproc,
             "limit_gb": self.limit_gb,
-            **{k: settings[k] for k in ("resolution", "margin", "search_up_to", "steps_per_probe")},
+            **{k: getattr(settings, k) for k in ("resolution", "margin", "search_up_to", "steps_per_probe")},
             "max_batch_size": boundary,
             "recommended_batch_size": boundary and recommended_size(
-                model, self.limit_gb, settings["margin"], boundary, settings["resolution"]),
+                model, self.limit_gb, settings.margin, boundary, settings.resolution),
             "bounded_by": None if boundary is None else ("search_up_to" if after is None else after.status),
             "samples_per_s": at_max.samples_per_s if at_max else None,
             "peak_mem_gb": at_max.peak_mem_gb if at_max else None,
@@ -189,7 +217,7 @@ class Sweep:
         png = self.run_dir / "max_batch.png"
         plot_max_batch(record, png)
         log_to_wandb(self.cfg, self.run_dir, record, png)
-        log.info("%s", answer_line(record, self.cfg["memory"]["limit_gb"]) + f" -> {self.run_dir / RECORD}")
+        log.info("%s", answer_line(record, self.cfg.memory.limit_gb) + f" -> {self.run_dir / RECORD}")
 
 
 def answer_line(record: dict, limit_gb: float | None) -> str:
@@ -205,8 +233,8 @@ def answer_line(record: dict, limit_gb: float | None) -> str:
             f"{record['probe_wall_s']:.0f} s of probing")
 
 
-def setup_line(cfg: dict) -> str:
-    overrides = [o for o in cfg.get("environment", {}).get("overrides", []) if not o.startswith(("task=", "hydra."))]
+def setup_line(cfg: Experiment) -> str:
+    overrides = [o for o in cfg.environment.get("overrides", []) if not o.startswith(("task=", "hydra."))]
     return " ".join(overrides) or "defaults"
 
 
@@ -216,13 +244,11 @@ def summary_figures(record: dict) -> dict:
     return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"]}
 
 
-def log_to_wandb(cfg: dict, run_dir: Path, record: dict, png: Path) -> None:
+def log_to_wandb(cfg: Experiment, run_dir: Path, record: dict, png: Path) -> None:
     """The probes as a wandb table, the plot as an image, the answer in the run summary."""
-    from fsdp_exp.metrics.sinks import Wandb
+    from fsdp_exp.config import as_dict
 
-    w = cfg["wandb"]
-    sink = Wandb(mode=w["mode"], project=w["project"], entity=w["entity"], group=w["group"], tags=w["tags"],
-                 config=cfg, run_dir=run_dir, job_type=w["job_type"])
+    sink = cfg.wandb.sink(as_dict(cfg), run_dir)
     if sink.run is None:
         return
     import wandb

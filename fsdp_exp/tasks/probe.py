@@ -11,14 +11,19 @@ import copy
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fsdp_exp.checkpoint import NoCheckpoint
 from fsdp_exp.launch import RunFailed
-from fsdp_exp.metrics.sinks import write_summary
+from fsdp_exp.metrics.sinks import WandbMode, write_summary
+from fsdp_exp.profile import NoProfile
 from fsdp_exp.tasks.batch_search import Outcome
 from fsdp_exp.tasks.train import train_rank
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 
 @dataclass
@@ -63,34 +68,36 @@ class Probe:
                 f"{self.samples_per_s:,.1f} samples/s [{self.wall_s:.0f} s]")
 
 
-def probe_config(cfg: dict, batch_size: int, steps: int, world_size: int, limit_gb: Any = "same") -> dict:
+def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
+                 limit_gb: Any = "same") -> Experiment:
     """The run's config, trimmed to a probe: `steps` steps at `batch_size`, the first of
     them warm-up, no profile, export or wandb run of its own."""
     probe = copy.deepcopy(cfg)
-    probe["train"].update(batch_size=batch_size, steps=steps, log_every=steps)
-    probe["metrics"]["warmup_steps"] = 1
-    probe["profile"] = {"_target_": "fsdp_exp.profile.NoProfile"}
-    probe["checkpoint"] = {"_target_": "fsdp_exp.checkpoint.NoCheckpoint", "export_full": False}
-    probe["wandb"]["mode"] = "disabled"
+    probe.train = replace(probe.train, batch_size=batch_size, steps=steps, log_every=steps)
+    probe.metrics.warmup_steps = 1
+    probe.profile = NoProfile()
+    probe.checkpoint = NoCheckpoint()
+    probe.wandb.mode = WandbMode.disabled
     if limit_gb != "same":
-        probe["memory"]["limit_gb"] = limit_gb
-    if "num_samples" in probe["data"]:  # generated data: enough for one global batch
-        probe["data"]["num_samples"] = max(probe["data"]["num_samples"], batch_size * world_size)
-    probe.pop("environment", None)
-    probe.pop("max_batch", None)
+        probe.memory.limit_gb = limit_gb
+    probe.data = probe.data.enough_for(batch_size * world_size)  # generated data: one global batch
+    probe.environment = {}
     return probe
 
 
-def fingerprint(cfg: dict, world_size: int, steps: int) -> str:
+def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
     """Probes made under the same fingerprint can be reused: same setup but the batch."""
-    probe = probe_config(cfg, 1, steps, world_size)
+    from fsdp_exp.config import as_dict
+
+    probe = as_dict(probe_config(cfg, 1, steps, world_size))
     probe["wandb"] = None  # tags and mode differ between runs; they change no probe
+    probe["max_batch"] = None
     probe["data"].pop("num_samples", None)  # follows the batch
     text = json.dumps({"cfg": probe, "world_size": world_size}, sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def run_probe(cfg: dict, batch_size: int, probe_dir: Path, launcher: Any, world_size: int,
+def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Any, world_size: int,
               steps: int, timeout_s: float, limit_gb: Any = "same") -> Probe:
     """Train `steps` steps at `batch_size` on fresh ranks; the outcome, never an exception
     for a rank's failure (KeyboardInterrupt still stops the search)."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdp_exp import distributed
 from fsdp_exp.build import build_experiment
@@ -19,38 +20,42 @@ from fsdp_exp.memory import (
 )
 from fsdp_exp.profile import dump_cuda_snapshot
 
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
+
 log = logging.getLogger("fsdp_exp")
 
 
+@dataclass
 class Train:
-    def check(self, cfg: dict) -> None:
+    def check(self, exp: Experiment) -> None:
         """The checkpoint to resume from, when one is named, must be usable."""
-        resolve_resume(cfg)
+        resolve_resume(exp)
 
-    def settle(self, cfg: dict, run_dir: Path) -> None:
+    def settle(self, exp: Experiment, run_dir: Path) -> None:
         """Checkpoints go to checkpoint.dir, or <run>/checkpoints; `resume` becomes the
         checkpoint's absolute path (or null), so every rank reads the same one."""
-        ckpt = cfg["checkpoint"]
-        if "dir" in ckpt:
-            ckpt["dir"] = str(Path(ckpt["dir"] or run_dir / "checkpoints").expanduser().resolve())
-        cfg["resume"] = resolve_resume(cfg)
-        if cfg["resume"]:
-            log.info("resuming from %s", cfg["resume"])
+        ckpt = exp.checkpoint
+        if ckpt.saves:
+            ckpt.dir = str(Path(ckpt.dir or run_dir / "checkpoints").expanduser().resolve())
+        exp.resume = resolve_resume(exp)
+        if exp.resume:
+            log.info("resuming from %s", exp.resume)
 
-    def run(self, cfg: dict, run_dir: Path, launcher: Any, nproc: int) -> dict:
-        self.settle(cfg, run_dir)
-        return launcher.launch(train_rank, cfg, run_dir, nproc)
+    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
+        self.settle(exp, run_dir)
+        return launcher.launch(train_rank, exp, run_dir, nproc)
 
 
-def train_rank(cfg: dict, run_dir: Path) -> dict:
+def train_rank(cfg: Experiment, run_dir: Path) -> dict:
     """One rank's whole training run; returns the run's figures (the same on every rank)."""
-    ranks = distributed.init(cfg["device"])
+    ranks = distributed.init(cfg.device)
     # Under a multi-node launch every node's command chose its own run directory:
     # the checkpoints are rank 0's, so every rank saves into and resumes from those.
-    ckpt_dir, cfg["resume"] = distributed.from_main((cfg["checkpoint"].get("dir"), cfg.get("resume")))
-    if "dir" in cfg["checkpoint"]:
-        cfg["checkpoint"]["dir"] = ckpt_dir
-    limit_gb = cfg["memory"]["limit_gb"]
+    ckpt_dir, cfg.resume = distributed.from_main((cfg.checkpoint.dir, cfg.resume))
+    if cfg.checkpoint.saves:
+        cfg.checkpoint.dir = ckpt_dir
+    limit_gb = cfg.memory.limit_gb
     try:
         apply_limit(limit_gb, ranks.device)
         if ranks.is_main:

@@ -1,0 +1,146 @@
+"""A user's own model, data and config folder (examples/my_project), with no change to fsdp_exp."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_exp.cli import precheck
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.plan import prepare
+from tests.conftest import REPO, read_json, read_jsonl, run_cli
+
+EXAMPLE = REPO / "examples" / "my_project"
+SEARCHPATH = "hydra.searchpath=[file://conf]"  # as the example's README shows it
+SMALL = ["train.steps=4", "train.log_every=2", "train.batch_size=16", "wandb.mode=disabled"]
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the example project, as the working directory and on the import path."""
+    copy = tmp_path / "my_project"
+    shutil.copytree(EXAMPLE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.chdir(copy)
+    monkeypatch.syspath_prepend(str(copy))
+    yield copy
+    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+        del sys.modules[name]
+
+
+def test_the_example_project_trains_as_its_readme_shows(project: Path) -> None:
+    assert f"'{SEARCHPATH}'" in (EXAMPLE / "README.md").read_text()
+    out = project / "run"
+    result = run_cli("model=mynet", "data=squares", SEARCHPATH, *SMALL, "train.lr=3e-3",
+                     f"hydra.run.dir={out}", cwd=project)
+    assert result.returncode == 0, result.stderr
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "ok" and summary["world_size"] == 2
+    assert [u["module"] for u in summary["fsdp_units"]] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "(root)"]
+    records = read_jsonl(out / "metrics.jsonl")
+    assert records[-1]["loss"] < records[0]["loss"], "the user's model must learn the user's data"
+
+
+@pytest.mark.parametrize("options", [
+    ["sharding=full", "offload=true", "model.init_device=meta", "train.activation_checkpointing=true"],
+    ["sharding=grad_op", "precision=bf16", "train.compile=true"],
+    ["sharding=hybrid", "precision=fp16"],
+    ["sharding=ddp", "precision=bf16"],
+    ["sharding=none"],
+])
+def test_the_users_model_composes_with_every_option(project: Path, options: list[str]) -> None:
+    from fsdp_exp.cli import compose_checked
+
+    plan = prepare(compose_checked(["model=mynet", "data=squares", SEARCHPATH, *options]), 0, [])
+    assert plan.exp.model.target == "mypkg.model.Net" and plan.exp.model.kwargs == {
+        "width": 64, "depth": 4, "num_classes": 4}
+
+
+def test_a_config_folder_inside_the_users_package_joins_with_pkg(project: Path) -> None:
+    shutil.move(project / "conf", project / "mypkg" / "conf")
+    (project / "mypkg" / "conf" / "__init__.py").touch()
+    from fsdp_exp.cli import compose_checked
+
+    cfg = compose_checked(["model=mynet", "data=squares", "hydra.searchpath=[pkg://mypkg.conf]"])
+    assert cfg.model._target_ == "mypkg.model.Net" and cfg.data._target_ == "mypkg.data.squares"
+
+
+def test_a_model_from_the_command_line_gets_only_its_own_arguments(project: Path) -> None:
+    """model=custom: the builder and its arguments on the command line, none of the ViT's."""
+    from fsdp_exp.cli import compose_checked
+
+    cfg = compose_checked(["model=custom", "model._target_=mypkg.model.Net", "+model.width=32",
+                           "+model.num_classes=4", "model.blocks=[mypkg.model.Block]", "data=squares", SEARCHPATH])
+    exp = prepare(cfg, 0, []).exp
+    assert exp.model.kwargs == {"width": 32, "num_classes": 4}
+    model, blocks = exp.model.build()
+    assert model.head.out_features == 4 and blocks == (sys.modules["mypkg.model"].Block,)
+
+
+MYNET = ["model=mynet", "data=squares"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([*MYNET, "+model.heads=4"],
+     "model.heads: unknown key; model has: blocks, depth, image_size, init_device, num_classes, width"),
+    ([*MYNET, "model.blocks=[mypkg.model.Net,torch.nn.GRU]"],
+     "model.blocks: torch.nn.modules.rnn.GRU is not in the model mypkg.model.Net builds"),
+    ([*MYNET, "model.num_classes=3"], "model.num_classes=3: smaller than the data's 4 classes"),
+    (["model=mynet", "data=synthetic_tokens"], "data.seq_len=128: model mypkg.model.Net cannot read this data's inputs"),
+    (["model=custom", "model._target_=torch.nn.Identity", "sharding.wrap=root", "data=squares"],
+     "model: torch.nn.Identity returns logits of shape [2, 1, 28, 28] for targets of shape [2]"),
+    ([*MYNET, "data._target_=mypkg.model.Block", "~data.num_samples", "+data.width=3"],
+     "data._target_=mypkg.model.Block: returned a Block, not a map-style Dataset"),
+])
+def test_a_model_or_data_that_breaks_the_contract_gets_one_line(project: Path, overrides: list[str],
+                                                                message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        precheck([*overrides, SEARCHPATH])
+    assert message in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_num_classes_larger_than_the_data_is_fine(project: Path) -> None:
+    """Logits over more classes than the data has still train (the extra ones go unused)."""
+    precheck(["model=mynet", "data=squares", "model.num_classes=10", SEARCHPATH])
+
+
+def test_the_users_data_holds_out_samples_for_eval(project: Path) -> None:
+    from fsdp_exp.cli import compose_checked
+
+    exp = prepare(compose_checked(["model=mynet", "data=squares", SEARCHPATH]), 0, []).exp
+    train, held_out = exp.data.dataset(), exp.data.eval_dataset()
+    assert len(train) == len(held_out) == 2048
+    assert not torch.equal(train[0][0], held_out[0][0])
+
+
+SGD = ["optimizer._target_=torch.optim.SGD", "+optimizer.momentum=0.9", "train.lr=0.05"]
+
+
+@pytest.mark.slow
+def test_the_users_model_trains_the_same_under_every_sharding_option(project: Path) -> None:
+    """Sharded, offloaded, meta-initialised and checkpointed runs of the user's model match
+    its unsharded run step by step; bf16 with compile trains too."""
+    common = ["model=mynet", "data=squares", SEARCHPATH, *SMALL, "train.log_every=1", *SGD]
+    result = run_cli("-m", *common, "sharding=none,full,grad_op,hybrid,ddp", cwd=project, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (sweep,) = (project / "outputs" / "multirun").glob("*/*")
+    runs = {read_json(run / "summary.json")["choices"]["sharding"]: run for run in sweep.iterdir() if run.is_dir()}
+    out = project / "offload_meta_ac"
+    result = run_cli(*common, "sharding=full", "offload=true", "model.init_device=meta",
+                     "train.activation_checkpointing=true", f"hydra.run.dir={out}", cwd=project, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs["offload_meta_ac"] = out
+    reference = [r["loss"] for r in read_jsonl(runs.pop("none") / "metrics.jsonl")]
+    assert reference[-1] < reference[0]
+    for name, run in runs.items():
+        losses = [r["loss"] for r in read_jsonl(run / "metrics.jsonl")]
+        assert losses == pytest.approx(reference, rel=1e-5), name
+
+    out = project / "bf16_compiled"
+    result = run_cli(*common, "precision=bf16", "train.compile=true", f"hydra.run.dir={out}", cwd=project, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert losses[-1] < losses[0] and read_json(out / "summary.json")["status"] == "ok"

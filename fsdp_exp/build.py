@@ -27,7 +27,7 @@ from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.flops import (
     count_step_flops,
     device_peak_tflops,
-    gpt_flops_per_token,
+    flops_per_token,
 )
 from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
 from fsdp_exp.models import build_model
@@ -180,18 +180,15 @@ def log_flops(figures: dict) -> None:
 
 def count_flops(trainer: Trainer, batches: Any, cfg: dict, micro_batch: int) -> dict:
     """This rank's FLOPs per optimizer step, counted once on a batch shaped like the real
-    ones (so the data order is untouched); for `gpt`, also the analytic 6N count."""
+    ones (so the data order is untouched); for a language model of known shape, also the
+    analytic 6N count."""
     inputs, targets = batches.dataset[0]
     shaped = (inputs.expand(micro_batch, *inputs.shape).contiguous(),
               targets.expand(micro_batch, *targets.shape).contiguous())
     flops = count_step_flops(trainer.model, lambda: trainer.loss(*shaped)) * trainer.grad_accum
     figures = {"flops_per_step": flops}
-    model = cfg["model"]
-    if "vocab_size" in model:
-        from fsdp_exp.models.gpt import GPT_SIZES
-
-        shape = GPT_SIZES[model["size"]]
-        seq_len = inputs.shape[-1]
-        per_token = gpt_flops_per_token(shape["n_layer"], shape["n_embd"], model["vocab_size"], seq_len)
+    seq_len = inputs.shape[-1]
+    per_token = flops_per_token(unwrap(trainer.model), seq_len) if trainer.tokens_per_sample else None
+    if per_token is not None:
         figures["flops_per_step_analytic"] = per_token * seq_len * micro_batch * trainer.grad_accum
     return figures

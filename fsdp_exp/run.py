@@ -25,6 +25,7 @@ from fsdp_exp.launch import RunFailed
 from fsdp_exp.memory import check_limit
 from fsdp_exp.metrics.environment import environment
 from fsdp_exp.metrics.sinks import resolve_wandb_mode, summary_table, write_summary
+from fsdp_exp.models import block_classes
 
 log = logging.getLogger("fsdp_exp")
 
@@ -95,7 +96,9 @@ def prepare(cfg: DictConfig, gpu_count: int, overrides: list[str], group: str | 
     launcher = build(cfg.launcher)
     sharding = build(cfg.sharding)
     world = world_size or launcher.ranks(on_gpu=resolved["device"] == "cuda")
-    sharding.check(world, has_blocks=bool(cfg.model.blocks), offload=cfg.offload)
+    # model.blocks, or else the classes the model names itself (model=hf), built on meta
+    has_blocks = bool(cfg.model.blocks) or bool(block_classes(resolved["model"]))
+    sharding.check(world, has_blocks=has_blocks, offload=cfg.offload)
     if resolved["model"]["init_device"] == "meta" and not sharding.shards_params:
         raise ConfigError("model.init_device=meta: needs sharding=full, grad_op or hybrid to shard the model")
     if cfg.train.compile:

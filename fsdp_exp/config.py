@@ -87,6 +87,14 @@ class GptSchema(ModelSchema):
     dropout: float = MISSING
 
 
+@dataclass
+class HfSchema(ModelSchema):  # model=hf: a transformers causal LM (fsdp_exp.models.hf)
+    config: dict[str, Any] = field(default_factory=dict)  # the transformers config, with model_type
+    path: str | None = None  # or: a directory holding config.json (or a hub name)
+    pretrained: bool = False  # also load path's weights
+    attn_implementation: str | None = None  # null: transformers' default (sdpa)
+
+
 # ---- data ----------------------------------------------------------------------------
 @dataclass
 class DataSchema:
@@ -315,6 +323,7 @@ def register() -> None:
         ("model", "vit", VitSchema),
         ("model", "cnn", CnnSchema),
         ("model", "gpt", GptSchema),
+        ("model", "hf", HfSchema),
         ("data", "synthetic", SyntheticSchema),
         ("data", "synthetic_tokens", SyntheticTokensSchema),
         ("data", "text", TextSchema),
@@ -452,6 +461,12 @@ def _check_max_batch(settings: DictConfig) -> None:
 
 
 def _check_model_fits_data(cfg: DictConfig) -> None:
+    if OmegaConf.get_type(cfg.model) is HfSchema:  # its sizes are in a transformers config
+        from fsdp_exp.models import hf
+
+        hf.check(OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True),
+                 OmegaConf.to_container(cfg.data, resolve=True))
+        return
     language_model = "vocab_size" in cfg.model
     token_data = "seq_len" in cfg.data
     if language_model and not token_data:

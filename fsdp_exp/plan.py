@@ -10,7 +10,7 @@ sharding, the memory limit against the machine, and what the task needs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -91,9 +91,10 @@ def check_model(spec: ModelSpec) -> BuiltOnMeta:
             model, blocks = spec.build()
     except ConfigError:
         raise
-    except TypeError as err:  # a missing or wrong argument
-        raise ConfigError(f"model: {spec.name}: {first_line(err)}") from None
-    except Exception:  # noqa: BLE001 - builders that need real memory are checked on the ranks
+    except (TypeError, ValueError, KeyError, AssertionError, ImportError) as err:  # the builder's own checks
+        reason = first_line(err) if isinstance(err, TypeError) else f"{type(err).__name__}: {first_line(err)}"
+        raise ConfigError(f"model: {spec.name}: {reason}") from None
+    except Exception:  # noqa: BLE001 - builders that cannot build on the meta device: checked on the ranks
         return BuiltOnMeta(None, spec.block_classes())
     present = {type(m) for m in model.modules()}
     for cls in blocks:
@@ -121,17 +122,47 @@ def check_model_reads_data(exp: Experiment, model: nn.Module | None) -> None:
             logits = model(batch)
     except Exception as err:  # noqa: BLE001 - the model's own error, shown in one line
         reason = first_line(err)
-        hint = "" if "longer than" in reason else f"; {kind}"
-        raise ConfigError(f"{key}: model {exp.model.name} cannot read this data's inputs "
-                          f"({describe(inputs)}): {reason}{hint}") from None
-    check_logits(logits, targets.expand(2, *targets.shape), exp.model.name, f"; {kind}")
-    classes, needed = logits.shape[-1], exp.data.num_classes
-    if needed is not None and classes < needed:
+        if not cannot_run_on_meta(err):
+            hint = "" if "longer than" in reason else f"; {kind}"
+            raise ConfigError(f"{key}: model {exp.model.name} cannot read this data's inputs "
+                              f"({describe(inputs)}): {reason}{hint}") from None
+        logits = None  # a forward that needs real values (Hugging Face's masks): the ranks check it
+    if logits is not None:
+        check_logits(logits, targets.expand(2, *targets.shape), exp.model.name, f"; {kind}")
+    classes, needed = logits.shape[-1] if logits is not None else getattr(model, "vocab_size", None), exp.data.num_classes
+    if needed is not None and classes is not None and classes < needed:
         what = "tokens" if language else "classes"
-        # Name the builder's argument that sets the count, when one does (vocab_size, num_classes).
-        keys = [f"model.{k}={v}" for k, v in exp.model.kwargs.items() if v == classes and not isinstance(v, bool)]
-        raise ConfigError(f"{keys[0] if len(keys) == 1 else 'model'}: smaller than the data's {needed} {what} "
+        raise ConfigError(f"{setting_of(exp.model.kwargs, classes, ('vocab', 'class'))}: smaller than the data's {needed} {what} "
                           f"({exp.model.name} returns {classes} logits per {'token' if language else 'sample'})")
+    longest = getattr(model, "max_seq_len", None)  # the contract's optional limit
+    if language and longest is not None and inputs.shape[-1] > longest:
+        setting = setting_of(exp.model.kwargs, longest, ("position", "block", "seq"))
+        raise ConfigError(f"{key}: longer than the {longest} positions {exp.model.name} reads"
+                          + (f" ({setting})" if setting != "model" else ""))
+
+
+def setting_of(kwargs: dict, value: int, words: tuple[str, ...]) -> str:
+    """The builder's argument that sets `value` (vocab_size, num_classes, block_size, a
+    transformers config's entry) as `model.<key>=<value>`: the one argument of that value,
+    else the one whose name holds one of `words`; "model" when that is not one."""
+    found = list(leaves(kwargs, value, "model"))
+    if len(found) > 1:
+        found = [f for f in found if any(w in f.split("=")[0].rsplit(".", 1)[-1] for w in words)]
+    return found[0] if len(found) == 1 else "model"
+
+
+def leaves(node: dict, value: int, prefix: str) -> Iterator[str]:
+    for key, given in node.items():
+        if isinstance(given, dict):
+            yield from leaves(given, value, f"{prefix}.{key}")
+        elif given == value and not isinstance(given, bool):
+            yield f"{prefix}.{key}={given}"
+
+
+def cannot_run_on_meta(err: Exception) -> bool:
+    """An error of the meta device itself (data-dependent control flow, a value read
+    from a tensor), not of the model's input."""
+    return isinstance(err, NotImplementedError) or "meta" in str(err).lower()
 
 
 def describe(tensor: torch.Tensor) -> str:

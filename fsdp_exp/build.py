@@ -32,7 +32,7 @@ from fsdp_exp.metrics.flops import (
     flops_per_token,
 )
 from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
-from fsdp_exp.models import check_logits
+from fsdp_exp.models.contract import check_logits
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 pytest.importorskip("transformers")

@@ -29,10 +29,10 @@ from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.flops import (
     count_step_flops,
     device_peak_tflops,
-    lm_flops_per_token,
+    flops_per_token,
 )
 from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
-from fsdp_exp.models import check_logits
+from fsdp_exp.models.contract import check_logits
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes
@@ -195,7 +195,7 @@ def count_flops(trainer: Trainer, batches: Any, cfg: Experiment, micro_batch: in
     figures = {"flops_per_step": flops}
     if trainer.tokens_per_sample:
         seq_len = trainer.tokens_per_sample
-        per_token = lm_flops_per_token(unwrap(trainer.model), seq_len)
+        per_token = flops_per_token(unwrap(trainer.model), seq_len)
         if per_token is not None:
             figures["flops_per_step_analytic"] = per_token * seq_len * micro_batch * trainer.grad_accum
     return figures

@@ -12,16 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
-from torch import nn
 
 from fsdp_exp import config
 from fsdp_exp.blocks import check_compile
 from fsdp_exp.config import Device, Experiment
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.memory import check_limit
-from fsdp_exp.models import ModelSpec, check_logits
+from fsdp_exp.models.contract import check_model, check_model_reads_data
 
 
 @dataclass
@@ -63,7 +61,7 @@ def prepare(cfg: DictConfig, local_gpus: int, overrides: list[str], group: str |
     if exp.train.compile:
         check_compile(exp.device)
     if exp.launcher.runs_here:  # on a cluster, the data's files may be there only
-        check_model_reads_data(exp, model.module)
+        check_model_reads_data(exp.model, model.module, exp.data)
     exp.profile.check(exp.train.steps)
     nproc = world if exp.sharding.distributed else 1
     if exp.launcher.runs_here:
@@ -74,71 +72,3 @@ def prepare(cfg: DictConfig, local_gpus: int, overrides: list[str], group: str |
         exp.train = replace(exp.train, batch_size=exp.train.batch_size * world)
     exp.wandb = exp.wandb.for_run(overrides, group, job_type)
     return RunPlan(exp, nproc)
-
-
-@dataclass
-class BuiltOnMeta:
-    module: nn.Module | None  # None: the builder does not build on the meta device
-    blocks: tuple[type[nn.Module], ...]
-
-
-def check_model(spec: ModelSpec) -> BuiltOnMeta:
-    """The builder takes the option's keys, builds (on the meta device, without memory),
-    and holds the block classes the option names."""
-    spec.check_arguments()
-    try:
-        with torch.device("meta"):
-            model, blocks = spec.build()
-    except ConfigError:
-        raise
-    except TypeError as err:  # a missing or wrong argument
-        raise ConfigError(f"model: {spec.name}: {first_line(err)}") from None
-    except Exception:  # noqa: BLE001 - builders that need real memory are checked on the ranks
-        return BuiltOnMeta(None, spec.block_classes())
-    present = {type(m) for m in model.modules()}
-    for cls in blocks:
-        if not any(issubclass(t, cls) for t in present):
-            found = sorted({t.__name__ for t in present})
-            raise ConfigError(f"model.blocks: {cls.__module__}.{cls.__qualname__} is not in the model "
-                              f"{spec.name} builds (its modules are: {', '.join(found)})")
-    return BuiltOnMeta(model, blocks)
-
-
-def check_model_reads_data(exp: Experiment, model: nn.Module | None) -> None:
-    """One forward on the meta device, with a batch shaped like the data's: the model must
-    take the data's inputs and return logits for its targets (see the README's contract)."""
-    inputs, targets = exp.data.dataset()[0]
-    language = exp.data.tokens_per_sample > 0
-    key = f"data.seq_len={inputs.shape[-1]}" if language else "data"
-    kind = ("this data gives token sequences: use a language model (model=gpt or model=hf)" if language
-            else "this data gives images (model=vit or cnn reads them); a language model reads "
-                 "data=synthetic_tokens, text or token_file")
-    if model is None:
-        return
-    batch = inputs.unsqueeze(0).expand(2, *inputs.shape).to("meta")
-    try:
-        with torch.no_grad():
-            logits = model(batch)
-    except Exception as err:  # noqa: BLE001 - the model's own error, shown in one line
-        reason = first_line(err)
-        hint = "" if "longer than" in reason else f"; {kind}"
-        raise ConfigError(f"{key}: model {exp.model.name} cannot read this data's inputs "
-                          f"({describe(inputs)}): {reason}{hint}") from None
-    check_logits(logits, targets.expand(2, *targets.shape), exp.model.name, f"; {kind}")
-    classes, needed = logits.shape[-1], exp.data.num_classes
-    if needed is not None and classes < needed:
-        what = "tokens" if language else "classes"
-        # Name the builder's argument that sets the count, when one does (vocab_size, num_classes).
-        keys = [f"model.{k}={v}" for k, v in exp.model.kwargs.items() if v == classes and not isinstance(v, bool)]
-        raise ConfigError(f"{keys[0] if len(keys) == 1 else 'model'}: smaller than the data's {needed} {what} "
-                          f"({exp.model.name} returns {classes} logits per {'token' if language else 'sample'})")
-
-
-def describe(tensor: torch.Tensor) -> str:
-    what = "token ids" if not tensor.is_floating_point() else "samples"
-    return f"{what} of shape {list(tensor.shape)}, {str(tensor.dtype).removeprefix('torch.')}"
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

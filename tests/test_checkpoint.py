@@ -361,3 +361,17 @@ def test_resume_auto_continues_the_run_in_checkpoint_dir(tmp_path: Path, referen
     run = train(tmp_path, "auto", "checkpoint=dcp", "train.batch_size=8", f"checkpoint.dir={root}", "resume=auto")
     assert_same_losses(run, reference, 19, 1e-6)
     assert json.loads((root / "step_00000024" / "train_state.json").read_text())["step"] == 24
+
+
+def test_a_tied_head_is_exported_whole(tmp_path: Path) -> None:
+    """A plain model's tied head and embedding share one tensor, which safetensors refuses
+    to write (so sharding=none with checkpoint.export_full=true failed for gpt)."""
+    from fsdp_exp.checkpoint.export import save_weights
+    from fsdp_exp.models.gpt import build_gpt
+
+    state = build_gpt("tiny", vocab_size=64, block_size=16).state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["wte.weight"].data_ptr()
+    save_weights(state, tmp_path / "model.safetensors")
+    written = load_file(tmp_path / "model.safetensors")
+    assert written.keys() == state.keys()
+    assert all(torch.equal(written[k], state[k]) for k in state)

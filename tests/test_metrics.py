@@ -115,6 +115,27 @@ def test_flops_are_counted_and_match_the_analytic_count_for_gpt(tmp_path: Path) 
     assert summary["mfu"] == pytest.approx(summary["tflops_per_device"] / 2.0)
 
 
+def test_analytic_flops_come_from_the_built_model_and_match_the_counted_ones_on_cpu() -> None:
+    """At 128 tokens attention is a fifth of the tiny GPT's FLOPs: FlopCounterMode alone
+    does not count the CPU attention kernel (torch 2.14), and the ratio would be 0.79."""
+    import torch.nn.functional as F
+
+    from fsdp_exp.metrics.flops import (
+        count_step_flops,
+        flops_per_token,
+        gpt_flops_per_token,
+    )
+    from fsdp_exp.models.gpt import build_gpt
+
+    model = build_gpt("tiny", vocab_size=256, block_size=128)
+    analytic = flops_per_token(model, 128)
+    assert analytic == pytest.approx(gpt_flops_per_token(2, 64, 256, 128), rel=0.02)  # + biases, norms
+    assert flops_per_token(build_vit(28, 7, 2, 2, 128, 128, 10), 49) is None  # not a language model
+    x = torch.randint(0, 256, (2, 128))
+    counted = count_step_flops(model, lambda: F.cross_entropy(model(x).flatten(0, 1), x.flatten()))
+    assert counted / (analytic * 2 * 128) == pytest.approx(1, abs=0.1)
+
+
 def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:
     """The project comes from WANDB_PROJECT, as the config leaves it open."""
     out = tmp_path / "run"

@@ -6,7 +6,7 @@ import torch
 from torchvision.models.vision_transformer import EncoderBlock
 
 from fsdp_exp.cli import compose_checked
-from fsdp_exp.models import build_model
+from fsdp_exp.models import build_model, own_blocks
 
 
 def test_default_vit_matches_the_spec() -> None:
@@ -32,3 +32,19 @@ def test_same_seed_same_weights() -> None:
     torch.manual_seed(0)
     b, _ = build_model(cfg)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_with_no_blocks_named_the_units_are_the_models_no_split_modules() -> None:
+    """The Hugging Face convention: a model names the classes to keep whole, by name."""
+
+    class Layer(torch.nn.Linear):
+        pass
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Sequential(Layer(2, 2), torch.nn.ReLU(), Layer(2, 2))
+            self.inner._no_split_modules = ["Layer", "Missing"]
+
+    assert own_blocks(Model()) == (Layer,)
+    assert own_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == ()

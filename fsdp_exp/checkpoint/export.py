@@ -28,7 +28,16 @@ FORMATS = {"safetensors": "model.safetensors", "pt": "model.pt"}
 
 
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
-    state = {k: v.detach().contiguous() for k, v in state.items()}
+    """Every entry is written whole, a tied one too (a head sharing the embedding's
+    tensor): safetensors refuses tensors that share memory."""
+    written: set[int] = set()
+    copies = {}
+    for key, value in state.items():
+        tensor = value.detach().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        copies[key] = tensor.clone() if storage in written else tensor
+        written.add(storage)
+    state = copies
     if Path(path).suffix == ".pt":
         torch.save(state, path)
     else:

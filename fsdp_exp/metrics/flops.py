@@ -34,13 +34,37 @@ def device_peak_tflops(device: torch.device, param_dtype: str, configured: float
     return None
 
 
+def _attention_flops(query: tuple, key: tuple, value: tuple, *args: object, **kwargs: object) -> int:
+    """Scores (q @ k^T) and output (p @ v), full attention; grouped-query attention
+    computes with as many heads as the query."""
+    batch, heads, q_len, dim = query
+    return 2 * batch * heads * q_len * key[2] * (dim + value[3])
+
+
+def _attention_backward_flops(grad_out: tuple, query: tuple, key: tuple, value: tuple,
+                              *args: object, **kwargs: object) -> int:
+    """Scores recomputed, then the gradients of the scores, v, q and k."""
+    batch, heads, q_len, dim = query
+    return 2 * batch * heads * q_len * key[2] * (3 * dim + 2 * value[3])
+
+
+# FlopCounterMode counts the GPU kernels of scaled_dot_product_attention but not the
+# CPU one (torch 2.14), which would leave attention out of every CPU figure.
+_CPU_ATTENTION = {
+    getattr(torch.ops.aten, name): formula
+    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _attention_flops),
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward", _attention_backward_flops))
+    if hasattr(torch.ops.aten, name)
+}
+
+
 def count_step_flops(model: nn.Module, loss_of: Callable[[], torch.Tensor]) -> int:
     """FLOPs of one forward and backward on this rank, counted by FlopCounterMode.
 
     Every rank must call this together (the sharded forward gathers parameters). The
     gradients it leaves are cleared; the weights are not touched.
     """
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
     with counter:
         loss_of().backward()
     for p in model.parameters():
@@ -56,10 +80,34 @@ def gpt_flops_per_token(n_layer: int, n_embd: int, vocab_size: int, seq_len: int
     return 6 * (n_layer * block_weights + n_embd * vocab_size) + 12 * n_layer * n_embd * seq_len
 
 
-def lm_flops_per_token(model: nn.Module, seq_len: int) -> int | None:
-    """The analytic count for a language model whose shape is known, else None."""
+def flops_per_token(model: nn.Module, seq_len: int) -> int | None:
+    """The analytic 6N count of a built transformer LM, sharded or not; None when its
+    shape is unknown. The 6N term counts every weight a token meets in a matmul: each
+    module's own parameters except the embedding tables (a lookup, not a matmul), so a
+    head tied to the embedding counts once, as the matmul it is. The attention term is
+    `gpt_flops_per_token`'s."""
+    shape = _layers_and_width(model)
+    if shape is None:
+        return None
+    layers, width = shape
+    matmul_weights = sum(p.numel() for m in model.modules() if not isinstance(m, nn.Embedding)
+                         for p in m.parameters(recurse=False))
+    return 6 * matmul_weights + 12 * layers * width * seq_len
+
+
+def _layers_and_width(model: nn.Module) -> tuple[int, int] | None:
+    """(layers, attention width): fsdp_exp's GPT from its modules, a Hugging Face model
+    from its config (GPT-2's `n_layer`/`n_embd` or the usual `num_hidden_layers`/`hidden_size`)."""
     from fsdp_exp.models.gpt import GPT
 
-    if isinstance(model, GPT):
-        return gpt_flops_per_token(len(model.blocks), model.wte.embedding_dim, model.vocab_size, seq_len)
+    for module in model.modules():
+        if isinstance(module, GPT):
+            return len(module.blocks), module.wte.embedding_dim
+        config = getattr(module, "config", None)
+        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+        hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+        if isinstance(layers, int) and isinstance(hidden, int):
+            heads, head_dim = getattr(config, "num_attention_heads", None), getattr(config, "head_dim", None)
+            both = isinstance(heads, int) and isinstance(head_dim, int)
+            return layers, heads * head_dim if both else hidden
     return None

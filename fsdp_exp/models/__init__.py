@@ -11,7 +11,6 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-import torch
 from hydra.utils import get_class, get_method
 from torch import nn
 
@@ -67,7 +66,7 @@ class ModelSpec:
         try:
             return get_method(self.target)
         except Exception as err:  # Hydra: ImportError or ValueError, with a long text
-            raise ConfigError(f"model._target_={self.target}: cannot import it ({_first_line(err)})") from None
+            raise ConfigError(f"model._target_={self.target}: cannot import it ({first_line(err)})") from None
 
     def block_classes(self) -> tuple[type[nn.Module], ...]:
         classes = []
@@ -75,7 +74,7 @@ class ModelSpec:
             try:
                 classes.append(get_class(name))
             except Exception as err:
-                raise ConfigError(f"model.blocks: cannot import {name} ({_first_line(err)})") from None
+                raise ConfigError(f"model.blocks: cannot import {name} ({first_line(err)})") from None
         return tuple(classes)
 
     def check_arguments(self) -> None:
@@ -91,7 +90,8 @@ class ModelSpec:
             if key not in takes:
                 allowed = ", ".join(sorted([*takes, "blocks", "init_device"]))
                 raise ConfigError(f"model.{key}: unknown key; model has: {allowed} "
-                                  f"({self.target} takes {', '.join(takes) or 'no arguments'})")
+                                  f"({self.target} takes {', '.join(takes) or 'no arguments'}; "
+                                  "model=custom starts another builder with none of this option's keys)")
 
     def build(self) -> tuple[nn.Module, tuple[type[nn.Module], ...]]:
         """The model, and the classes whose instances become their own FSDP unit."""
@@ -115,24 +115,12 @@ def own_blocks(model: nn.Module) -> tuple[type[nn.Module], ...]:
     return tuple(found.values())
 
 
-def check_logits(logits: object, targets: torch.Tensor, model: str, hint: str = "") -> None:
-    """The model contract: for a batch of targets of shape (batch, *S), logits of shape
-    (batch, *S, classes): (batch, classes) for a classifier, (batch, seq, vocab) for a
-    next-token language model."""
-    expected = tuple(targets.shape)
-    if isinstance(logits, torch.Tensor) and tuple(logits.shape[:-1]) == expected and logits.dim() > len(expected):
-        return
-    got = f"logits of shape {list(logits.shape)}" if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}"
-    raise ConfigError(f"model: {model} returns {got} for targets of shape {list(expected)}; expected logits of "
-                      f"shape {[*expected, 'classes']}{hint}")
-
-
 def build_model(model: ModelSpec | Mapping[str, Any]) -> tuple[nn.Module, tuple[type[nn.Module], ...]]:
     """The model and its block classes, from a spec or a model option as a mapping."""
     spec = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
     return spec.build()
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__

@@ -121,6 +121,10 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
+    @property
+    def max_seq_len(self) -> int:
+        return self.block_size
+
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count, tied weights once. `non_embedding` leaves out wte and wpe,
         the figure usually quoted when comparing model sizes by compute."""

@@ -1,0 +1,130 @@
+"""The model contract, checked on the driver before any rank starts: the builder takes the
+option's keys and builds, the option's blocks are in the model, and one forward on the
+meta device (no memory) takes the data's inputs and returns logits for its targets. The
+ranks check the logits once more on the first real batch (`check_logits`).
+
+A model may also state `max_seq_len` (the longest sequence it reads) and, where its
+forward cannot run on the meta device, `vocab_size` (its logits per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from fsdp_exp.data import TrainData
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.models import ModelSpec, first_line
+
+
+def check_logits(logits: object, targets: torch.Tensor, model: str, hint: str = "") -> None:
+    """The model contract: for a batch of targets of shape (batch, *S), logits of shape
+    (batch, *S, classes): (batch, classes) for a classifier, (batch, seq, vocab) for a
+    next-token language model."""
+    expected = tuple(targets.shape)
+    if isinstance(logits, torch.Tensor) and tuple(logits.shape[:-1]) == expected and logits.dim() > len(expected):
+        return
+    got = f"logits of shape {list(logits.shape)}" if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}"
+    raise ConfigError(f"model: {model} returns {got} for targets of shape {list(expected)}; expected logits of "
+                      f"shape {[*expected, 'classes']}{hint}")
+
+
+@dataclass
+class BuiltOnMeta:
+    module: nn.Module | None  # None: the builder does not build on the meta device
+    blocks: tuple[type[nn.Module], ...]
+
+
+def check_model(spec: ModelSpec) -> BuiltOnMeta:
+    """The builder takes the option's keys, builds (on the meta device, without memory),
+    and holds the block classes the option names."""
+    spec.check_arguments()
+    try:
+        with torch.device("meta"):
+            model, blocks = spec.build()
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, AssertionError, ImportError) as err:  # the builder's own checks
+        reason = first_line(err) if isinstance(err, TypeError) else f"{type(err).__name__}: {first_line(err)}"
+        raise ConfigError(f"model: {spec.name}: {reason}") from None
+    except Exception:  # noqa: BLE001 - builders that cannot build on the meta device: checked on the ranks
+        return BuiltOnMeta(None, spec.block_classes())
+    present = {type(m) for m in model.modules()}
+    for cls in blocks:
+        if not any(issubclass(t, cls) for t in present):
+            found = sorted({t.__name__ for t in present})
+            raise ConfigError(f"model.blocks: {cls.__module__}.{cls.__qualname__} is not in the model "
+                              f"{spec.name} builds (its modules are: {', '.join(found)})")
+    return BuiltOnMeta(model, blocks)
+
+
+def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: TrainData) -> None:
+    """One forward on the meta device, with a batch shaped like the data's: the model must
+    take the data's inputs and return logits for its targets. `model`: built on the meta
+    device, or None for a builder that cannot (the data's files are checked all the same)."""
+    inputs, targets = data.dataset()[0]
+    language = data.tokens_per_sample > 0
+    key = f"data.seq_len={inputs.shape[-1]}" if language else "data"
+    kind = ("this data gives token sequences: use a language model (model=gpt or model=hf)" if language
+            else "this data gives images (model=vit or cnn reads them); a language model reads "
+                 "data=synthetic_tokens, text or token_file")
+    if model is None:
+        return
+    batch = inputs.unsqueeze(0).expand(2, *inputs.shape).to("meta")
+    try:
+        with torch.no_grad():
+            logits = model(batch)
+    except Exception as err:  # noqa: BLE001 - the model's own error, shown in one line
+        reason = first_line(err)
+        if not cannot_run_on_meta(err):
+            hint = "" if "longer than" in reason else f"; {kind}"
+            raise ConfigError(f"{key}: model {spec.name} cannot read this data's inputs "
+                              f"({describe(inputs)}): {reason}{hint}") from None
+        logits = None  # a forward that needs real values (Hugging Face's masks): the ranks check it
+    if logits is not None:
+        check_logits(logits, targets.expand(2, *targets.shape), spec.name, f"; {kind}")
+    classes = logits.shape[-1] if logits is not None else getattr(model, "vocab_size", None)
+    needed = data.num_classes
+    if needed is not None and classes is not None and classes < needed:
+        setting = setting_of(spec.kwargs, classes, ("vocab", "class"))
+        raise ConfigError(f"{setting}: smaller than the data's {needed} {'tokens' if language else 'classes'} "
+                          f"({spec.name} returns {classes} logits per {'token' if language else 'sample'})")
+    longest = getattr(model, "max_seq_len", None)  # the contract's optional limit
+    if language and longest is not None and inputs.shape[-1] > longest:
+        setting = setting_of(spec.kwargs, longest, ("position", "block", "seq"))
+        raise ConfigError(f"{key}: longer than the {longest} positions {spec.name} reads"
+                          + (f" ({setting})" if setting != "model" else ""))
+
+
+def setting_of(kwargs: dict, value: int, words: tuple[str, ...]) -> str:
+    """The builder's argument that sets `value` (vocab_size, num_classes, block_size, a
+    transformers config's entry) as `model.<key>=<value>`: the one argument of that value,
+    else the one whose name holds one of `words`; "model" when that is not one."""
+    found = list(leaves(kwargs, value, "model"))
+    if len(found) > 1:
+        found = [f for f in found if any(w in f.split("=")[0].rsplit(".", 1)[-1] for w in words)]
+    return found[0] if len(found) == 1 else "model"
+
+
+def leaves(node: dict, value: int, prefix: str) -> Iterator[str]:
+    for key, given in node.items():
+        if isinstance(given, dict):
+            yield from leaves(given, value, f"{prefix}.{key}")
+        elif given == value and not isinstance(given, bool):
+            yield f"{prefix}.{key}={given}"
+
+
+def cannot_run_on_meta(err: Exception) -> bool:
+    """An error of the meta device itself (data-dependent control flow, a value read
+    from a tensor), not of the model's input."""
+    return isinstance(err, NotImplementedError) or "meta" in str(err).lower()
+
+
+def describe(tensor: torch.Tensor) -> str:
+    what = "token ids" if not tensor.is_floating_point() else "samples"
+    return f"{what} of shape {list(tensor.shape)}, {str(tensor.dtype).removeprefix('torch.')}"
+
+

@@ -7,12 +7,14 @@ and WORLD_SIZE (started by an external torchrun) acts as one worker instead.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -163,12 +165,31 @@ def compose_checked(overrides: list[str], config_name: str = "config") -> DictCo
 
 def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
     """The composed config with the hydra node; composition errors as one-line ConfigErrors."""
-    try:
-        with initialize_config_dir(CONF_DIR, version_base="1.3", job_name="fsdp_exp"):
-            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
-    except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(explain(err)) from None
+    check_search_path(overrides)
+    with warnings.catch_warnings():
+        # Hydra warns of a pkg:// folder without an __init__.py that it then finds all the same
+        warnings.filterwarnings("ignore", message="provider=hydra.searchpath in command-line")
+        try:
+            with initialize_config_dir(CONF_DIR, version_base="1.3", job_name="fsdp_exp"):
+                cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+        except (HydraException, OmegaConfBaseException) as err:
+            raise ConfigError(explain(err)) from None
     return cfg
+
+
+def check_search_path(overrides: list[str]) -> None:
+    """Each folder or package of `hydra.searchpath=[...]` is there: Hydra only warns of one
+    that is not, and then reports the options it holds as missing."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+") != "hydra.searchpath":
+            continue
+        for entry in value.strip("[]").split(","):
+            scheme, _, where = entry.strip().strip("'\"").partition("://")
+            if scheme == "file" and not Path(where).expanduser().is_dir():
+                raise ConfigError(f"hydra.searchpath: {entry.strip()}: no such folder")
+            if scheme == "pkg" and importlib.util.find_spec(where.split(".")[0]) is None:
+                raise ConfigError(f"hydra.searchpath: {entry.strip()}: no such package here")
 
 
 def explain(err: Exception) -> str:

@@ -71,6 +71,8 @@ def test_an_installed_wheel_runs_from_any_directory_with_user_configs(tmp_path: 
     summary = read_json(empty / "run" / "summary.json")
     assert summary["status"] == "ok" and summary["steps"] == 2, summary
     assert summary["choices"]["sharding"] == "keep_unsharded" and summary["choices"]["model"] == "two_layer_vit"
+    # The installed package says its version; no repository around it is fsdp_exp's.
+    assert summary["environment"]["fsdp_exp"] == "0.1.0" and summary["environment"]["git_commit"] is None
     assert "num_layers: 2" in (empty / "run" / ".hydra" / "config.yaml").read_text()
 
     script = run_cli("--cfg", "job", "sharding=grad_op", cwd=empty, extra_env=env, module=(str(site / "bin" / "fsdp-exp"),))

@@ -144,3 +144,11 @@ def test_the_users_model_trains_the_same_under_every_sharding_option(project: Pa
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
     assert losses[-1] < losses[0] and read_json(out / "summary.json")["status"] == "ok"
+
+
+def test_a_search_path_that_is_not_there_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no conf/ here
+    with pytest.raises(ConfigError, match=r"^hydra.searchpath: file://conf: no such folder$"):
+        precheck(["model=mynet", SEARCHPATH])
+    with pytest.raises(ConfigError, match=r"^hydra.searchpath: pkg://nopkg.conf: no such package here$"):
+        precheck(["model=mynet", "hydra.searchpath=[pkg://nopkg.conf]"])

@@ -107,30 +107,6 @@ def test_each_epoch_the_ranks_read_every_window_once_in_a_new_order(tmp_path: Pa
     assert read(0, seed=1) != rank0
 
 
-def test_resume_continues_with_the_windows_an_unbroken_run_reads_next(tmp_path: Path) -> None:
-    """After 3 steps on 2 ranks of 4, 4 ranks of 2 continue with the same global batches,
-    into the next epoch."""
-    write_tokens(tmp_path / "train.bin", np.arange(321))
-    data = TokenFile(path=str(tmp_path), seq_len=8, vocab_size=321)  # 40 windows: 5 steps an epoch
-
-    def global_batches(world: int, batch: int, steps: int, state: dict | None = None) -> tuple[list, dict]:
-        per_rank = []
-        for rank in range(world):
-            batches = data.batches(batch, rank, world, seed=0)
-            if state is not None:
-                batches.load_state_dict(state)
-            stream = iter(batches)
-            per_rank.append([starts(next(stream)[0]) for _ in range(steps)])
-        merged = [sorted(start for r in per_rank for start in r[step]) for step in range(steps)]
-        return merged, batches.state_dict()
-
-    whole, _ = global_batches(2, 4, 7)
-    first, state = global_batches(2, 4, 3)
-    assert state == {"epoch": 0, "samples": 24}
-    rest, _ = global_batches(4, 2, 4, state)
-    assert first + rest == whole
-
-
 def test_loader_workers_read_the_same_batches_and_get_no_copy_of_the_file(tmp_path: Path) -> None:
     write_tokens(tmp_path / "train.bin", np.arange(20_001) % 50_000)
     dataset = TokenFile(path=str(tmp_path), seq_len=16, vocab_size=50_000).dataset()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ PROJECT_DIR = Path(__file__).resolve().parents[2]
 def environment(device_type: str, world_size: int, overrides: list[str]) -> dict:
     cuda = device_type == "cuda" and torch.cuda.is_available()
     return {
+        "fsdp_exp": package_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
@@ -29,8 +31,18 @@ def environment(device_type: str, world_size: int, overrides: list[str]) -> dict
     }
 
 
+def package_version() -> str | None:
+    try:
+        return metadata.version("fsdp_exp")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def git_commit() -> str | None:
-    """The project's commit, with "-dirty" when the work tree has uncommitted changes."""
+    """fsdp_exp's commit, with "-dirty" when the work tree has uncommitted changes; None
+    for an installed package (whatever repository holds the venv is not fsdp_exp's)."""
+    if not (PROJECT_DIR / ".git").exists() or not (PROJECT_DIR / "pyproject.toml").is_file():
+        return None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_DIR, capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()

@@ -34,7 +34,7 @@ from fsdp_exp.launch.slurm import SlurmLauncher
 from fsdp_exp.launch.torchrun import TorchrunLauncher
 from fsdp_exp.memory import MemorySettings
 from fsdp_exp.metrics.sinks import WandbSettings
-from fsdp_exp.models import ModelSpec
+from fsdp_exp.models import NO_BUILDER, ModelSpec
 from fsdp_exp.precision import Precision
 from fsdp_exp.profile import MemoryProfile, NoProfile
 from fsdp_exp.schedule import LrSchedule
@@ -155,7 +155,7 @@ def build(cfg: DictConfig) -> Experiment:
         built = OmegaConf.to_object(experiment)
     except MissingMandatoryValue as err:
         if err.full_key == "model._target_":
-            ModelSpec.from_config({})  # its own line on a missing builder
+            raise ConfigError(NO_BUILDER) from None
         raise ConfigError(f"{err.full_key}: must be set (it has no default); set {err.full_key}=...") from None
     assert isinstance(built, Experiment)
     return built

@@ -18,6 +18,8 @@ from fsdp_exp.errors import ConfigError
 
 INIT_DEVICES = ("cpu", "meta")
 OWN_KEYS = ("_target_", "blocks", "init_device")
+NO_BUILDER = ("model._target_: name the builder, a class or function such as mypkg.Net "
+              "(model=custom model._target_=mypkg.Net)")
 
 
 @dataclass
@@ -46,8 +48,7 @@ class ModelSpec:
         """From the composed `model` node: its own keys typed, the rest the builder's."""
         target = node.get("_target_")
         if not isinstance(target, str) or not target or target == "???":
-            raise ConfigError("model._target_: name the builder, a class or function such as mypkg.Net "
-                              "(model=custom model._target_=mypkg.Net)")
+            raise ConfigError(NO_BUILDER)
         blocks = node.get("blocks") or []
         if isinstance(blocks, str) or not all(isinstance(name, str) for name in blocks):
             raise ConfigError(f"model.blocks={blocks}: a list of class import paths, e.g. [mypkg.Block]")

@@ -9,6 +9,7 @@ only those objects.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +139,8 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
 
     # After the FLOP count, whose forward pass draws dropout masks: the restored RNG
     # state is then the one the saved run had at its next step.
-    checkpoint = cfg.checkpoint
+    # The experiment stays settings (a requeue copies it): the live objects are copies.
+    checkpoint = copy.deepcopy(cfg.checkpoint)
     state = TrainState(model, optimizer, ranks, cfg.model.as_dict(), batches, schedule, grad_scaler)
     checkpoint.attach(state)
     trainer.checkpoint = checkpoint
@@ -147,7 +149,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         if ranks.is_main:
             log.info("resumed from %s at step %d", resume, trainer.start_step)
 
-    profile = cfg.profile
+    profile = copy.deepcopy(cfg.profile)
     profile.attach(run_dir, ranks.rank, ranks.device)
     trainer.hooks.append(profile)
     jsonl = wandb = progress = None

@@ -46,17 +46,18 @@ def test_a_run_trains_on_two_ranks_as_the_tasks_of_one_job(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_a_failing_rank_exits_1_with_one_line_naming_it(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = run_cli(*SLURM_LOCAL, *SMALL_VIT, "data=fashion_mnist", f"data.root={tmp_path / 'empty'}",
-                     f"hydra.run.dir={out}", cwd=tmp_path)
+    result = run_cli(*SLURM_LOCAL, *SMALL_VIT, "data.num_samples=10", "train.batch_size=8",
+                     f"hydra.run.dir={out}", cwd=tmp_path)  # each of the 2 ranks gets 5 samples: only a rank finds out
     assert result.returncode == 1
     output = result.stdout + result.stderr
     assert "Traceback" not in output
-    line = next(line for line in output.splitlines() if "failed: ConfigError: data.root=" in line)
+    line = next(line for line in output.splitlines() if "failed: ConfigError: train.batch_size=8: larger" in line)
     assert f"(log: {out / 'rank0.log'})" in line or f"(log: {out / 'rank1.log'})" in line
     summary = read_json(out / "summary.json")
     assert summary["status"] == "failed" and summary["world_size"] == 2
-    assert summary["error"].startswith(("rank 0 failed: ConfigError: data.root=", "rank 1 failed: ConfigError: data.root="))
-    assert "data.download=true" in summary["error"]
+    assert summary["error"].startswith(("rank 0 failed: ConfigError: train.batch_size=8",
+                                        "rank 1 failed: ConfigError: train.batch_size=8"))
+    assert "lower it or use more data" in summary["error"]
     assert "Traceback" in (out / "rank0.log").read_text(), "the rank's log keeps the traceback"
 
 

@@ -1,20 +1,75 @@
 """Where the batch size meets the memory limit, in few probes.
 
-Peak memory is close to affine in the batch size: parameters, gradients and optimizer state
-make the intercept; activations grow with every sample. So the search fits that line to the
-probes that trained, predicts the batch at which it crosses the limit, probes there and one
-step past it. Only when the prediction was off does it step further (doubling the step
-while sizes keep fitting) or bisect what is left. Every size is a multiple of `resolution`, and the answer is exact to it:
-the boundary trained and the boundary plus `resolution` did not.
+This module only decides which batch size to try next; it runs nothing. Every size is a
+multiple of `resolution`, and the answer is exact to it: the boundary trained and the
+boundary plus `resolution` did not.
 
-This module only decides which batch size to try next; it runs nothing.
+How the peak grows. At small batches the peak is often flat: parameters, gradients, optimizer
+state and the optimizer step's temporaries set it, and activations are too small to show.
+Past a knee it grows with every sample, close to a straight line, and a new allocation (a
+workspace, a bigger buffer) can add a step. A line through probes where the peak does not
+yet grow says nothing about the boundary: GPT-2 small on 2 CPU ranks peaked at 1.928 GB at
+batch 1 and 1.930 GB at batch 4, a line through them crossed the limit at 2,532, and the
+boundary was 12.
+
+The policy:
+1. The first probe is `resolution`; when it does not fit, nothing does.
+2. The probes that fit split into a flat start (peaks within FLAT of the first one's) and the
+   probes past it, where the peak grows. The activation line is fit to the growing ones only:
+   - two or more: least squares over the top run of them that lie on one line (within
+     ON_LINE of their peaks). When only the top one is off a line of three or more, and
+     above it, that is a step: the line keeps its slope and passes through the top probe.
+   - one: the line from the last flat probe to it. The knee lies between the two, so past
+     the growing probe the curve is at least as steep and the line's crossing is an upper
+     bound of the boundary. The search probes halfway to that bound in log scale, where a
+     size that fits gives a second point past the knee.
+   - none: no line.
+3. While no size has failed, the scale is unknown: the search probes halfway in log scale
+   between the largest size that fit and `up_to`, or the line's prediction when that is
+   nearer. The line's prediction is taken beyond that halfway point only once the line has
+   risen by at least 1/REACH of what is left up to the limit.
+4. Once a size has failed, the search probes the line's prediction: just below it, where a
+   size that fits adds a point, or just above it when a size below would gain nothing. It
+   bisects instead (in log scale while the bracket spans more than a factor of 4): without
+   a line, when the line says that the size that failed fits, after two probes in a row that
+   went against the line, and when four probes did not halve the bracket. After a probe
+   went against the line, the prediction is widened by the error that MISS_NOISE of
+   measurement noise would give, doubled for each further one.
+
+Probe counts, from tests/test_batch_search.py (resolution 1, up to 4096, every answer exact):
+- 6 or fewer: linear from the first sample; flat then linear with the knee of GPT-2 small
+  (4.3 samples) from a boundary of 7 on, or with the knee at a tenth of the boundary; the
+  recorded GPT-2 small case (6, where the search before this one took 14); nothing fits (1).
+- More, where the probes cannot tell more:
+  - a late knee: 7 with the knee at a quarter of the boundary, 8 at half, and 7 for a
+    boundary 0.7 samples past GPT-2 small's knee. Below the knee every size shows the same
+    peak, so only fit or fail narrows the boundary, and the stretch where the peak grows
+    has to be found by bisecting 12 octaves.
+  - a step (an allocation of a tenth of the room): 6 or fewer when a probe lands past it
+    before the line below it predicts the boundary (a step at a quarter of boundaries up to
+    1000), else up to 10: that prediction fails, and nothing below the step shows where it is.
+  - peaks that scatter by 0.5%: a probe pins the boundary only to within 0.005 x peak /
+    slope samples (about 30 at a boundary of 4000), which fit or fail then have to bisect:
+    6 or fewer up to a boundary of 64, up to 15 near 4096.
+  - a cliff (flat, then over the limit at once): bisection, up to 16.
+
+The search does not act on held memory (in the flat start, peak minus held is the optimizer
+step's temporaries, not activations, and on CPU held is resident memory, which the limit
+does not count), nor on the size of the allocation a failed probe names (bracketing in log
+scale never overshoots far enough for one allocation to exceed the limit; in simulation it
+saved no probe in the worst case).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+
+FLAT = 0.002  # peaks within this share of the first probe's are the flat start
+ON_LINE = 0.005  # probes within this share of their peak from a line lie on it
+REACH = 64  # a line is followed at most this many times its rise so far
+MISS_NOISE = 0.003  # after a miss, the prediction is widened by what this noise in peaks gives
 
 
 @dataclass(frozen=True)
@@ -23,7 +78,7 @@ class Outcome:
 
     batch_size: int
     fits: bool
-    peak_gb: float | None = None  # the largest peak over the ranks
+    peak_gb: float | None = None  # the largest peak over the ranks, as the limit counts it
     held_gb: float | None = None  # held between steps: parameters and optimizer state
 
 
@@ -41,38 +96,90 @@ class MemoryModel:
     def peak_gb(self, batch_size: float) -> float:
         return self.intercept_gb + self.slope_gb_per_sample * batch_size
 
-    def uncertainty(self, batch_size: float, limit_gb: float) -> float:
-        """How far, in samples, the predicted boundary may be off: the scatter of the
-        measured peaks (0.5% of the memory range until there are 3 points to measure it),
-        grown by how far the prediction reaches past the points (a line's leverage)."""
-        if self.slope_gb_per_sample <= 0 or self.points < 2:
-            return math.inf
-        scatter = self.scatter_gb if self.points >= 3 else 0.005 * (limit_gb - self.intercept_gb)
-        leverage = math.sqrt(1 / self.points + (batch_size - self.mean_batch) ** 2 / self.spread)
-        return scatter * leverage / self.slope_gb_per_sample
-
     def largest_batch_under(self, limit_gb: float) -> float:
         if self.slope_gb_per_sample <= 0:
             return math.inf
         return (limit_gb - self.intercept_gb) / self.slope_gb_per_sample
 
+    def uncertainty(self, batch_size: float, noise_gb: float) -> float:
+        """How far, in samples, the line's crossing at `batch_size` may be off when the
+        measured peaks scatter by `noise_gb`: grown by how far it reaches past its points."""
+        if self.slope_gb_per_sample <= 0 or self.points < 2:
+            return math.inf
+        leverage = math.sqrt(1 / self.points + (batch_size - self.mean_batch) ** 2 / self.spread)
+        return noise_gb * leverage / self.slope_gb_per_sample
+
+
+Point = tuple[int, float]  # (batch size, peak GB) of a probe that fit
+
+
+def _line(points: Sequence[Point]) -> MemoryModel:
+    """Least squares through at least two points of different batch sizes."""
+    n = len(points)
+    mean_b = sum(b for b, _ in points) / n
+    mean_p = sum(p for _, p in points) / n
+    spread = sum((b - mean_b) ** 2 for b, _ in points)
+    slope = sum((b - mean_b) * (p - mean_p) for b, p in points) / spread
+    intercept = mean_p - slope * mean_b
+    residuals = sum((p - intercept - slope * b) ** 2 for b, p in points)
+    scatter = math.sqrt(residuals / (n - 2)) if n > 2 else 0.0
+    return MemoryModel(intercept, slope, n, scatter, mean_b, spread)
+
+
+def _peaks(outcomes: Sequence[Outcome], below: int | None) -> list[Point]:
+    """The probes that fit below `below`, one point per batch size (repeats averaged)."""
+    seen: dict[int, list[float]] = {}
+    for o in outcomes:
+        if o.fits and o.peak_gb is not None and (below is None or o.batch_size < below):
+            seen.setdefault(o.batch_size, []).append(o.peak_gb)
+    return sorted((b, sum(p) / len(p)) for b, p in seen.items())
+
+
+def _on_one_line(points: Sequence[Point]) -> list[Point]:
+    """The longest run of the top points (at least two) that lie on one line."""
+    run = list(points[-2:])
+    for k in range(3, len(points) + 1):
+        line = _line(points[-k:])
+        if any(abs(p - line.peak_gb(b)) > ON_LINE * p for b, p in points[-k:]):
+            break
+        run = list(points[-k:])
+    return run
+
+
+def _activation_line(points: Sequence[Point]) -> tuple[MemoryModel | None, int]:
+    """The line the peak follows where it grows with the batch, and how many probes grow
+    (see the module's docstring); (None, 0) while the peak is flat."""
+    flat = 1
+    while flat < len(points) and points[flat][1] <= points[0][1] * (1 + FLAT):
+        flat += 1
+    growing = points[flat:]
+    if not growing:
+        return None, 0
+    if len(growing) == 1:
+        return _line([points[flat - 1], growing[0]]), 1
+    run = _on_one_line(growing)
+    if len(run) == 2 and len(growing) >= 3:
+        below = _on_one_line(growing[:-1])
+        b, p = growing[-1]
+        if len(below) >= 3:
+            line = _line(below)
+            if line.slope_gb_per_sample > 0 and p > line.peak_gb(b) * (1 + ON_LINE):
+                return MemoryModel(p - line.slope_gb_per_sample * b, line.slope_gb_per_sample, line.points,
+                                   line.scatter_gb, line.mean_batch, line.spread), len(growing)
+    return _line(run), len(growing)
+
 
 def fit_memory(outcomes: Sequence[Outcome]) -> MemoryModel | None:
-    """Least squares over the probes that fit. From a single probe, the slope is estimated
-    as its peak minus its held memory per sample, which overstates it (the peak also holds
-    gathered parameters and communication buffers), so the first prediction errs low and
-    the second probe lands safely, far enough from the first to fit a real line."""
-    points = [(o.batch_size, o.peak_gb) for o in outcomes if o.fits and o.peak_gb is not None]
-    if len({b for b, _ in points}) >= 2:
-        n = len(points)
-        mean_b = sum(b for b, _ in points) / n
-        mean_p = sum(p for _, p in points) / n
-        var = sum((b - mean_b) ** 2 for b, _ in points)
-        slope = sum((b - mean_b) * (p - mean_p) for b, p in points) / var
-        intercept = mean_p - slope * mean_b
-        residuals = sum((p - intercept - slope * b) ** 2 for b, p in points)
-        scatter = math.sqrt(residuals / (n - 2)) if n > 2 else 0.0
-        return MemoryModel(intercept, slope, n, scatter, mean_b, var)
+    """The activation line through the probes that fit below the smallest that did not;
+    while the peak is still flat, least squares through them all. From a single probe, the
+    slope is estimated as its peak minus its held memory per sample."""
+    failed = [o.batch_size for o in outcomes if not o.fits]
+    points = _peaks(outcomes, min(failed) if failed else None)
+    line, _ = _activation_line(points)
+    if line is not None:
+        return line
+    if len(points) >= 2:
+        return _line(points)
     first = next((o for o in outcomes if o.fits and o.peak_gb is not None and o.held_gb is not None), None)
     if first is None:
         return None
@@ -99,41 +206,77 @@ class BatchSearch:
     def next_size(self, outcomes: Sequence[Outcome]) -> int | None:
         """The batch size to probe next, or None when the boundary is known (or the
         smallest size does not fit at all)."""
+        # The safeguards count how earlier predictions fared, so replay the decisions that led here.
+        expected: list[str] = []
+        for k in range(len(outcomes)):
+            size, expect = self._decide(outcomes[:k], expected)
+            expected.append(expect if size == outcomes[k].batch_size else "")
+        return self._decide(outcomes, expected)[0]
+
+    def _decide(self, outcomes: Sequence[Outcome], expected: list[str]) -> tuple[int | None, str]:
+        """The next size, and what the line expects of it: "fit", "fail", or "" (a bisection)."""
         r = self.resolution
         if not outcomes:
-            return r
+            return r, ""
         lo, hi = self.bracket(outcomes)
         top = hi if hi is not None else self.up_to + r  # the first size known not to fit
         if lo == 0 or lo >= self.up_to or top - lo <= r:
-            return None
-        model = fit_memory(outcomes)
-        trusted = model is not None and model.slope_gb_per_sample > 0 and (model.points >= 2 or hi is None)
-        if not trusted:
-            return self._middle(lo, top, geometric=True)
-        assert model is not None
-        predicted = model.largest_batch_under(self.limit_gb)
-        guess = min(self.up_to, math.floor(predicted / r) * r) if math.isfinite(predicted) else self.up_to
-        # How far off the prediction may be, on the grid; a step of at least one size.
-        error = model.uncertainty(predicted, self.limit_gb) if model.points >= 2 else 0.0
-        step = max(r, math.floor(min(error, self.up_to) / r) * r)
-        middle = self._middle(lo, top, geometric=model.points < 2)
-        if lo < guess < top:
-            if guess - lo > 4 * step:  # far out: aim short by the uncertainty, so the probe
-                return guess - step + r  # likely fits and sharpens the fit near the boundary
-            return guess
-        if guess <= lo:  # more fits than predicted: step past the last size that fit, doubling
-            above = sum(1 for o in outcomes if o.fits and o.batch_size > predicted)
-            return min(lo + r * 2 ** max(0, above - 1), middle)
-        # The prediction did not fit: step back from it, doubling, but never past the middle.
-        below = sum(1 for o in outcomes if not o.fits and o.batch_size <= predicted)
-        return max(top - step * 2 ** max(0, below - 1), middle)
+            return None, ""
+        halfway = math.sqrt(lo * top) if top > 4 * lo else (lo + top) / 2
+        bisect = self._on_grid(halfway, lo, top, round), ""
+        points = _peaks(outcomes, hi)
+        line, growing = _activation_line(points)
+        if line is None or line.slope_gb_per_sample <= 0:
+            return bisect
+        crossing = line.largest_batch_under(self.limit_gb)
+        last_b, last_peak = points[-1]
+        if growing == 1:  # halfway, in log scale, to the bound the line from the knee gives
+            bound = min(crossing, top)
+            below = above = bound if bound - last_b <= 4 * r else math.sqrt(last_b * bound)
+            miss_error = 0.0
+        else:
+            error = line.uncertainty(crossing, line.scatter_gb) if line.points >= 3 else 0.0
+            below, above = crossing - error, crossing + error
+            miss_error = line.uncertainty(crossing, max(line.scatter_gb, MISS_NOISE * last_peak))
+        if hi is None:
+            risen = last_peak - points[0][1] >= (self.limit_gb - last_peak) / REACH
+            if not risen:
+                return self._on_grid(min(below, math.sqrt(lo * top)), lo, top, round), ""
+        misses = 0
+        for expect, o in zip(reversed(expected), reversed(outcomes)):
+            if not ((expect == "fit" and not o.fits) or (expect == "fail" and o.fits)):
+                break
+            misses += 1
+        widen = max(r, miss_error) * 2 ** (misses - 1) if misses else 0.0
+        below, above = below - widen, above + widen
+        if hi is not None and below >= top:  # the line says the size that failed fits
+            return bisect
+        if math.floor(below / r) * r >= lo + r + (above - below) / 2:
+            choice = self._on_grid(below, lo, top), "fit"
+        elif math.floor(above / r) * r + r < top:
+            choice = self._on_grid(math.floor(above / r) * r + r, lo, top), "fail"
+        else:
+            return self._on_grid((lo + top) / 2, lo, top, round), ""
+        if hi is None or choice == (lo + r, "fail"):  # the size that ends the search, or shows the line low
+            return choice
+        if misses >= 2 or not self._halved(outcomes, 4):
+            return bisect
+        return choice
 
-    def _middle(self, lo: int, top: int, geometric: bool) -> int:
-        """A size strictly between lo and top on the grid: halfway, or halfway in log scale
-        while the scale is unknown."""
+    def _halved(self, outcomes: Sequence[Outcome], probes: int) -> bool:
+        """Whether the last `probes` probes at least halved the bracket (True until there are that many)."""
+        if len(outcomes) <= probes:
+            return True
+
+        def width(some: Sequence[Outcome]) -> int:
+            lo, hi = self.bracket(some)
+            return (hi if hi is not None else self.up_to + self.resolution) - lo
+        return width(outcomes) <= width(outcomes[:-probes]) / 2
+
+    def _on_grid(self, size: float, lo: int, top: int, rounding=math.floor) -> int:
+        """`size` on the grid of `resolution`, strictly between lo and top."""
         r = self.resolution
-        mid = math.sqrt(lo * top) if geometric else (lo + top) / 2
-        return min(max(round(mid / r) * r, lo + r), top - r)
+        return min(max(rounding(size / r) * r, lo + r), top - r)
 
 
 def recommended_size(model: MemoryModel | None, limit_gb: float, margin: float, boundary: int, resolution: int) -> int:

@@ -197,8 +197,7 @@ BAD_FILES = {
 }
 
 
-@pytest.mark.parametrize("case", BAD_FILES)
-def test_cli_refuses_bad_files_naming_data_path_and_leaves_nothing_behind(case: str, tmp_path: Path) -> None:
+def make_bad_files(tmp_path: Path, case: str) -> tuple[Path, list[str], str]:
     name, files, expected = BAD_FILES[case]
     path = tmp_path / name
     for file_name, content in (files or {}).items():
@@ -208,12 +207,27 @@ def test_cli_refuses_bad_files_naming_data_path_and_leaves_nothing_behind(case: 
         else:
             write_tokens(path / file_name, content)
     weights = tmp_path / "model.pt"
-    weights.write_bytes(b"")  # task=eval checks its weights file exists before the data
+    weights.write_bytes(b"")  # task=eval checks the held-out data before its weights
     task = ["task=eval", f"task.weights={weights}"] if case.startswith("eval") else []
+    args = ["model=gpt", "model.vocab_size=256", "data=token_file", f"data.path={path}",
+            "data.vocab_size=256", "data.seq_len=32", "wandb.mode=disabled", *task]
+    return path, args, expected
+
+
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_bad_files_are_refused_naming_data_path(case: str, tmp_path: Path) -> None:
+    path, args, expected = make_bad_files(tmp_path, case)
+    with pytest.raises(ConfigError) as refused:
+        precheck(args)
+    assert str(refused.value).startswith(f"data.path={path}: ") and expected in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_cli_refuses_a_bad_file_in_one_line_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    path, args, expected = make_bad_files(tmp_path, "id too big")
     work = tmp_path / "work"
     work.mkdir()
-    result = run_cli("model=gpt", "model.vocab_size=256", "data=token_file", f"data.path={path}",
-                     "data.vocab_size=256", "data.seq_len=32", "wandb.mode=disabled", *task, cwd=work, timeout=120)
+    result = run_cli(*args, cwd=work, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fsdp_exp: data.path={path}: "), result.stderr

@@ -60,11 +60,10 @@ def prepare(cfg: DictConfig, local_gpus: int, overrides: list[str], group: str |
         raise ConfigError("model.init_device=meta: needs sharding=full, grad_op or hybrid to shard the model")
     if exp.train.compile:
         check_compile(exp.device)
-    if exp.launcher.runs_here:  # on a cluster, the data's files may be there only
-        check_model_reads_data(exp.model, model.module, exp.data)
     exp.profile.check(exp.train.steps)
     nproc = world if exp.sharding.distributed else 1
-    if exp.launcher.runs_here:
+    if exp.launcher.runs_here:  # on a cluster, the data's files and the memory are the cluster's
+        check_model_reads_data(exp.model, model.module, exp.data)
         check_limit(exp.memory.limit_gb, exp.device, 1 if on_gpu else nproc)
     exp.checkpoint.check()
     exp.task.check(exp)

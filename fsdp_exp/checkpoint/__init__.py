@@ -23,7 +23,6 @@ class NoCheckpoint:
     export_full: bool = False  # at the end, write the full unsharded weights to model.safetensors
     saves = False  # nothing during training, so no checkpoint.dir
     dir = None
-    overwrite = True
 
     def __post_init__(self) -> None:
         self.blocked_s: list[float] = []

@@ -113,6 +113,13 @@ def peak_under_limit_gb() -> float | None:
     return (resident + peak_data - data) / GB
 
 
+def held_before_limit_gb() -> float | None:
+    """CPU under memory.limit_gb: what this rank held when its limit was set (torch, the
+    process group, the data). It varies a little from run to run, and the room left for
+    training, so the boundary, moves with it."""
+    return None if _cpu_baseline is None else _cpu_baseline[0] / GB
+
+
 def map_large_blocks() -> None:
     """Make CPU peak memory a function of the work, not of the allocator's history.
 

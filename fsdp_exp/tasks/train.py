@@ -16,6 +16,7 @@ from fsdp_exp.memory import (
     allocation_failure,
     apply_limit,
     is_out_of_memory,
+    held_before_limit_gb,
     peak_under_limit_gb,
 )
 from fsdp_exp.profile import dump_cuda_snapshot
@@ -69,7 +70,10 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
             summary = exp.trainer.fit() | exp.figures
             under_limit = peak_under_limit_gb()
             if under_limit is not None:
-                summary["peak_under_limit_gb"] = max(distributed.gather(under_limit, ranks.device))
+                per_rank = distributed.gather(under_limit, ranks.device)
+                summary["peak_under_limit_gb"] = max(per_rank)
+                summary["peak_under_limit_gb_per_rank"] = per_rank
+                summary["held_before_limit_gb_per_rank"] = distributed.gather(held_before_limit_gb(), ranks.device)
         finally:
             if exp.progress is not None:
                 exp.progress.close()

@@ -19,16 +19,24 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fsdp_exp.metrics.plots import none_fits
 from fsdp_exp.metrics.sinks import wandb_project
 
 EXIT_BAD_INPUT = 2
 NOT_FINISHED = "no summary.json: the run did not finish (interrupted or still running)"
 INTERRUPTED = "interrupted: the run was stopped before it finished"
-COLUMNS = ["setup", "task", "status", "max_batch_size", "batch_size", "samples_per_s",
-           "peak_mem_gb", "world_size", "mfu", "run_dir"]
-HEADINGS = {"max_batch_size": "max batch", "batch_size": "batch per rank", "samples_per_s": "samples/s",
+COLUMNS = ["setup", "task", "status", "max_batch_size", "fastest_batch_size", "near_fastest_batch_size",
+           "batch_size", "samples_per_s", "limit_gb", "peak_under_limit_gb", "peak_mem_gb", "world_size", "mfu",
+           "note", "run_dir"]
+# Shown only when some run has them: most runs have no MFU (it needs a known peak FLOP/s),
+# and only max_batch runs have a fastest batch.
+OPTIONAL = {"fastest_batch_size", "near_fastest_batch_size", "limit_gb", "peak_under_limit_gb", "mfu", "note"}
+HEADINGS = {"max_batch_size": "max batch", "fastest_batch_size": "fastest batch",
+            "near_fastest_batch_size": "within 5% of fastest from", "batch_size": "batch per rank",
+            "samples_per_s": "samples/s", "limit_gb": "memory.limit_gb", "peak_under_limit_gb": "peak under the limit (GB)",
             "peak_mem_gb": "peak memory (GB)", "world_size": "ranks", "mfu": "MFU", "run_dir": "run"}
-FORMATS = {"max_batch_size": ",d", "batch_size": ",", "samples_per_s": ",.1f", "peak_mem_gb": ".2f", "mfu": ".1%"}
+FORMATS = {"max_batch_size": ",d", "fastest_batch_size": ",d", "near_fastest_batch_size": ",d", "batch_size": ",",
+           "samples_per_s": ",.1f", "limit_gb": "g", "peak_under_limit_gb": ".3f", "peak_mem_gb": ".2f", "mfu": ".1%"}
 
 
 class CompareError(Exception):
@@ -214,12 +222,17 @@ def row(run: Run, setup: str) -> dict:
     s = run.summary
     task = (s.get("choices") or {}).get("task") or s.get("task") or "train"
     max_batch = s.get("max_batch_size") if task == "max_batch" else None
+    limit = s.get("limit_gb") if task == "max_batch" else lookup(run.config, "memory.limit_gb")
     return {
         "setup": setup, "task": task, "status": s["status"], "max_batch_size": max_batch,
+        **{k: s.get(k) for k in ("fastest_batch_size", "near_fastest_batch_size", "smallest_batch_needs_gb",
+                                 "resolution")},
         "batch_size": max_batch if task == "max_batch" else train_batch_size(run),
-        "samples_per_s": s.get("samples_per_s"), "peak_mem_gb": s.get("peak_mem_gb"),
-        "world_size": s.get("world_size"), "mfu": s.get("mfu"), "run_dir": run.source,
-        "error": s.get("error"),
+        "samples_per_s": s.get("samples_per_s"), "limit_gb": None if limit is MISSING else limit,
+        "peak_under_limit_gb": s.get("peak_under_limit_gb"), "peak_mem_gb": s.get("peak_mem_gb"),
+        "world_size": s.get("world_size"), "mfu": s.get("mfu"),
+        "note": none_fits(s) if task == "max_batch" and max_batch == 0 else None,
+        "run_dir": run.source, "error": s.get("error"),
     }
 
 
@@ -286,12 +299,13 @@ def override_key(override: str) -> str:
 
 
 def columns(rows: list[dict]) -> list[str]:
-    """MFU only when some run has one (it needs a known peak FLOP/s, so often none does)."""
-    return [c for c in COLUMNS if c != "mfu" or any(r.get("mfu") is not None for r in rows)]
+    return [c for c in COLUMNS if c not in OPTIONAL or any(r.get(c) is not None for r in rows)]
 
 
 def cell(row: dict, column: str) -> str:
     value = row.get(column)
+    if column == "max_batch_size" and value == 0 and row.get("note"):
+        return row["note"]
     if value is None:
         return "-"
     if column in FORMATS and isinstance(value, (int, float)):

@@ -182,6 +182,7 @@ class Trainer:
             **self._means(steady),
             **{key: max(values) for key, values in run_peaks.items()},
             "peak_mem_gb_per_rank": run_peaks["peak_mem_gb"],
+            **({"peak_reserved_gb_per_rank": run_peaks["peak_reserved_gb"]} if "peak_reserved_gb" in run_peaks else {}),
             "held_mem_gb": max(distributed.gather(self.memory.held_gb(), self.ranks.device)),
         }
         if self.start_step:

@@ -37,10 +37,12 @@ def train_summary(sharding: str, samples_per_s: float, **extra) -> dict:
             "choices": {"model": "vit", "sharding": sharding, "task": "train"}, **extra}
 
 
-def max_batch_summary(sharding: str, max_batch: int | None) -> dict:
+def max_batch_summary(sharding: str, max_batch: int | None, **changes) -> dict:
     return {"status": "ok", "task": "max_batch", "world_size": 2, "max_batch_size": max_batch,
-            "recommended_batch_size": 190, "bounded_by": "oom", "samples_per_s": 400.5,
-            "peak_mem_gb": 1.45, "limit_gb": 1.5, "probes": 5,
+            "recommended_batch_size": 190, "bounded_by": "oom", "resolution": 1, "samples_per_s": 400.5,
+            "fastest_batch_size": 160, "fastest_samples_per_s": 410.0, "near_fastest_batch_size": 96,
+            "peak_under_limit_gb": 1.495, "noise_band_gb": 0.0015, "smallest_batch_needs_gb": None,
+            "peak_mem_gb": 1.62, "limit_gb": 1.5, "probes": 5, **changes,
             "overrides": ["task=max_batch", f"sharding={sharding}", "memory.limit_gb=1.5"],
             "choices": {"model": "vit", "sharding": sharding, "task": "max_batch"}}
 
@@ -129,7 +131,24 @@ def test_max_batch_runs_show_their_max_batch(tmp_path: Path) -> None:
     assert code == 0
     assert [(r["setup"], r["task"], r["max_batch_size"], r["batch_size"]) for r in rows] == [
         ("sharding=full", "max_batch", "212", "212"), ("sharding=ddp", "max_batch", "", "")]
-    assert "| sharding=full | max_batch | ok | 212 | 212 | 400.5 | 1.45 | 2 |" in md
+    assert "| sharding=full | max_batch | ok | 212 | 160 | 96 | 212 | 400.5 | 1.5 | 1.495 | 1.62 | 2 |" in md
+    # The peak next to the limit is the one the limit counts; the resident peak has its own name.
+    assert "| memory.limit_gb | peak under the limit (GB) | peak memory (GB) |" in md
+
+
+def test_none_fits_is_a_row_with_what_batch_one_needs(tmp_path: Path) -> None:
+    make_run(tmp_path / "runs" / "0", max_batch_summary("full", 212))
+    make_run(tmp_path / "runs" / "1", max_batch_summary(
+        "ddp", 0, recommended_batch_size=0, bounded_by="oom", samples_per_s=None, fastest_batch_size=None,
+        fastest_samples_per_s=None, near_fastest_batch_size=None, peak_under_limit_gb=None, peak_mem_gb=None,
+        smallest_batch_needs_gb=3.6512))
+    code, rows, md = compare(tmp_path / "runs", out=tmp_path / "out")
+    assert code == 0
+    assert "| sharding=ddp | max_batch | ok | none fits (batch 1 needs 3.65 GB) | - | - | 0 |" in md
+    assert "Failed runs" not in md
+    ddp = rows[1]
+    assert (ddp["status"], ddp["max_batch_size"], ddp["note"]) == ("ok", "0", "none fits (batch 1 needs 3.65 GB)")
+    assert (tmp_path / "out" / "comparison.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_train_and_max_batch_runs_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

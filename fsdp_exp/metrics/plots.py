@@ -24,13 +24,18 @@ def _pyplot() -> Any:
     return plt
 
 
+MEASURES = {"peak_under_limit_gb": "peak as memory.limit_gb counts it", "peak_reserved_gb": "peak reserved",
+            "peak_mem_gb": "peak memory"}
+
+
 def plot_max_batch(record: dict, path: Path) -> None:
-    """Peak memory per probed batch size, the fitted line, the limit and the answer (max_batch.json)."""
+    """max_batch.json drawn: above, the peak the limit counts per probed batch size, the
+    fitted line, the limit with its noise band and the answer; below, samples/s per batch
+    size with the fastest batch and the smallest within 5% of it."""
     plt = _pyplot()
     probes = sorted(record.get("probes", []), key=lambda p: p["batch_size"])
     model = record.get("memory_model")
-    # The peak the line was fit to: the one the limit caps (see Probe.limited_peak_gb).
-    measure = (model or {}).get("measure", "peak_mem_gb")
+    measure = (model or {}).get("measure", "peak_under_limit_gb")
     fits = [p for p in probes if p["status"] == "ok" and p.get(measure) is not None]
     limit_gb = record.get("limit_gb")
     # oom and failed probes have no peak; they are drawn where they hit: the limit, or just
@@ -38,10 +43,12 @@ def plot_max_batch(record: dict, path: Path) -> None:
     top = max((p[measure] for p in fits), default=1.0)
     no_fit_height = limit_gb if limit_gb is not None else top * 1.05
 
-    fig, memory_ax = plt.subplots(figsize=(8, 5))
-    if fits:
-        memory_ax.plot([p["batch_size"] for p in fits], [p[measure] for p in fits], "o",
-                       color="tab:blue", label=f"{measure} (max over ranks)")
+    fig, (memory_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, height_ratios=[3, 2])
+    for within, style in ((False, {"color": "tab:blue"}), (True, {"color": "tab:orange"})):
+        shown = [p for p in fits if bool(p.get("within_noise")) == within]
+        if shown:
+            label = f"{MEASURES.get(measure, measure)} (max over ranks)" if not within else "fit inside the noise band"
+            memory_ax.plot([p["batch_size"] for p in shown], [p[measure] for p in shown], "o", label=label, **style)
     sizes = [p["batch_size"] for p in probes]
     log_x = bool(sizes) and min(sizes) > 0 and max(sizes) / min(sizes) > LOG_X_ABOVE_RATIO
     if model is not None and sizes:
@@ -54,42 +61,64 @@ def plot_max_batch(record: dict, path: Path) -> None:
                        label=f"fit: {model['intercept_gb']:.2f} GB + {model['slope_gb_per_sample']:.4f} GB/sample")
     if limit_gb is not None:
         memory_ax.axhline(limit_gb, color="black", linestyle="--", linewidth=1, label="memory.limit_gb")
+        noise = record.get("noise_band_gb")
+        if noise:
+            memory_ax.axhspan(limit_gb - noise, limit_gb, color="grey", alpha=0.25,
+                              label=f"noise band ({noise * 1024:.1f} MB)")
     for status, style in (("oom", {"marker": "x", "color": "red", "s": 60}),
                           ("failed", {"marker": "s", "color": "grey", "s": 40})):
         hit = [p["batch_size"] for p in probes if p["status"] == status]
         if hit:
             memory_ax.scatter(hit, [no_fit_height] * len(hit), zorder=3, label=f"{status} probe", **style)
-    if record.get("max_batch_size") is not None:
-        memory_ax.axvline(record["max_batch_size"], color="tab:green", linewidth=1.5,
-                          label=f"max batch size = {record['max_batch_size']}")
-    if record.get("recommended_batch_size") is not None:
-        memory_ax.axvline(record["recommended_batch_size"], color="tab:green", linestyle=":", linewidth=1,
-                          label=f"recommended = {record['recommended_batch_size']}")
+    answer = record.get("max_batch_size")
+    for ax in (memory_ax, speed_ax):
+        if answer:
+            ax.axvline(answer, color="tab:green", linewidth=1.5,
+                       label=f"max batch size = {answer}" if ax is memory_ax else None)
+        if record.get("recommended_batch_size"):
+            ax.axvline(record["recommended_batch_size"], color="tab:green", linestyle=":", linewidth=1,
+                       label=f"recommended = {record['recommended_batch_size']}" if ax is memory_ax else None)
     if log_x:
         memory_ax.set_xscale("log")
-    memory_ax.set_xlabel("batch size (per rank)")
-    memory_ax.set_ylabel("peak memory (GB)")
+    memory_ax.set_ylabel("peak memory per rank (GB)")
     memory_ax.set_ylim(0, max(no_fit_height, top) * 1.15)  # room above the limit for the oom marks
-    if not fits:
-        memory_ax.text(0.5, 0.5, "no probe fit in memory", transform=memory_ax.transAxes, ha="center",
-                       color="dimgrey")
-
-    speed = [p for p in fits if p.get("samples_per_s") is not None]
-    handles, labels = memory_ax.get_legend_handles_labels()
-    if speed:
-        speed_ax = memory_ax.twinx()
-        speed_ax.plot([p["batch_size"] for p in speed], [p["samples_per_s"] for p in speed], "^:",
-                      color="tab:orange", label="samples/s")
-        speed_ax.set_ylabel("samples/s")
-        speed_ax.set_ylim(bottom=0)
-        more_handles, more_labels = speed_ax.get_legend_handles_labels()
-        handles, labels = handles + more_handles, labels + more_labels
-    if handles:  # below the plot: inside, it would hide the probes near the limit
-        memory_ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3,
-                         fontsize="small", frameon=False)
+    if not answer:
+        memory_ax.text(0.5, 0.5, none_fits(record), transform=memory_ax.transAxes, ha="center", color="dimgrey")
+    memory_ax.legend(loc="lower right", fontsize="small")
     memory_ax.set_title(textwrap.fill(record.get("setup") or "(defaults)", 80), fontsize="medium")
+    _plot_speed(speed_ax, record, fits)
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
+
+
+def _plot_speed(ax: Any, record: dict, fits: list[dict]) -> None:
+    speed = [p for p in fits if p.get("samples_per_s") is not None]
+    ax.plot([p["batch_size"] for p in speed], [p["samples_per_s"] for p in speed], "^:", color="tab:purple",
+            label="samples/s")
+    retried = [p for p in speed if p.get("alloc_retries")]
+    if retried:
+        ax.scatter([p["batch_size"] for p in retried], [p["samples_per_s"] for p in retried], s=120,
+                   facecolors="none", edgecolors="red", label="allocator retries")
+    if record.get("fastest_batch_size"):
+        ax.scatter([record["fastest_batch_size"]], [record["fastest_samples_per_s"]], marker="*", s=200,
+                   color="gold", edgecolors="black", zorder=3, label=f"fastest = {record['fastest_batch_size']}")
+        near = record.get("near_fastest_batch_size")
+        ax.axhspan(0.95 * record["fastest_samples_per_s"], record["fastest_samples_per_s"], color="gold", alpha=0.2,
+                   label=f"within 5% of the fastest, from {near}")
+    ax.set_xlabel("batch size (per rank)")
+    ax.set_ylabel("samples/s")
+    ax.set_ylim(bottom=0)
+    if speed:
+        ax.legend(loc="lower right", fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no probe trained", transform=ax.transAxes, ha="center", color="dimgrey")
+
+
+def none_fits(record: dict) -> str:
+    """The max-batch result when not even the smallest size fits, in a few words."""
+    need = record.get("smallest_batch_needs_gb")
+    size = record.get("resolution") or 1
+    return f"none fits (batch {size} needs {need:.2f} GB)" if need is not None else f"none fits (batch {size} does not)"
 
 
 def plot_comparison(rows: list[dict], path: Path) -> None:
@@ -115,6 +144,8 @@ def plot_comparison(rows: list[dict], path: Path) -> None:
             if row.get("status") != "ok":
                 ax.barh(i, top, color="whitesmoke", edgecolor="grey", hatch="//")
                 ax.text(top / 2, i, row.get("status") or "?", ha="center", va="center", color="dimgrey")
+            elif key == "max_batch_size" and value == 0:
+                ax.text(0, i, "  " + none_fits(row), va="center", color="dimgrey", fontsize="small")
             elif value is None:
                 task = row.get("task") or "train"
                 no_value = "  -" if key != "max_batch_size" or task == "max_batch" else f"  - ({task} run)"
@@ -125,7 +156,7 @@ def plot_comparison(rows: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.set_xlim(0, top * 1.2)
     axes[0][0].set_yticks(y, labels, fontsize="small")
-    axes[0][0].invert_yaxis()  # first run on top, as in the table; the panels share the axis
+    axes[0][0].set_ylim(len(rows) - 0.5, -0.5)  # first run on top, as in the table; the panels share the axis
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

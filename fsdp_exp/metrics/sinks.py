@@ -204,8 +204,15 @@ def summary_table(summary: dict) -> str:
         ("setup", " ".join(f"{k}={v}" for k, v in summary.get("choices", {}).items() if k in SETUP_GROUPS)),
         ("overrides", " ".join(summary.get("overrides", []))),
         ("world size", summary.get("world_size")),
-        ("max batch", summary.get("max_batch_size")),
-        ("recommended batch", summary.get("recommended_batch_size")),
+        ("max batch", "none fits" if summary.get("max_batch_size") == 0 else summary.get("max_batch_size")),
+        ("batch 1 needs" if summary.get("resolution") == 1 else "smallest batch needs",
+         fmt(summary.get("smallest_batch_needs_gb"), ".2f") + " GB"),
+        ("recommended batch", summary.get("recommended_batch_size") or None),
+        ("fastest batch", summary.get("fastest_batch_size")),
+        ("within 5% of it from", summary.get("near_fastest_batch_size")),
+        ("memory.limit_gb", fmt(summary.get("limit_gb"), "g") + " GB"),
+        ("peak under the limit", fmt(summary.get("peak_under_limit_gb"), ".3f") + " GB"),
+        ("noise band", fmt(summary.get("noise_band_gb") and summary["noise_band_gb"] * 1024, ".1f") + " MB"),
         ("steps", summary.get("steps")),
         ("resumed from step", summary.get("resumed_from_step")),
         ("eval loss", fmt(summary.get("eval_loss"), ".4f")),
@@ -219,10 +226,10 @@ def summary_table(summary: dict) -> str:
         ("TFLOP/s per device", fmt(summary.get("tflops_per_device"), ".3f")),
         ("MFU", fmt(summary.get("mfu"), ".1%")),
         ("peak memory (max)", fmt(summary.get("peak_mem_gb"), ".2f") + " GB"),
-        ("per rank", ", ".join(f"{v:.2f}" for v in summary.get("peak_mem_gb_per_rank", [])) + " GB"),
+        ("per rank", ", ".join(f"{v:.2f}" for v in summary.get("peak_mem_gb_per_rank") or []) + " GB"),
         ("checkpoint blocked", fmt(summary.get("checkpoint_blocked_s"), ".3f") + " s per save"),
         ("wall time", fmt(summary.get("wall_s"), ".1f") + " s"),
     ]
-    rows = [(k, v) for k, v in rows if v not in (None, "", "-", "- GB", " GB", "- s", "- s per save")]
+    rows = [(k, v) for k, v in rows if v not in (None, "", "-", "- GB", " GB", "- MB", "- s", "- s per save")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

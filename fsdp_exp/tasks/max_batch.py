@@ -10,14 +10,28 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.memory import device_memory_gb
-from fsdp_exp.tasks.batch_search import BatchSearch, fit_memory, recommended_size
+from fsdp_exp.tasks.batch_answer import (
+    SPACING,
+    answer_line,
+    fastest,
+    fits_with_room,
+    margin_gb,
+    noise_band_gb,
+    probe_to_place_fastest,
+)
+from fsdp_exp.tasks.batch_search import (
+    BatchSearch,
+    Outcome,
+    fit_memory,
+    recommended_size,
+)
 from fsdp_exp.tasks.probe import Probe, fingerprint, run_probe
 
 if TYPE_CHECKING:
@@ -96,37 +110,60 @@ class Sweep:
         self.steps = settings.steps_per_probe
         self.timeout_s = settings.probe_timeout
         self.limit_gb = self.cfg.memory.limit_gb or device_memory_gb(self.cfg.device)
-        self.search = BatchSearch(self.limit_gb, settings.resolution, settings.search_up_to)
         self.fingerprint = fingerprint(self.cfg, self.nproc, self.steps)
         self.probes: list[Probe] = []
-        self.need: Probe | None = None  # batch 1 without the limit, when it did not fit under it
+        self.need: Probe | None = None  # the smallest batch under all this device gives a rank, when none fits
         self.reused = 0
         self.start = time.perf_counter()
+
+    def search(self) -> BatchSearch:
+        """The search for the largest size that fits with the noise band to spare."""
+        settings = self.cfg.max_batch
+        return BatchSearch(self.limit_gb - self.noise_gb(), settings.resolution, settings.search_up_to)
+
+    def noise_gb(self) -> float:
+        return noise_band_gb([p for p in self.probes if not p.killed], self.limit_gb)
+
+    def outcomes(self) -> list[Outcome]:
+        """The probes as the search reads them: one that trained within the noise band of the
+        limit counts as not fitting."""
+        noise = self.noise_gb()
+        return [replace(p.outcome(), fits=fits_with_room(p, self.limit_gb, noise)) for p in self.probes if not p.killed]
+
+    def boundary(self) -> int:
+        return self.search().bracket(self.outcomes())[0]
 
     def run(self) -> dict:
         self.probes = self.recorded_probes()
         self.reused = len(self.probes)
-        while (size := self.search.next_size(self.outcomes())) is not None:
-            probe = self.probe(size)
+        placed = any(p.for_fastest for p in self.probes)
+        while True:
+            size, for_fastest = self.search().next_size(self.outcomes()), False
+            if size is None and not placed and self.boundary():
+                placed = for_fastest = True
+                size = probe_to_place_fastest(self.probes, self.boundary(), self.cfg.max_batch.resolution)
+                if size is not None:
+                    log.info("one more probe, at batch %d: the probes next to the fastest batch are more than %gx "
+                             "apart", size, SPACING)
+            if size is None:
+                break
+            probe = self.probe(size, for_fastest=for_fastest)
             if probe.killed:  # stopped from outside: the batch may well fit; try it once more
                 log.warning("batch %d was killed from outside; trying it once more", size)
-                retry = self.probe(size)
+                retry = self.probe(size, for_fastest=for_fastest)
                 retry.killed = False  # a second kill counts as a failure at this size
                 self.save(None)
-        lo, _ = self.search.bracket(self.outcomes())
-        if lo == 0:
-            self.save(None)
-            raise RunFailed(self.first_size_does_not_fit())
-        record = self.save(lo)
+        boundary = self.boundary()
+        if not boundary:
+            self.measure_need()
+        record = self.save(boundary)
         self.report(record)
         return summary_figures(record)
 
-    def outcomes(self) -> list:
-        return [p.outcome() for p in self.probes if not p.killed]
-
-    def probe(self, size: int, limit_gb: Any = "same") -> Probe:
+    def probe(self, size: int, limit_gb: Any = "same", for_fastest: bool = False) -> Probe:
         probe_dir = self.run_dir / "probes" / f"{len(self.probe_dirs()) + 1:02d}_b{size}"
         probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb)
+        probe.for_fastest = for_fastest
         log.info("probe %d: %s", len(self.probe_dirs()), probe.line())
         if limit_gb == "same":
             self.probes.append(probe)
@@ -150,36 +187,53 @@ class Sweep:
             log.warning("%s was recorded for another setup: kept as %s, not reused", path.name, kept.name)
             return []
         probes = [Probe.from_json(p) for p in earlier.get("probes", [])]
+        if earlier.get("smallest_batch_need_probe"):
+            self.need = Probe.from_json(earlier["smallest_batch_need_probe"])
         if probes:
             log.info("reusing %d probe(s) recorded in %s", len(probes), path)
         return probes
 
-    def first_size_does_not_fit(self) -> str:
-        """Why not even the smallest batch trains; for an OOM under a limit, what it needs."""
-        first = self.probes[0]
-        size = first.batch_size
-        limit = self.cfg.memory.limit_gb
-        if first.status != "oom" or limit is None:
-            return f"batch {size} does not train: {first.reason}"
-        log.info("batch %d ran out of memory under memory.limit_gb=%g; measuring its need without the limit",
-                 size, limit)
-        need = self.probe(size, limit_gb=None)
-        if need.status != "ok":
-            return f"memory.limit_gb={limit:g}: batch {size} does not fit, and without the limit: {need.reason}"
-        return (f"memory.limit_gb={limit:g}: below what batch {size} needs "
-                f"({need.peak_mem_gb:.2f} GB per rank, measured without the limit); raise it")
+    def measure_need(self) -> None:
+        """None fits. What the smallest size needs is a result: a probe at it that trained
+        within the noise band says it; after one that ran out of memory, one more probe under
+        all the memory this device gives each rank measures it. Any other failure is an error."""
+        size = self.cfg.max_batch.resolution
+        tried = [p for p in self.probes if p.batch_size == size and not p.killed]
+        failed = next((p for p in tried if p.status == "failed"), None)
+        if failed is not None:
+            raise RunFailed(f"batch {size} does not train: {failed.reason}")
+        if any(p.status == "ok" for p in tried) or self.need is not None:
+            return
+        log.info("batch %d ran out of memory under %s; measuring what it needs without that limit", size,
+                 f"memory.limit_gb={self.cfg.memory.limit_gb:g}" if self.cfg.memory.limit_gb else "the device's memory")
+        share_gb = None if self.cfg.device == "cuda" else device_memory_gb(self.cfg.device) / self.nproc
+        need = self.probe(size, limit_gb=share_gb)
+        if need.status == "failed":
+            raise RunFailed(f"batch {size} runs out of memory under memory.limit_gb, and without it: {need.reason}")
+
+    def smallest_batch_needs_gb(self) -> float | None:
+        size = self.cfg.max_batch.resolution
+        peaks = [p.limited_peak_gb() for p in [*self.probes, self.need] if p is not None and p.batch_size == size
+                 and p.status == "ok" and not p.killed]
+        return max((p for p in peaks if p is not None), default=None)
 
     def save(self, boundary: int | None) -> dict:
         """max_batch.json, rewritten whole after every probe, so no probe is ever lost."""
         settings = self.cfg.max_batch
-        model = fit_memory(self.outcomes())
+        noise = self.noise_gb()
+        outcomes = self.outcomes()
+        model = fit_memory(outcomes)
         for probe in self.probes:
             probe.predicted_peak_gb = model.peak_gb(probe.batch_size) if model else None
+            probe.margin_gb = margin_gb(probe, self.limit_gb)
+            probe.within_noise = probe.status == "ok" and not fits_with_room(probe, self.limit_gb, noise)
         measure = next((m for m in ("peak_under_limit_gb", "peak_reserved_gb", "peak_mem_gb")
                         if any(getattr(p, m) is not None for p in self.probes)), "peak_mem_gb")
-        _, hi = self.search.bracket(self.outcomes())
-        at_max = next((p for p in reversed(self.probes) if p.batch_size == boundary and p.status == "ok"), None)
-        after = next((p for p in self.probes if p.batch_size == hi), None)
+        _, hi = self.search().bracket(outcomes)
+        at_max = next((p for p in reversed(self.probes) if boundary and p.batch_size == boundary
+                       and p.status == "ok"), None)
+        past = {p.status for p in self.probes if p.batch_size == hi and not p.killed}
+        fastest_size, fastest_speed, near_fastest = fastest(self.probes, boundary) if boundary else (None,) * 3
         record = {
             "setup": setup_line(self.cfg),
             "device": self.cfg.device.value,
@@ -188,16 +242,23 @@ class Sweep:
             **{k: getattr(settings, k) for k in ("resolution", "margin", "search_up_to", "steps_per_probe")},
             "max_batch_size": boundary,
             "recommended_batch_size": boundary and recommended_size(
-                model, self.limit_gb, settings.margin, boundary, settings.resolution),
-            "bounded_by": None if boundary is None else ("search_up_to" if after is None else after.status),
-            "samples_per_s": at_max.samples_per_s if at_max else None,
+                model, self.limit_gb, max(settings.margin, noise / self.limit_gb), boundary, settings.resolution),
+            "bounded_by": None if boundary is None else (
+                "search_up_to" if not past else "oom" if "oom" in past else "failed" if "failed" in past else "noise"),
+            "noise_band_gb": noise,
+            "peak_under_limit_gb": at_max.limited_peak_gb() if at_max else None,
             "peak_mem_gb": at_max.peak_mem_gb if at_max else None,
             "peak_mem_gb_per_rank": at_max.peak_mem_gb_per_rank if at_max else None,
+            "samples_per_s": at_max.samples_per_s if at_max else None,
+            "fastest_batch_size": fastest_size,
+            "fastest_samples_per_s": fastest_speed,
+            "near_fastest_batch_size": near_fastest,
+            "smallest_batch_needs_gb": self.smallest_batch_needs_gb() if boundary == 0 else None,
             "memory_model": None if model is None else {
                 "intercept_gb": model.intercept_gb, "slope_gb_per_sample": model.slope_gb_per_sample,
                 "points": model.points, "measure": measure},
             "probes": [p.to_json() for p in self.probes],
-            "need_without_limit": self.need.to_json() if self.need else None,
+            "smallest_batch_need_probe": self.need.to_json() if self.need else None,
             "probe_count": len(self.probes),
             "probes_reused": self.reused,
             "wall_s": time.perf_counter() - self.start,  # this run's, after any reused probes
@@ -220,27 +281,15 @@ class Sweep:
         log.info("%s", answer_line(record, self.cfg.memory.limit_gb) + f" -> {self.run_dir / RECORD}")
 
 
-def answer_line(record: dict, limit_gb: float | None) -> str:
-    size, ranks = record["max_batch_size"], record["world_size"]
-    under = f"memory.limit_gb={limit_gb:g}" if limit_gb else f"the device's {record['limit_gb']:.0f} GB"
-    if record["bounded_by"] == "search_up_to":
-        why = f"fits at max_batch.search_up_to={record['search_up_to']} under {under}"
-    else:
-        why = f"{size + record['resolution']} {'ran out of memory' if record['bounded_by'] == 'oom' else 'failed'} under {under}"
-    speed = f"{record['samples_per_s']:,.1f} samples/s" if record["samples_per_s"] else "no throughput"
-    return (f"max batch: {size} per rank on {ranks} rank(s) ({why}); recommended {record['recommended_batch_size']} "
-            f"({record['margin']:.0%} margin); {speed} at {size}; {record['probe_count']} probes, "
-            f"{record['probe_wall_s']:.0f} s of probing")
-
-
 def setup_line(cfg: Experiment) -> str:
     overrides = [o for o in cfg.environment.get("overrides", []) if not o.startswith(("task=", "hydra."))]
     return " ".join(overrides) or "defaults"
 
 
 def summary_figures(record: dict) -> dict:
-    keys = ("max_batch_size", "recommended_batch_size", "bounded_by", "samples_per_s", "peak_mem_gb",
-            "peak_mem_gb_per_rank", "limit_gb", "world_size")
+    keys = ("max_batch_size", "recommended_batch_size", "bounded_by", "resolution", "limit_gb", "peak_under_limit_gb",
+            "noise_band_gb", "smallest_batch_needs_gb", "fastest_batch_size", "fastest_samples_per_s",
+            "near_fastest_batch_size", "samples_per_s", "peak_mem_gb", "peak_mem_gb_per_rank", "world_size")
     return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"]}
 
 
@@ -253,7 +302,8 @@ def log_to_wandb(cfg: Experiment, run_dir: Path, record: dict, png: Path) -> Non
         return
     import wandb
 
-    columns = ["batch_size", "status", "peak_mem_gb", "predicted_peak_gb", "samples_per_s", "wall_s", "reason"]
+    columns = ["batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",
+               "peak_mem_gb", "samples_per_s", "alloc_retries", "wall_s", "reason"]
     table = wandb.Table(columns=columns, data=[[p[c] for c in columns] for p in record["probes"]])
     sink.run.log({"probes": table, "max_batch": wandb.Image(str(png))})
     sink.finish(summary_figures(record))

@@ -34,10 +34,17 @@ class Probe:
     peak_mem_gb: float | None = None  # the largest over the ranks
     peak_mem_gb_per_rank: list[float] | None = None
     peak_reserved_gb: float | None = None  # GPU: what the allocator held, which the cap limits
+    peak_reserved_gb_per_rank: list[float] | None = None
     peak_under_limit_gb: float | None = None  # CPU: the peak as memory.limit_gb counts it
+    peak_under_limit_gb_per_rank: list[float] | None = None
+    held_before_limit_gb_per_rank: list[float] | None = None  # CPU: what each rank held when its limit was set
     held_mem_gb: float | None = None
+    alloc_retries: float | None = None  # GPU: the caching allocator's retries (it freed its cache to allocate)
     samples_per_s: float | None = None
     predicted_peak_gb: float | None = None
+    margin_gb: float | None = None  # the room left under the limit
+    within_noise: bool = False  # trained, with less room than the noise band: counted as not fitting
+    for_fastest: bool = False  # spent to place the fastest batch, not by the search
     wall_s: float = 0.0
     dir: str = ""
     killed: bool = False  # stopped by a signal from outside, not by its own error
@@ -49,6 +56,12 @@ class Probe:
             if peak is not None:
                 return peak
         return None
+
+    def limited_peak_gb_per_rank(self) -> list[float]:
+        for peaks in (self.peak_under_limit_gb_per_rank, self.peak_reserved_gb_per_rank, self.peak_mem_gb_per_rank):
+            if peaks:
+                return peaks
+        return []
 
     def outcome(self) -> Outcome:
         return Outcome(self.batch_size, self.status == "ok", self.limited_peak_gb(), self.held_mem_gb)
@@ -111,8 +124,12 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Any, 
             peak_mem_gb=figures["peak_mem_gb"],
             peak_mem_gb_per_rank=figures["peak_mem_gb_per_rank"],
             peak_reserved_gb=figures.get("peak_reserved_gb"),
+            peak_reserved_gb_per_rank=figures.get("peak_reserved_gb_per_rank"),
             peak_under_limit_gb=figures.get("peak_under_limit_gb"),
+            peak_under_limit_gb_per_rank=figures.get("peak_under_limit_gb_per_rank"),
+            held_before_limit_gb_per_rank=figures.get("held_before_limit_gb_per_rank"),
             held_mem_gb=figures["held_mem_gb"],
+            alloc_retries=figures.get("alloc_retries"),
             samples_per_s=figures["samples_per_s"],
         )
         summary = {"status": "ok", **figures}

@@ -15,8 +15,8 @@ from fsdp_exp.memory import (
     OutOfMemory,
     allocation_failure,
     apply_limit,
-    is_out_of_memory,
     held_before_limit_gb,
+    is_out_of_memory,
     peak_under_limit_gb,
 )
 from fsdp_exp.profile import dump_cuda_snapshot
@@ -71,6 +71,7 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
             under_limit = peak_under_limit_gb()
             if under_limit is not None:
                 per_rank = distributed.gather(under_limit, ranks.device)
+                summary["limit_gb"] = limit_gb
                 summary["peak_under_limit_gb"] = max(per_rank)
                 summary["peak_under_limit_gb_per_rank"] = per_rank
                 summary["held_before_limit_gb_per_rank"] = distributed.gather(held_before_limit_gb(), ranks.device)

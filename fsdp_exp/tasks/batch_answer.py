@@ -1,0 +1,126 @@
+"""What task=max_batch's probes say besides where the boundary is: how far the peak moves
+between runs of one setup (the noise band), which probes fit with room for it, the batch
+to train with, and the answer in one line. Pure functions of the probes; nothing here runs.
+
+Why a noise band. A probe's peak, as the limit counts it, moves a little from one run of the
+same setup to the next: on CPU with what a rank holds before its limit is set (torch, the
+process group, thread stacks), on GPU with the caching allocator's fragmentation. A size that
+fit with less room than that to spare fits in some runs and not in others, so the search
+counts it as not fitting, and the answer is a size that fits in the user's run too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fsdp_exp.tasks.probe import Probe
+
+NOISE_FLOOR = 0.001  # the noise band is at least this share of the limit
+NEAR_FASTEST = 0.05  # the batch to use: the smallest whose samples/s is within this of the fastest
+SPACING = 2.0  # the fastest batch is placed to within this factor, with one more probe if need be
+MB = 2**20 / 2**30
+
+
+def noise_band_gb(probes: Sequence[Probe], limit_gb: float) -> float:
+    """How far the counted peak of one setup at one batch size moves between runs, seen in
+    the probes already run: the spread between the ranks of one probe (ranks of one setup
+    hold the same, bar the noise), between probes of the same size, and between what ranks
+    held when their limit was set (CPU), which moves the room left under it. At least
+    NOISE_FLOOR of the limit."""
+    spreads = [NOISE_FLOOR * limit_gb]
+    ok = [p for p in probes if p.status == "ok"]
+    for p in ok:
+        peaks = p.limited_peak_gb_per_rank()
+        if len(peaks) > 1:
+            spreads.append(max(peaks) - min(peaks))
+    by_size: dict[int, list[float]] = {}
+    for p in ok:
+        peak = p.limited_peak_gb()
+        if peak is not None:
+            by_size.setdefault(p.batch_size, []).append(peak)
+    spreads += [max(peaks) - min(peaks) for peaks in by_size.values()]
+    held = [h for p in probes for h in (p.held_before_limit_gb_per_rank or [])]
+    if held:
+        spreads.append(max(held) - min(held))
+    return max(spreads)
+
+
+def margin_gb(probe: Probe, limit_gb: float) -> float | None:
+    """The room a probe that trained left under the limit (None for one that did not)."""
+    peak = probe.limited_peak_gb()
+    return None if probe.status != "ok" or peak is None else limit_gb - peak
+
+
+def fits_with_room(probe: Probe, limit_gb: float, noise_gb: float) -> bool:
+    """Trained, with at least the noise band to spare under the limit."""
+    room = margin_gb(probe, limit_gb)
+    return probe.status == "ok" and (room is None or room >= noise_gb)
+
+
+def speeds(probes: Sequence[Probe], up_to: int) -> dict[int, float]:
+    """Mean samples/s per batch size, over the probes that trained at sizes up to `up_to`."""
+    seen: dict[int, list[float]] = {}
+    for p in probes:
+        if p.status == "ok" and p.samples_per_s and p.batch_size <= up_to:
+            seen.setdefault(p.batch_size, []).append(p.samples_per_s)
+    return {b: sum(s) / len(s) for b, s in sorted(seen.items())}
+
+
+def fastest(probes: Sequence[Probe], up_to: int) -> tuple[int | None, float | None, int | None]:
+    """(the fastest batch, its samples/s, the smallest batch within NEAR_FASTEST of it)."""
+    by_size = speeds(probes, up_to)
+    if not by_size:
+        return None, None, None
+    best = max(by_size, key=by_size.__getitem__)
+    near = min(b for b, s in by_size.items() if s >= (1 - NEAR_FASTEST) * by_size[best])
+    return best, by_size[best], near
+
+
+def probe_to_place_fastest(probes: Sequence[Probe], up_to: int, resolution: int) -> int | None:
+    """When the probes next to the fastest batch are more than SPACING times away from it,
+    the size halfway (in log scale) across the wider gap; else None."""
+    by_size = speeds(probes, up_to)
+    best, _, _ = fastest(probes, up_to)
+    if best is None:
+        return None
+    sizes = list(by_size)
+    i = sizes.index(best)
+    gaps = [(a, b) for a, b in ((sizes[i - 1] if i else None, best), (best, sizes[i + 1] if i + 1 < len(sizes) else None))
+            if a is not None and b is not None and b / a > SPACING]
+    if not gaps:
+        return None
+    a, b = max(gaps, key=lambda gap: gap[1] / gap[0])
+    size = round(math.sqrt(a * b) / resolution) * resolution
+    return size if a < size < b else None
+
+
+def answer_line(record: dict, limit_gb: float | None) -> str:
+    """The search's answer in one line, for the log."""
+    under = f"memory.limit_gb={limit_gb:g}" if limit_gb else f"the device's {record['limit_gb']:.0f} GB"
+    cost = f"{record['probe_count']} probes, {record['probe_wall_s']:.0f} s of probing"
+    size, ranks, step = record["max_batch_size"], record["world_size"], record["resolution"]
+    if not size:
+        return f"max batch: none fits under {under}: {needs(record)}; {cost}"
+    noise = f"{record['noise_band_gb'] / MB:.1f} MB"
+    why = {"search_up_to": f"fits at max_batch.search_up_to={record['search_up_to']} under {under}",
+           "oom": f"{size + step} ran out of memory under {under}",
+           "noise": f"{size + step} fit with less than the {noise} that runs of this setup vary by to spare under {under}",
+           }.get(record["bounded_by"], f"{size + step} failed under {under}")
+    parts = [f"max batch: {size} per rank on {ranks} rank(s) ({why})",
+             f"peak {record['peak_under_limit_gb']:.3f} GB as the limit counts it, noise band {noise}",
+             f"recommended {record['recommended_batch_size']} ({record['margin']:.0%} margin)"]
+    if record["fastest_batch_size"]:
+        parts.append(f"fastest {record['fastest_batch_size']} ({record['fastest_samples_per_s']:,.1f} samples/s), "
+                     f"within {NEAR_FASTEST:.0%} of it from {record['near_fastest_batch_size']}")
+    return "; ".join([*parts, cost])
+
+
+def needs(record: dict) -> str:
+    """What the smallest batch needs, in words (for a search where none fits)."""
+    need, size = record.get("smallest_batch_needs_gb"), record["resolution"]
+    if need is None:
+        return f"batch {size} needs more than this device gives each rank"
+    return f"batch {size} needs {need:.2f} GB per rank"

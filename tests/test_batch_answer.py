@@ -1,0 +1,87 @@
+"""What task=max_batch reads from its probes besides the boundary: the noise band, the room
+each probe left, the fastest batch and the answer line. Probes as a search records them."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_exp.tasks.batch_answer import (
+    answer_line,
+    fastest,
+    fits_with_room,
+    noise_band_gb,
+    probe_to_place_fastest,
+)
+from fsdp_exp.tasks.probe import Probe
+
+LIMIT = 0.6
+MB = 1 / 1024
+
+
+def ok(size: int, peaks: list[float], samples_per_s: float = 100.0, held: list[float] | None = None) -> Probe:
+    return Probe(size, "ok", peak_mem_gb=max(peaks) + 0.05, peak_under_limit_gb=max(peaks),
+                 peak_under_limit_gb_per_rank=peaks, held_before_limit_gb_per_rank=held or [0.3369, 0.3369],
+                 samples_per_s=samples_per_s)
+
+
+def test_the_noise_band_is_the_widest_spread_the_probes_show():
+    # The floor: a tenth of a percent of the limit, when the probes agree closely.
+    assert noise_band_gb([ok(4, [0.47, 0.47])], LIMIT) == pytest.approx(0.001 * LIMIT)
+    # Between the ranks of one probe.
+    assert noise_band_gb([ok(4, [0.47, 0.47]), ok(64, [0.50, 0.5012])], LIMIT) == pytest.approx(0.0012)
+    # Between two probes of one size.
+    assert noise_band_gb([ok(64, [0.50, 0.50]), ok(64, [0.5015, 0.5015])], LIMIT) == pytest.approx(0.0015)
+    # Between what ranks held when their limit was set.
+    held = [ok(4, [0.47, 0.47], held=[0.3369, 0.3369]), ok(8, [0.48, 0.48], held=[0.3369, 0.3382])]
+    assert noise_band_gb(held, LIMIT) == pytest.approx(0.0013)
+    # A probe that ran out of memory has no peaks and adds nothing.
+    assert noise_band_gb([ok(4, [0.47, 0.47]), Probe(9, "oom", reason="x")], LIMIT) == pytest.approx(0.0006)
+
+
+def test_a_probe_that_fit_inside_the_noise_band_does_not_count_as_fitting():
+    noise = 0.6 * MB
+    assert fits_with_room(ok(652, [0.599, 0.5988]), LIMIT, noise)  # 1 MB to spare
+    assert not fits_with_room(ok(656, [0.59977, 0.5997]), LIMIT, noise)  # 0.24 MB to spare
+    assert not fits_with_room(Probe(660, "oom", reason="x"), LIMIT, noise)
+
+
+def test_the_fastest_batch_and_the_smallest_within_five_percent_of_it():
+    probes = [ok(4, [0.47] * 2, 150), ok(128, [0.5] * 2, 1600), ok(296, [0.53] * 2, 1700),
+              ok(296, [0.53] * 2, 1800), ok(656, [0.6] * 2, 1720), ok(700, [0.61] * 2, 3000)]
+    # 296 is the fastest on the mean of its two probes; 700 is past the answer and not counted.
+    assert fastest(probes, up_to=656) == (296, 1750.0, 296)
+    probes[1].samples_per_s = 1670  # within 5% of 1750
+    assert fastest(probes, up_to=656) == (296, 1750.0, 128)
+    assert fastest([Probe(1, "oom")], up_to=1) == (None, None, None)
+
+
+def test_one_more_probe_places_a_fastest_batch_whose_neighbours_are_far():
+    probes = [ok(4, [0.47] * 2, 150), ok(128, [0.5] * 2, 1700), ok(296, [0.53] * 2, 1600), ok(656, [0.6] * 2, 1500)]
+    # The fastest, 128, is 32x from 4 and 2.3x from 296: halfway across the wider gap, in log scale.
+    assert probe_to_place_fastest(probes, up_to=656, resolution=1) == 23
+    assert probe_to_place_fastest(probes, up_to=656, resolution=4) == 24
+    close = [ok(96, [0.5] * 2, 1500), ok(128, [0.5] * 2, 1700), ok(200, [0.52] * 2, 1600)]
+    assert probe_to_place_fastest(close, up_to=656, resolution=1) is None
+
+
+def record(**changes) -> dict:
+    return {"max_batch_size": 652, "world_size": 2, "resolution": 4, "limit_gb": LIMIT, "search_up_to": 4096,
+            "bounded_by": "oom", "noise_band_gb": 0.6 * MB, "peak_under_limit_gb": 0.5991,
+            "recommended_batch_size": 352, "margin": 0.1, "fastest_batch_size": 624,
+            "fastest_samples_per_s": 1536.6, "near_fastest_batch_size": 428, "smallest_batch_needs_gb": None,
+            "probe_count": 7, "probe_wall_s": 91.0} | changes
+
+
+def test_the_answer_line_names_the_counted_peak_the_noise_band_and_the_fastest_batch():
+    line = answer_line(record(), LIMIT)
+    assert line == ("max batch: 652 per rank on 2 rank(s) (656 ran out of memory under memory.limit_gb=0.6); "
+                    "peak 0.599 GB as the limit counts it, noise band 0.6 MB; recommended 352 (10% margin); "
+                    "fastest 624 (1,536.6 samples/s), within 5% of it from 428; 7 probes, 91 s of probing")
+    assert "(656 fit with less than the 0.6 MB that runs of this setup vary by to spare under memory.limit_gb=0.6)" \
+        in answer_line(record(bounded_by="noise"), LIMIT)
+
+
+def test_the_answer_line_when_none_fits():
+    none = record(max_batch_size=0, resolution=1, smallest_batch_needs_gb=3.6512, fastest_batch_size=None)
+    assert answer_line(none, 3.0) == ("max batch: none fits under memory.limit_gb=3: batch 1 needs 3.65 GB per rank; "
+                                      "7 probes, 91 s of probing")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import signal
@@ -191,3 +192,31 @@ def test_full_sharding_fits_a_larger_batch_than_ddp(tmp_path: Path) -> None:
     assert compared.returncode == 0, compared.stderr
     assert f"| sharding=ddp | max_batch | ok | {ddp['max_batch_size']:,}" in compared.stdout
     assert f"| sharding=full | max_batch | ok | {full['max_batch_size']:,}" in compared.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_sweep_where_one_setup_fits_nothing_exits_0_and_compare_says_what_batch_one_needs(tmp_path: Path) -> None:
+    """ddp holds the whole ViT's parameters, gradients and Adam state on each rank, full
+    sharding half of them: under 0.65 GB, batch 1 fits only with full sharding (seen here:
+    ddp needs 0.69 GB, full 0.61 GB)."""
+    sweep = tmp_path / "sweep"
+    heavy_vit = ["model.num_layers=8", "model.hidden_dim=384", "model.mlp_dim=1536", "model.num_heads=4",
+                 "model.patch_size=28"]
+    result = run_cli("-m", "task=max_batch", "sharding=ddp,full", "memory.limit_gb=0.65", *heavy_vit,
+                     "max_batch.search_up_to=8", "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+                     timeout=800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ddp, full = (read_json(sweep / n / "max_batch.json") for n in ("0", "1"))
+    assert ddp["max_batch_size"] == 0 and ddp["smallest_batch_needs_gb"] > 0.65
+    assert full["max_batch_size"] >= 1
+    assert read_json(sweep / "0" / "summary.json")["status"] == "ok"
+    compared = run_cli(str(sweep), cwd=tmp_path, module=("-m", "fsdp_exp.compare"))
+    assert compared.returncode == 0, compared.stderr
+    need = f"none fits (batch 1 needs {ddp['smallest_batch_needs_gb']:.2f} GB)"
+    assert f"| sharding=ddp | max_batch | ok | {need} |" in compared.stdout
+    assert f"| sharding=full | max_batch | ok | {full['max_batch_size']:,} |" in compared.stdout
+    with open(sweep / "comparison.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert (rows[0]["max_batch_size"], rows[0]["note"]) == ("0", need)
+    assert (sweep / "comparison.png").read_bytes()[:4] == b"\x89PNG"

@@ -100,7 +100,8 @@ def probe_to_place_fastest(probes: Sequence[Probe], up_to: int, resolution: int)
 def answer_line(record: dict, limit_gb: float | None) -> str:
     """The search's answer in one line, for the log."""
     under = f"memory.limit_gb={limit_gb:g}" if limit_gb else f"the device's {record['limit_gb']:.0f} GB"
-    cost = f"{record['probe_count']} probes, {record['probe_wall_s']:.0f} s of probing"
+    count = record["probe_count"]
+    cost = f"{count} probe{'s' if count != 1 else ''}, {record['probe_wall_s']:.0f} s of probing"
     size, ranks, step = record["max_batch_size"], record["world_size"], record["resolution"]
     if not size:
         return f"max batch: none fits under {under}: {needs(record)}; {cost}"

@@ -164,7 +164,10 @@ class Sweep:
         probe_dir = self.run_dir / "probes" / f"{len(self.probe_dirs()) + 1:02d}_b{size}"
         probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb)
         probe.for_fastest = for_fastest
-        log.info("probe %d: %s", len(self.probe_dirs()), probe.line())
+        if limit_gb == "same":
+            log.info("probe %d: %s", len(self.probe_dirs()), probe.line())
+        else:
+            log.info("without the limit: %s", probe.line())
         if limit_gb == "same":
             self.probes.append(probe)
         else:

@@ -1,42 +1,66 @@
-"""Max-batch search efficiency: the project's search against the two policies users know,
-on the same model and memory limit, every policy reading the same real probes.
+"""Max-batch search on a corpus of real setups: the project's search against the two
+policies users know, every policy reading the same real probes.
 
-- fsdp_exp: `fsdp_exp.tasks.batch_search.BatchSearch`, as `task=max_batch` runs it.
+- fsdp_exp: `task=max_batch` itself (`fsdp_exp.tasks.max_batch.Sweep`), into a scratch run directory.
 - doubling then bisection (Lightning's `scale_batch_size(mode="binsearch")`, from its
   default start of 2): double until a size fails, then bisect to a gap of 1.
 - shrink by 10% (Accelerate's `find_executable_batch_size`): start at the top of the
   range and take 90% after every failure; the first size that fits is its answer.
 
-A probe is a real short training run on fresh ranks under the memory limit (what
-`task=max_batch` runs). Each batch size is probed once and its outcome shared by every
-policy that asks for it, so they all see the same boundary; a policy's cost is the number
-of sizes it asks for and the sum of their probes' wall times.
+A probe is a real short training run on 2 fresh ranks under the memory limit. The search
+runs first; the two policies then reuse its probes, and a size they ask for that no probe
+has run is probed for real, unless an outcome already run decides it (a size at or above one
+that ran out of memory does too, one at or below one that trained trains). Such a decided
+size counts as a probe of the policy, at the median wall time of the real probes with its
+outcome, and the table says how many there were.
 
-    python bench/max_batch_search.py [--limit-gb 0.6] [--up-to 4096] [OVERRIDE ...]
+    python bench/max_batch_search.py                 # every setup (about an hour on 2 cores)
+    python bench/max_batch_search.py vit-full cnn    # some of them
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from machine import header
 
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.plan import prepare
-from fsdp_exp.tasks.batch_search import BatchSearch, Outcome
+from fsdp_exp.tasks.max_batch import Sweep
 from fsdp_exp.tasks.probe import Probe, run_probe
 
+HEAVY_VIT = ["model.num_layers=8", "model.hidden_dim=384", "model.mlp_dim=1536", "model.num_heads=4",
+             "model.patch_size=28"]
 
-def ours(limit_gb: float, up_to: int, outcome: Callable[[int], Outcome]) -> int:
-    search, seen = BatchSearch(limit_gb, 1, up_to), []
-    while (size := search.next_size(seen)) is not None:
-        seen.append(outcome(size))
-    return search.bracket(seen)[0]
+
+@dataclass
+class Setup:
+    name: str
+    limit_gb: float
+    overrides: list[str]
+    curve: str  # what the peak does as the batch grows
+
+
+SETUPS = [
+    Setup("vit-full", 0.6, ["model.num_layers=2"], "activations from the first sample"),
+    Setup("vit-grad_op", 0.6, ["model.num_layers=2", "sharding=grad_op"], "activations from the first sample"),
+    Setup("vit-ddp", 0.6, ["model.num_layers=2", "sharding=ddp"], "activations from the first sample"),
+    Setup("vit-offload", 0.6, ["model.num_layers=2", "offload=true"], "activations from the first sample"),
+    Setup("vit-bf16", 0.6, ["model.num_layers=2", "precision=bf16"], "activations from the first sample"),
+    Setup("cnn", 0.6, ["model=cnn"], "activations from the first sample"),
+    Setup("gpt-tiny", 1.5, ["model=gpt", "data=synthetic_tokens"], "logits from the first sample"),
+    Setup("gpt-small", 2.5, ["model=gpt", "model.size=small", "data=synthetic_tokens"],
+          "flat (model state), then logits"),
+    Setup("heavy-vit-full", 0.735, HEAVY_VIT, "flat (model state), then activations"),
+    Setup("heavy-vit-ddp", 0.65, [*HEAVY_VIT, "sharding=ddp"], "nothing fits"),
+]
 
 
 def doubling_then_bisection(fits: Callable[[int], bool], up_to: int, start: int = 2) -> int:
@@ -65,56 +89,127 @@ def shrink_by_ten_percent(fits: Callable[[int], bool], start: int) -> int:
     return size
 
 
+@dataclass
+class Policy:
+    answer: int
+    sizes: list[int]  # every size asked, in order
+    decided: int  # of them, decided by an outcome already run rather than probed
+    wall_s: float
+
+
+class SharedProbes:
+    """Real probes by batch size, shared by the policies."""
+
+    def __init__(self, plan, scratch: Path):
+        self.plan, self.scratch = plan, scratch
+        self.by_size: dict[int, Probe] = {}
+
+    def add(self, probe: Probe) -> None:
+        self.by_size.setdefault(probe.batch_size, probe)
+
+    def decided(self, size: int) -> bool | None:
+        if any(p.status == "ok" for b, p in self.by_size.items() if b >= size):
+            return True
+        if any(p.status == "oom" for b, p in self.by_size.items() if b <= size):
+            return False
+        return None
+
+    def run(self, size: int) -> Probe:
+        exp = self.plan.exp
+        probe = run_probe(exp, size, self.scratch / f"b{size}", self.plan.launcher, self.plan.nproc,
+                          exp.max_batch.steps_per_probe, exp.max_batch.probe_timeout)
+        print(f"    probe: {probe.line()}", flush=True)
+        self.add(probe)
+        return probe
+
+    def policy(self, search: Callable[[Callable[[int], bool]], int]) -> Policy:
+        sizes: list[int] = []
+        decided: dict[int, bool] = {}
+
+        def fits(size: int) -> bool:
+            sizes.append(size)
+            if size in self.by_size:
+                return self.by_size[size].status == "ok"
+            known = self.decided(size)
+            if known is not None:
+                decided[size] = known
+                return known
+            return self.run(size).status == "ok"
+
+        answer = search(fits)
+        return Policy(answer, sizes, len(decided), sum(self.wall(s, decided.get(s)) for s in set(sizes)))
+
+    def wall(self, size: int, decided: bool | None) -> float:
+        if decided is None:
+            return self.by_size[size].wall_s
+        alike = [p.wall_s for p in self.by_size.values() if (p.status == "ok") == decided]
+        return statistics.median(alike or [p.wall_s for p in self.by_size.values()])
+
+    def boundary(self) -> int:
+        """The largest size that trained below every size that did not."""
+        failed = min((b for b, p in self.by_size.items() if p.status != "ok"), default=None)
+        return max((b for b, p in self.by_size.items() if p.status == "ok" and (failed is None or b < failed)),
+                   default=0)
+
+
+def bench(setup: Setup, up_to: int) -> dict:
+    overrides = ["task=max_batch", f"memory.limit_gb={setup.limit_gb}", f"max_batch.search_up_to={up_to}",
+                 "wandb.mode=disabled", *setup.overrides]
+    plan = prepare(compose_checked(overrides), torch.cuda.device_count(), overrides)
+    print(f"\n{setup.name}: {' '.join(overrides)}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        sweep = Sweep(plan.exp, Path(tmp) / "search", plan.launcher, plan.nproc)
+        result = sweep.run()
+        search_wall = time.perf_counter() - start
+        searched = [p for p in sweep.probes if not p.for_fastest]
+        shared = SharedProbes(plan, Path(tmp) / "policies")
+        for probe in sweep.probes:
+            shared.add(probe)
+        doubling = shared.policy(lambda fits: doubling_then_bisection(fits, up_to))
+        shrinking = shared.policy(lambda fits: shrink_by_ten_percent(fits, up_to))
+    return {"setup": setup, "answer": result["max_batch_size"], "noise_mb": result["noise_band_gb"] * 1024,
+            "boundary": shared.boundary(), "probes": len(searched), "placing": len(sweep.probes) - len(searched),
+            "sizes": [p.batch_size for p in searched], "search_wall_s": search_wall,
+            "probe_wall_s": sum(p.wall_s for p in searched), "doubling": doubling, "shrinking": shrinking}
+
+
+def policy_cells(policy: Policy, boundary: int) -> str:
+    decided = f" ({policy.decided} decided)" if policy.decided else ""
+    exact = "" if policy.answer == boundary else f", answers {policy.answer}"
+    return f"{len(set(policy.sizes))}{decided}{exact} | {policy.wall_s:.0f}"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [("| setup | limit GB | peak as the batch grows | answer (noise band MB) | fsdp_exp probes | "
+              "fsdp_exp wall s (search, probes) | doubling + bisection probes | wall s | shrink by 10% probes | wall s |"),
+             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        s = r["setup"]
+        placing = f" +{r['placing']} to place the fastest" if r["placing"] else ""
+        raw = "" if r["boundary"] == r["answer"] else f"; {r['boundary']} trained"
+        lines.append(
+            f"| {s.name} | {s.limit_gb:g} | {s.curve} | {r['answer']} ({r['noise_mb']:.1f}{raw}) | "
+            f"{r['probes']}{placing} | {r['search_wall_s']:.0f}, {r['probe_wall_s']:.0f} | "
+            f"{policy_cells(r['doubling'], r['boundary'])} | {policy_cells(r['shrinking'], r['boundary'])} |")
+    lines.append("")
+    lines += [f"- {r['setup'].name}: fsdp_exp probed {', '.join(map(str, r['sizes']))}" for r in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--limit-gb", type=float, default=0.6)
+    names = [s.name for s in SETUPS]
+    parser.add_argument("setups", nargs="*", metavar="SETUP", help=f"some of: {', '.join(names)} (default: all)")
     parser.add_argument("--up-to", type=int, default=4096)
-    parser.add_argument("overrides", nargs="*", default=["model.num_layers=2"])
     args = parser.parse_args()
-    overrides = ["task=max_batch", f"memory.limit_gb={args.limit_gb}", f"max_batch.search_up_to={args.up_to}",
-                 "wandb.mode=disabled", *args.overrides]
-    plan = prepare(compose_checked(overrides), torch.cuda.device_count(), overrides)
-    steps, timeout = plan.exp.max_batch.steps_per_probe, plan.exp.max_batch.probe_timeout
-    probes: dict[int, Probe] = {}
-
-    with tempfile.TemporaryDirectory() as tmp:
-        def probe(size: int) -> Probe:
-            if size not in probes:
-                probes[size] = run_probe(plan.exp, size, Path(tmp) / f"b{size}", plan.launcher, plan.nproc,
-                                         steps, timeout)
-                print(f"  probe {len(probes):>2}: {probes[size].line()}", flush=True)
-            return probes[size]
-
-        def asked(policy: Callable[[Callable[[int], Outcome]], int]) -> tuple[int, list[int]]:
-            """The policy's answer, and the sizes it asked for."""
-            sizes: list[int] = []
-
-            def outcome(size: int) -> Outcome:
-                sizes.append(size)
-                return probe(size).outcome()
-            return policy(outcome), sizes
-
-        print(header(plan.nproc, plan.exp.device == 'cuda'))
-        print(f"overrides: {' '.join(overrides)}")
-        start = time.perf_counter()
-        results = {
-            "fsdp_exp": asked(lambda outcome: ours(args.limit_gb, args.up_to, outcome)),
-            "doubling then bisection": asked(
-                lambda outcome: doubling_then_bisection(lambda s: outcome(s).fits, args.up_to)),
-            "shrink by 10% from the top": asked(
-                lambda outcome: shrink_by_ten_percent(lambda s: outcome(s).fits, args.up_to)),
-        }
-        boundary = max(size for size, p in probes.items() if p.status == "ok" and
-                       all(q.status == "ok" for s, q in probes.items() if s < size))
-        exact = boundary + 1 in probes and probes[boundary + 1].status != "ok"
-        print(f"\n{len(probes)} distinct probes in {time.perf_counter() - start:.0f} s; the boundary is {boundary}"
-              f"{'' if exact else ' (not bracketed to 1 by the probes)'}\n")
-        print("| policy | answer | exact | probes | probe wall time s | sizes asked |")
-        print("| --- | ---: | --- | ---: | ---: | --- |")
-        for name, (answer, sizes) in results.items():
-            wall = sum(probes[s].wall_s for s in set(sizes))
-            print(f"| {name} | {answer} | {'yes' if answer == boundary else 'no'} | {len(set(sizes))} | {wall:.0f} | "
-                  f"{', '.join(map(str, sizes))} |")
+    unknown = sorted(set(args.setups) - set(names))
+    if unknown:
+        parser.error(f"unknown setup {', '.join(unknown)}; choose from {', '.join(names)}")
+    chosen = [s for s in SETUPS if not args.setups or s.name in args.setups]
+    print(header(2, torch.cuda.is_available()))
+    rows = [bench(setup, args.up_to) for setup in chosen]
+    print("\n" + table(rows))
 
 
 if __name__ == "__main__":

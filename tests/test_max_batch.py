@@ -18,6 +18,10 @@ from tests.conftest import SMALL_VIT, rank_pid, read_json, run_cli
 LIMIT = "memory.limit_gb=0.6"
 # Probes train 3 steps, the first of them warm-up; a direct run does the same.
 AS_A_PROBE = ["train.steps=3", "train.log_every=3", "metrics.warmup_steps=1"]
+# A ViT with 14M parameters and one token per image: its parameters, gradients and Adam state
+# (16 bytes per parameter) outweigh its activations.
+HEAVY_VIT = ["model.num_layers=8", "model.hidden_dim=384", "model.mlp_dim=1536", "model.num_heads=4",
+             "model.patch_size=28"]
 
 
 def probe_dirs(run_dir: Path) -> list[str]:
@@ -177,9 +181,7 @@ def test_full_sharding_fits_a_larger_batch_than_ddp(tmp_path: Path) -> None:
     (16 bytes per parameter) outweigh the activations. Full sharding splits them over the 2
     ranks, DDP keeps all of them on each (plus its gradient buckets)."""
     sweep = tmp_path / "sweep"
-    heavy_vit = ["model.num_layers=8", "model.hidden_dim=384", "model.mlp_dim=1536", "model.num_heads=4",
-                 "model.patch_size=28"]
-    result = run_cli("-m", "task=max_batch", "sharding=ddp,full", "memory.limit_gb=0.735", *heavy_vit,
+    result = run_cli("-m", "task=max_batch", "sharding=ddp,full", "memory.limit_gb=0.735", *HEAVY_VIT,
                      "max_batch.resolution=16", "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
                      timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -201,9 +203,7 @@ def test_a_sweep_where_one_setup_fits_nothing_exits_0_and_compare_says_what_batc
     sharding half of them: under 0.65 GB, batch 1 fits only with full sharding (seen here:
     ddp needs 0.69 GB, full 0.61 GB)."""
     sweep = tmp_path / "sweep"
-    heavy_vit = ["model.num_layers=8", "model.hidden_dim=384", "model.mlp_dim=1536", "model.num_heads=4",
-                 "model.patch_size=28"]
-    result = run_cli("-m", "task=max_batch", "sharding=ddp,full", "memory.limit_gb=0.65", *heavy_vit,
+    result = run_cli("-m", "task=max_batch", "sharding=ddp,full", "memory.limit_gb=0.65", *HEAVY_VIT,
                      "max_batch.search_up_to=8", "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
                      timeout=800)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -123,17 +123,22 @@ class Trainer:
         total = torch.zeros((), device=self.ranks.device)
         for micro in range(self.grad_accum):
             with gradient_sync(self.model, enabled=micro == self.grad_accum - 1):
+                self.memory.start_phase("forward")
                 loss = self.loss(*self._next(batches)) / self.grad_accum
+                self.memory.start_phase("backward")
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             total += loss.detach()
+        self.memory.end_phase()
         if self.checkpoint is not None:
             self.checkpoint.before_update()
+        self.memory.start_phase("optimizer_step")
         if self.grad_scaler:
             self.grad_scaler.step(self.optimizer)
             self.grad_scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.memory.end_phase()
         if self.lr_schedule is not None:
             self.lr_schedule.step()
         return total

@@ -5,8 +5,9 @@ peak is at most the limit, and then the probe shows that peak (jittered, for the
 curves). The search runs to its end, and its answer and probe count are checked against the
 curve's exact boundary. The families are the shapes real peaks take (see the docstring of
 fsdp_exp/tasks/batch_search.py): linear from the first sample; flat, then linear past a knee
-(GPT-2 small's shape); a step, where a new allocation appears; peaks that scatter. The real
-probes, on real ranks, are in test_max_batch.py.
+(GPT-2 small's shape); a step, where a new allocation appears; peaks that scatter; a cliff.
+Probe series recorded on real ranks are replayed too; real probes themselves run in
+test_max_batch.py.
 """
 
 from __future__ import annotations
@@ -133,7 +134,9 @@ def test_flat_then_linear_with_the_knee_at_a_tenth_of_the_boundary_in_six_probes
 def test_a_late_knee_costs_the_probes_a_flat_peak_cannot_save(knee_share, most):
     """Below the knee every size shows the same peak, so only fit or fail narrows the
     boundary: the stretch where the peak grows (from knee to boundary, 2 or 1 octaves of 12)
-    is found by bisection in log scale, a probe or two more than 6."""
+    is found by bisection over the octaves (3 or 4 probes after the first in the worst case);
+    one probe in it leaves the knee and the slope unknown, so a second one is needed, then the
+    boundary and one past it: 7 or 8 (see the module's docstring)."""
     counts = probe_counts({b: flat_then_linear(b, knee=b * knee_share) for b in BOUNDARIES})
     assert max(counts.values()) <= most, counts
 
@@ -165,7 +168,8 @@ def test_noisy_peaks_still_give_the_exact_boundary():
 
 def test_a_cliff_is_bisected_with_a_bounded_count():
     """Flat, then over the limit at once: the peaks tell nothing, and bisection (in log scale
-    while the bracket spans more than a factor of 4) finds the boundary."""
+    while the bracket spans more than a factor of 4) finds the boundary. Fit or fail is one
+    bit, so 4096 sizes need at least 1 + 12 probes; log scale spends 3 more near 4096."""
     for edge in [2, 3, 10, 100, 777, 1455, 2442, 4000, 4096]:
         found, outcomes = search(lambda b, edge=edge: BASE_GB if b < edge else 2 * LIMIT_GB)
         assert found == edge - 1
@@ -199,6 +203,52 @@ def test_the_recorded_gpt_small_case_in_six_probes():
     # halfway from 4 to 4096 in log scale, not the 2,532 that line predicts.
     flat = [Outcome(1, True, 1.928), Outcome(4, True, 1.930)]
     assert BatchSearch(GPT_LIMIT_GB).next_size(flat) == 128
+
+
+def replay(recorded: dict[int, float | None], limit_gb: float) -> tuple[int, list[Outcome]]:
+    """Run the search on probes recorded on real ranks ({batch: counted peak GB, or None for
+    an out-of-memory probe}); it must ask only for recorded sizes."""
+    finder = BatchSearch(limit_gb)
+    outcomes: list[Outcome] = []
+    while (size := finder.next_size(outcomes)) is not None:
+        assert size in recorded, f"asked for {size}, not recorded; asked so far: {sizes(outcomes)}"
+        outcomes.append(Outcome(size, recorded[size] is not None, recorded[size]))
+    return finder.bracket(outcomes)[0], outcomes
+
+
+# Real probes on 2 CPU ranks, peaks as memory.limit_gb counts them (peak_under_limit_gb):
+#   python -m fsdp_exp task=max_batch memory.limit_gb=0.6 model.num_layers=2 wandb.mode=disabled
+# (ViT, 2 layers, full sharding, fp32, AdamW, 3 steps a probe; 91 s of probing)
+RECORDED_VIT_2_LAYERS = {1: 0.470177, 64: 0.481998, 210: 0.511086, 656: 0.599812, 658: None, 657: None}
+#   python -m fsdp_exp task=max_batch memory.limit_gb=3.6 model=gpt model.size=small \
+#       data=synthetic_tokens wandb.mode=disabled
+# (GPT-2 small, 128 tokens a sample, same setup; flat up to a knee near 5, then 143 MB a
+# sample; 817 s of probing)
+RECORDED_GPT_SMALL_REAL = {1: 1.902786, 64: None, 8: 2.282181, 16: 3.427418, 17: 3.570339, 18: None}
+
+
+def test_recorded_real_probes_in_six_or_fewer():
+    found, outcomes = replay(RECORDED_VIT_2_LAYERS, 0.6)
+    assert (found, sizes(outcomes)) == (656, "1 64 210 656 658x 657x")
+    found, outcomes = replay(RECORDED_GPT_SMALL_REAL, 3.6)
+    assert (found, sizes(outcomes)) == (17, "1 64x 8 16 17 18x")
+
+
+def test_a_probe_within_the_noise_band_is_a_failure_at_its_size():
+    """The caller searches under the limit less a noise band and reports a probe that fit
+    but came within the band as one that did not: the answer is exact under the lower limit."""
+    band = 0.01 * LIMIT_GB
+    for boundary in [3, 100, 1000, 4000]:
+        curve = linear(boundary)
+        finder, outcomes = BatchSearch(LIMIT_GB - band), []
+        while (size := finder.next_size(outcomes)) is not None:
+            peak = curve(size)
+            fits = peak <= LIMIT_GB - band
+            outcomes.append(Outcome(size, fits, peak if peak <= LIMIT_GB else None))
+            assert len(outcomes) <= 12
+        found = finder.bracket(outcomes)[0]
+        assert found == true_boundary(curve, LIMIT_GB - band), (boundary, sizes(outcomes))
+        assert len(outcomes) <= 6, (boundary, sizes(outcomes))
 
 
 def doubling_then_bisection(boundary: int) -> int:

@@ -3,6 +3,12 @@
 GPU: the caching allocator's peaks (allocated, active, reserved) and its retry and OOM
 counts. CPU: the process's peak resident memory (VmHWM), reset at each window where the
 kernel allows it (/proc/self/clear_refs), else the peak since the process started.
+
+Where peaks can be reset, each phase of a step (forward and backward, the optimizer step)
+also has its own peak, `peak_<phase>_gb`: at small batches the optimizer step sets the
+step's peak, while the forward and backward peak already grows with every sample. On CPU
+under memory.limit_gb a phase's peak is counted as the limit counts memory: what it counted
+when the phase began, plus the growth of resident memory during the phase.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from fsdp_exp.memory import peak_under_limit_gb
+
 GB = 2**30
 
 
@@ -19,6 +27,8 @@ class MemoryMonitor:
     def __init__(self, device: torch.device):
         self.device = device
         self.cpu_resets = device.type == "cpu" and _reset_cpu_peak()
+        self.window: dict[str, float] = {}  # the window's peaks over the phases that ended
+        self.phase: tuple[str, float, float] | None = None  # name, counted and resident GB at its start
 
     def start_run(self) -> None:
         """The first window. On CPU the heap's free pages first go back to the kernel
@@ -30,13 +40,52 @@ class MemoryMonitor:
         self.start_window()
 
     def start_window(self) -> None:
+        self.window, self.phase = {}, None
+        self._reset_peaks()
+
+    def start_phase(self, name: str) -> None:
+        """Begin a phase of the step; its peak is `peak_<name>_gb` in the window's peaks."""
+        if not (self.device.type == "cuda" or self.cpu_resets):
+            return
+        self.end_phase()
+        self._fold(self._peaks())  # what came before the phase, in the window's peaks
+        if self.device.type == "cuda":
+            self.phase = (name, 0.0, 0.0)
+        else:
+            resident = _status_kb("VmRSS:") * 1024 / GB
+            counted = _counted_now_gb()
+            self.phase = (name, resident if counted is None else counted, resident)
+        self._reset_peaks()
+
+    def end_phase(self) -> None:
+        if self.phase is None:
+            return
+        name, counted, resident = self.phase
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) / GB
+        else:
+            peak = counted + _cpu_peak_bytes() / GB - resident
+        self._fold({f"peak_{name}_gb": peak})
+        self.phase = None
+
+    def window_peaks(self) -> dict[str, float]:
+        """`peak_mem_gb` (allocated on GPU, resident on CPU), on GPU the other stats, and
+        each phase's peak."""
+        self.end_phase()
+        self._fold(self._peaks())
+        return dict(self.window)
+
+    def _fold(self, peaks: dict[str, float]) -> None:
+        for key, value in peaks.items():
+            self.window[key] = max(value, self.window.get(key, value))
+
+    def _reset_peaks(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.cpu_resets:
             _reset_cpu_peak()
 
-    def window_peaks(self) -> dict[str, float]:
-        """`peak_mem_gb` (allocated on GPU, resident on CPU) and, on GPU, the other stats."""
+    def _peaks(self) -> dict[str, float]:
         if self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
             return {
@@ -60,6 +109,15 @@ def _status_kb(key: str) -> int | None:
         if line.startswith(key):
             return int(line.split()[1])
     return None
+
+
+def _counted_now_gb() -> float | None:
+    """CPU under memory.limit_gb: what the limit counts now, its peak count less how far
+    the address space now is below its peak (see fsdp_exp.memory.peak_under_limit_gb)."""
+    peak = peak_under_limit_gb()
+    if peak is None:
+        return None
+    return peak - (_status_kb("VmPeak:") - _status_kb("VmSize:")) * 1024 / GB
 
 
 def _cpu_peak_bytes() -> int:

@@ -4,13 +4,13 @@ This module only decides which batch size to try next; it runs nothing. Every si
 multiple of `resolution`, and the answer is exact to it: the boundary trained and the
 boundary plus `resolution` did not.
 
-How the peak grows. At small batches the peak is often flat: parameters, gradients, optimizer
-state and the optimizer step's temporaries set it, and activations are too small to show.
-Past a knee it grows with every sample, close to a straight line, and a new allocation (a
-workspace, a bigger buffer) can add a step. A line through probes where the peak does not
-yet grow says nothing about the boundary: GPT-2 small on 2 CPU ranks peaked at 1.928 GB at
-batch 1 and 1.930 GB at batch 4, a line through them crossed the limit at 2,532, and the
-boundary was 12.
+How the peak grows. At small batches the peak is often flat: it is set where the model's
+state meets at once (parameters, their gathered copies, gradients, optimizer state), and
+activations are too small to show. Past a knee it grows with every sample, close to a
+straight line, and a new allocation (a workspace, a bigger buffer) can add a step. A line
+through probes where the peak does not yet grow says nothing about the boundary: GPT-2 small
+on 2 CPU ranks peaked at 1.928 GB at batch 1 and 1.930 GB at batch 4, a line through them
+crossed the limit at 2,532, and the boundary was 12.
 
 The policy:
 1. The first probe is `resolution`; when it does not fit, nothing does.
@@ -36,28 +36,52 @@ The policy:
    went against the line, the prediction is widened by the error that MISS_NOISE of
    measurement noise would give, doubled for each further one.
 
-Probe counts, from tests/test_batch_search.py (resolution 1, up to 4096, every answer exact):
+Probe counts, from tests/test_batch_search.py (resolution 1, up to 4096, every answer exact;
+without noise, the worst cases are the same over every 17th boundary up to 4096, and over
+every 13th edge for the cliff):
 - 6 or fewer: linear from the first sample; flat then linear with the knee of GPT-2 small
   (4.3 samples) from a boundary of 7 on, or with the knee at a tenth of the boundary; the
-  recorded GPT-2 small case (6, where the search before this one took 14); nothing fits (1).
+  recorded GPT-2 small case (6, where the search before this one took 14); probe series
+  recorded on real ranks (the 2-layer ViT, boundary 656: 6; GPT-2 small, boundary 17: 6);
+  nothing fits (1).
 - More, where the probes cannot tell more:
   - a late knee: 7 with the knee at a quarter of the boundary, 8 at half, and 7 for a
     boundary 0.7 samples past GPT-2 small's knee. Below the knee every size shows the same
-    peak, so only fit or fail narrows the boundary, and the stretch where the peak grows
-    has to be found by bisecting 12 octaves.
+    peak, so a probe there says only that the knee is above it, and one past the boundary
+    only that it failed. The stretch where the peak grows spans two octaves of the twelve
+    up to 4096 (one, with the knee at half), and landing a probe in it takes bisection over
+    the octaves: 3 probes (4) after the first, in the worst case. One probe past the knee
+    leaves two unknowns, where the knee is and how steep the line is, so a second one is
+    needed, then the boundary and one size past it: 1 + 3 + 1 + 2 = 7 (1 + 4 + 1 + 2 = 8).
   - a step (an allocation of a tenth of the room): 6 or fewer when a probe lands past it
     before the line below it predicts the boundary (a step at a quarter of boundaries up to
     1000), else up to 10: that prediction fails, and nothing below the step shows where it is.
   - peaks that scatter by 0.5%: a probe pins the boundary only to within 0.005 x peak /
     slope samples (about 30 at a boundary of 4000), which fit or fail then have to bisect:
     6 or fewer up to a boundary of 64, up to 15 near 4096.
-  - a cliff (flat, then over the limit at once): bisection, up to 16.
+  - a cliff (flat, then over the limit at once): only fit or fail, so bisection: at least
+    13 for 4096 sizes, and 16 here, where bisecting in log scale first spends 3 more on a
+    cliff near 4096 to spend fewer on one near 10.
 
-The search does not act on held memory (in the flat start, peak minus held is the optimizer
-step's temporaries, not activations, and on CPU held is resident memory, which the limit
-does not count), nor on the size of the allocation a failed probe names (bracketing in log
-scale never overshoots far enough for one allocation to exceed the limit; in simulation it
-saved no probe in the worst case).
+What a probe shows that the search does not use, and why (measured on 2 CPU ranks, fp32,
+AdamW, full sharding, peaks as memory.limit_gb counts them):
+- The peak of each phase of a step (peak_forward_gb, peak_backward_gb, peak_optimizer_step_gb
+  in a probe's summary). They do not give the slope past the knee from probes in the flat
+  start. For GPT-2 small (128 tokens a sample, memory.limit_gb=3.6, boundary 17) the flat
+  start is the backward's, 1.903 GB at batch 1, 2 and 4, not the optimizer step's (1.513 GB);
+  past its knee the backward's peak grows by 143 MB a sample (2.282, 3.427 and 3.570 GB at
+  8, 16 and 17). The forward's peak grows from the first sample but has a knee of its own:
+  1.483, 1.501, 2.090 and 3.044 GB at 1, 2, 8 and 16, that is 17, 98 and 119 MB a sample. A
+  line through its first two crosses the limit near 128, 7 times the boundary, and the
+  search's own second probe (64) already fails below that. For the 2-layer ViT the peak
+  grows from the first sample, and the forward's, the backward's and the whole peak agree
+  within 0.7 MB: nothing that the peak does not show.
+- Held memory: in the flat start, peak minus held is the peak phase's temporaries, not
+  activations, and on CPU held is resident memory, which the limit does not count.
+- The allocation a failed probe names: one tensor, a share of what a sample adds. For GPT-2
+  small, 24 MiB at batch 64 (a hidden state, 0.4 MB a sample) and 442 MiB at 18 (the logits,
+  26 MB a sample), against 143 MB a sample; for the ViT, 5.5 MB at 658 (9 KB a sample,
+  against 0.2 MB). As a lower bound on the slope it is too low to narrow the bracket.
 """
 
 from __future__ import annotations

@@ -220,3 +220,34 @@ def test_a_sweep_where_one_setup_fits_nothing_exits_0_and_compare_says_what_batc
         rows = list(csv.DictReader(file))
     assert (rows[0]["max_batch_size"], rows[0]["note"]) == ("0", need)
     assert (sweep / "comparison.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# A GPT-shaped model whose peak is flat at small batches: 2 wide blocks (14M parameters) over
+# 8-token sequences of a 256-token vocabulary. Model state and the optimizer step set the peak
+# up to about 8 samples; past that each sample adds about 0.6 MB.
+FLAT_GPT = ["model=custom", "model._target_=fsdp_exp.models.gpt.GPT", "+model.vocab_size=256", "+model.block_size=8",
+            "+model.n_layer=2", "+model.n_head=12", "+model.n_embd=768", "model.blocks=[fsdp_exp.models.gpt.Block]",
+            "data=synthetic_tokens", "data.seq_len=8", "wandb.mode=disabled"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_flat_then_linear_peak_is_searched_in_few_probes_and_the_answer_trains(tmp_path: Path) -> None:
+    run_dir = tmp_path / "search"
+    limit = "memory.limit_gb=0.62"
+    found = run_cli("task=max_batch", limit, *FLAT_GPT, f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=600)
+    assert found.returncode == 0, found.stderr[-3000:]
+    record = read_json(run_dir / "max_batch.json")
+    size, noise = record["max_batch_size"], record["noise_band_gb"]
+    probes = {p["batch_size"]: p for p in record["probes"]}
+    flat = [p["peak_under_limit_gb"] for b, p in sorted(probes.items()) if b <= 4 and p["status"] == "ok"]
+    assert flat and max(flat) - min(flat) < 0.002 * max(flat)  # the case this test is for
+    assert 8 < size < 200, size
+    assert probes[size]["status"] == "ok" and probes[size]["margin_gb"] >= noise
+    assert probes[size + 1]["status"] == "oom" or probes[size + 1]["within_noise"]
+    searched = [p for p in record["probes"] if not p["for_fastest"]]
+    assert len(searched) <= 8, [p["batch_size"] for p in searched]
+
+    ok = run_cli(limit, *FLAT_GPT, *AS_A_PROBE, f"train.batch_size={size}", f"hydra.run.dir={tmp_path / 'at'}",
+                 cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]

@@ -70,10 +70,13 @@ def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
 # 300 MiB of 1 MiB blocks freed before training: after a large free, glibc serves such
 # blocks from its heap, which keeps the pages once they are freed.
 FREED_BEFORE_TRAINING = """
-import json, torch
+import ctypes, json, torch
 from fsdp_exp.metrics.memory import MemoryMonitor
 monitor = MemoryMonitor(torch.device("cpu"))
-torch.empty(64 * 2**20, dtype=torch.uint8)
+# Blocks of 1 MiB from the heap, as after glibc has raised its mmap threshold by itself.
+libc = ctypes.CDLL("libc.so.6")
+libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD
+libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: free() alone gives nothing back
 blocks = [torch.ones(2**20, dtype=torch.uint8) for _ in range(300)]
 kept = torch.ones(2**10)  # above the blocks in the heap
 del blocks

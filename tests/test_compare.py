@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_exp.compare import main
-from fsdp_exp.metrics.plots import plot_max_batch
+from fsdp_exp.metrics.plots import plot_comparison, plot_max_batch
 from tests.conftest import REPO, SMALL_VIT, read_json, run_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -149,6 +149,11 @@ def test_none_fits_is_a_row_with_what_batch_one_needs(tmp_path: Path) -> None:
     ddp = rows[1]
     assert (ddp["status"], ddp["max_batch_size"], ddp["note"]) == ("ok", "0", "none fits (batch 1 needs 3.65 GB)")
     assert (tmp_path / "out" / "comparison.png").read_bytes().startswith(PNG_MAGIC)
+    rows = [{"setup": "sharding=full", "task": "max_batch", "status": "ok", "max_batch_size": 212,
+             "samples_per_s": 400.5},
+            {"setup": "sharding=ddp", "task": "max_batch", "status": "ok", "max_batch_size": 0, "resolution": 1,
+             "smallest_batch_needs_gb": 3.6512, "samples_per_s": None}]
+    assert plot_comparison(rows, tmp_path / "chart.png") == ["212", "none fits (batch 1 needs 3.65 GB)", "400.5", "-"]
 
 
 def test_train_and_max_batch_runs_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,28 +225,47 @@ def test_wandb_without_a_key_is_one_clear_line(tmp_path: Path) -> None:
 
 
 def max_batch_record(**changes) -> dict:
+    """A max_batch.json as a search writes it, on GPU: peaks as the limit counts them."""
     probe = {"status": "ok", "reason": None, "peak_mem_gb_per_rank": None, "held_mem_gb": 0.7,
-             "predicted_peak_gb": None, "wall_s": 7.1}
+             "predicted_peak_gb": None, "wall_s": 7.1, "within_noise": False, "alloc_retries": 0.0}
     probes = [
-        probe | {"batch_size": 1, "peak_mem_gb": 0.81, "samples_per_s": 30.1, "dir": "probes/b1"},
-        probe | {"batch_size": 64, "peak_mem_gb": 0.99, "samples_per_s": 410.0, "dir": "probes/b64"},
-        probe | {"batch_size": 212, "peak_mem_gb": 1.44, "samples_per_s": 520.0, "dir": "probes/b212"},
-        probe | {"batch_size": 213, "status": "oom", "reason": "ran out of memory", "peak_mem_gb": None,
-                 "samples_per_s": None, "dir": "probes/b213"},
-        probe | {"batch_size": 400, "status": "failed", "reason": "rank 1 failed", "peak_mem_gb": None,
-                 "samples_per_s": None, "dir": "probes/b400"},
+        probe | {"batch_size": 1, "peak_reserved_gb": 0.81, "samples_per_s": 30.1, "dir": "probes/b1"},
+        probe | {"batch_size": 64, "peak_reserved_gb": 0.99, "samples_per_s": 410.0, "dir": "probes/b64"},
+        probe | {"batch_size": 212, "peak_reserved_gb": 1.44, "samples_per_s": 405.0, "alloc_retries": 3.0,
+                 "dir": "probes/b212"},
+        probe | {"batch_size": 213, "peak_reserved_gb": 1.4995, "samples_per_s": 380.0, "within_noise": True,
+                 "dir": "probes/b213"},
+        probe | {"batch_size": 214, "status": "oom", "reason": "ran out of memory", "samples_per_s": None,
+                 "dir": "probes/b214"},
+        probe | {"batch_size": 400, "status": "failed", "reason": "rank 1 failed", "samples_per_s": None,
+                 "dir": "probes/b400"},
     ]
-    record = {"setup": "sharding=full offload=false", "device": "cpu", "world_size": 2, "limit_gb": 1.5,
+    record = {"setup": "sharding=full offload=false", "device": "cuda", "world_size": 2, "limit_gb": 1.5,
               "resolution": 1, "margin": 0.1, "search_up_to": 4096, "steps_per_probe": 3,
-              "max_batch_size": 212, "recommended_batch_size": 190, "bounded_by": "oom",
-              "memory_model": {"intercept_gb": 0.8, "slope_gb_per_sample": 0.003, "points": 3},
-              "probes": probes, "probe_count": 5, "wall_s": 40.2}
+              "max_batch_size": 212, "recommended_batch_size": 190, "bounded_by": "noise", "noise_band_gb": 0.0015,
+              "fastest_batch_size": 64, "fastest_samples_per_s": 410.0, "near_fastest_batch_size": 64,
+              "smallest_batch_needs_gb": None,
+              "memory_model": {"intercept_gb": 0.8, "slope_gb_per_sample": 0.003, "points": 3,
+                               "measure": "peak_reserved_gb"},
+              "probes": probes, "probe_count": 6, "wall_s": 40.2}
     return record | changes
 
 
-def test_plot_max_batch_writes_a_png(tmp_path: Path) -> None:
-    plot_max_batch(max_batch_record(), tmp_path / "max_batch.png")
+def test_plot_max_batch_draws_the_limit_its_noise_band_and_the_batch_to_use(tmp_path: Path) -> None:
+    texts = plot_max_batch(max_batch_record(), tmp_path / "max_batch.png")
     assert (tmp_path / "max_batch.png").read_bytes().startswith(PNG_MAGIC)
+    for text in ("peak reserved (max over ranks)", "fit inside the noise band", "noise band (1.5 MB)",
+                 "oom probe", "failed probe", "max batch size = 212", "recommended = 190", "samples/s",
+                 "allocator retries", "fastest = 64", "within 5% of the fastest, from 64"):
+        assert text in texts, (text, texts)
+
+
+def test_plot_max_batch_when_none_fits(tmp_path: Path) -> None:
+    record = max_batch_record(max_batch_size=0, recommended_batch_size=0, memory_model=None,
+                              smallest_batch_needs_gb=3.6512, fastest_batch_size=None, bounded_by="oom")
+    record["probes"] = [p | {"status": "oom", "batch_size": 1} for p in record["probes"][:1]]
+    texts = plot_max_batch(record, tmp_path / "max_batch.png")
+    assert "none fits (batch 1 needs 3.65 GB)" in texts and "no probe trained" in texts
 
 
 def test_plot_max_batch_without_an_answer_or_a_model(tmp_path: Path) -> None:

@@ -28,10 +28,11 @@ MEASURES = {"peak_under_limit_gb": "peak as memory.limit_gb counts it", "peak_re
             "peak_mem_gb": "peak memory"}
 
 
-def plot_max_batch(record: dict, path: Path) -> None:
+def plot_max_batch(record: dict, path: Path) -> list[str]:
     """max_batch.json drawn: above, the peak the limit counts per probed batch size, the
     fitted line, the limit with its noise band and the answer; below, samples/s per batch
-    size with the fastest batch and the smallest within 5% of it."""
+    size with the fastest batch and the smallest within 5% of it. Returns the texts drawn
+    (legend entries and notes)."""
     plt = _pyplot()
     probes = sorted(record.get("probes", []), key=lambda p: p["batch_size"])
     model = record.get("memory_model")
@@ -88,7 +89,10 @@ def plot_max_batch(record: dict, path: Path) -> None:
     memory_ax.set_title(textwrap.fill(record.get("setup") or "(defaults)", 80), fontsize="medium")
     _plot_speed(speed_ax, record, fits)
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    texts = [t.get_text() for ax in (memory_ax, speed_ax) for t in ax.texts]
+    texts += [t.get_text() for ax in (memory_ax, speed_ax) if ax.get_legend() for t in ax.get_legend().get_texts()]
     plt.close(fig)
+    return texts
 
 
 def _plot_speed(ax: Any, record: dict, fits: list[dict]) -> None:
@@ -121,9 +125,10 @@ def none_fits(record: dict) -> str:
     return f"none fits (batch {size} needs {need:.2f} GB)" if need is not None else f"none fits (batch {size} does not)"
 
 
-def plot_comparison(rows: list[dict], path: Path) -> None:
+def plot_comparison(rows: list[dict], path: Path) -> list[str]:
     """One bar per run: its max batch size when any run searched for one, else samples/s;
-    samples/s beside it when both exist. Runs that did not finish ok are hatched grey."""
+    samples/s beside it when both exist. Runs that did not finish ok are hatched grey.
+    Returns the texts drawn on the bars."""
     plt = _pyplot()
     panels = []
     if any(r.get("max_batch_size") is not None for r in rows):
@@ -159,4 +164,6 @@ def plot_comparison(rows: list[dict], path: Path) -> None:
     axes[0][0].set_ylim(len(rows) - 0.5, -0.5)  # first run on top, as in the table; the panels share the axis
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
+    texts = [t.get_text().strip() for ax in axes[0] for t in ax.texts]
     plt.close(fig)
+    return texts

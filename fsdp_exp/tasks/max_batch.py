@@ -205,8 +205,8 @@ class Sweep:
         failed = next((p for p in tried if p.status == "failed"), None)
         if failed is not None:
             raise RunFailed(f"batch {size} does not train: {failed.reason}")
-        if any(p.status == "ok" for p in tried) or self.need is not None:
-            return
+        if any(p.status == "ok" for p in tried) or self.need is not None or self.cfg.memory.limit_gb is None:
+            return  # already measured, or it ran out of the device's own memory: nothing more to give it
         log.info("batch %d ran out of memory under %s; measuring what it needs without that limit", size,
                  f"memory.limit_gb={self.cfg.memory.limit_gb:g}" if self.cfg.memory.limit_gb else "the device's memory")
         share_gb = None if self.cfg.device == "cuda" else device_memory_gb(self.cfg.device) / self.nproc

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 # Dense peak TFLOP/s by device-name fragment: (bf16/fp16 tensor cores, fp32 with TF32).
@@ -49,8 +57,9 @@ def _attention_backward_flops(grad_out: tuple, query: tuple, key: tuple, value: 
 
 
 # FlopCounterMode counts the GPU kernels of scaled_dot_product_attention but not the
-# CPU one (torch 2.14), which would leave attention out of every CPU figure.
-_CPU_ATTENTION = {
+# CPU one (torch 2.11 to 2.14), which would leave attention out of every CPU figure.
+# These are the formulas torch uses for the GPU kernels (sdpa_flop, sdpa_backward_flop).
+ATTENTION_FORMULAS = {
     getattr(torch.ops.aten, name): formula
     for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _attention_flops),
                           ("_scaled_dot_product_flash_attention_for_cpu_backward", _attention_backward_flops))
@@ -58,18 +67,90 @@ _CPU_ATTENTION = {
 }
 
 
-def count_step_flops(model: nn.Module, loss_of: Callable[[], torch.Tensor]) -> int:
-    """FLOPs of one forward and backward on this rank, counted by FlopCounterMode.
+@dataclass
+class StepFlops:
+    """One forward and backward on this rank."""
+
+    model: int  # the model's own FLOPs: what MFU counts
+    hardware: int  # what ran: with the forward that activation checkpointing recomputes
+    uncounted: list[str] = field(default_factory=list)  # attention kernels that ran with no formula
+
+
+class _UncountedAttention(TorchDispatchMode):
+    """Notes the attention kernels the counter has no formula for. Entered below the
+    counter, it sees the ops the counter ran, after its decompositions."""
+
+    def __init__(self, formulas: dict) -> None:
+        super().__init__()
+        self.formulas = formulas
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func._overloadpacket
+        if "attention" in packet.__name__ and packet not in self.formulas:
+            self.ops.add(str(packet))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _count_recompute(model: nn.Module, formulas: dict) -> Iterator[list[FlopCounterMode]]:
+    """While open, each activation-checkpointed block counts the forward it recomputes in
+    backward with its own counter (torch.utils.checkpoint's `context_fn`: the second
+    context wraps the recomputation). The counters are yielded; the blocks are restored."""
+    counters: list[FlopCounterMode] = []
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, FlopCounterMode]:
+        counters.append(FlopCounterMode(display=False, custom_mapping=formulas))
+        return contextlib.nullcontext(), counters[-1]
+
+    wrappers = [m for m in model.modules()
+                if isinstance(m, CheckpointWrapper) and m.checkpoint_impl == CheckpointImpl.NO_REENTRANT]
+    plain = [w.checkpoint_fn for w in wrappers]
+    for wrapper in wrappers:  # the wrapper's own partial keeps its other arguments
+        wrapper.checkpoint_fn = functools.partial(wrapper.checkpoint_fn, context_fn=contexts)
+    try:
+        yield counters
+    finally:
+        for wrapper, checkpoint_fn in zip(wrappers, plain):
+            wrapper.checkpoint_fn = checkpoint_fn
+
+
+def count_step_flops(model: nn.Module, loss_of: Callable[[], torch.Tensor],
+                     formulas: dict = ATTENTION_FORMULAS) -> StepFlops:
+    """FLOPs of one forward and backward on this rank, counted by FlopCounterMode: the
+    model's own and, with activation checkpointing, the hardware's (with the recompute).
 
     Every rank must call this together (the sharded forward gathers parameters). The
-    gradients it leaves are cleared; the weights are not touched.
+    gradients it leaves are cleared; the weights are not touched. Under torch.compile
+    the count runs eagerly: Dynamo skips frames while a dispatch mode is active.
     """
-    counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
-    with counter:
+    counter = FlopCounterMode(display=False, custom_mapping=formulas)
+    uncounted = _UncountedAttention(counter.flop_registry)
+    with _count_recompute(model, formulas) as recomputed, uncounted, counter:
         loss_of().backward()
     for p in model.parameters():
         p.grad = None
-    return counter.get_total_flops()
+    hardware = counter.get_total_flops()
+    model_flops = hardware - sum(c.get_total_flops() for c in recomputed)
+    return StepFlops(model=model_flops, hardware=hardware, uncounted=sorted(uncounted.ops))
+
+
+def step_flops_figures(counted: StepFlops, analytic: int | None, micro_batches: int = 1) -> dict:
+    """The FLOP figures of one optimizer step of `micro_batches` micro-batches, each
+    counted as `counted` and, for a language model, `analytic` (6N). MFU uses the counted
+    model FLOPs, unless the count missed an attention kernel and the analytic count is
+    known; `flops_source` says which."""
+    model, hardware = counted.model * micro_batches, counted.hardware * micro_batches
+    figures: dict = {"flops_per_step": model, "hardware_flops_per_step": hardware, "flops_source": "counted"}
+    if analytic is not None:
+        figures["flops_per_step_analytic"] = analytic * micro_batches
+    if counted.uncounted:
+        figures["flops_uncounted_ops"] = counted.uncounted
+        if analytic is not None:
+            figures.update(flops_per_step=analytic * micro_batches, flops_per_step_counted=model,
+                           hardware_flops_per_step=analytic * micro_batches + hardware - model,
+                           flops_source="analytic")
+    return figures
 
 
 def gpt_flops_per_token(n_layer: int, n_embd: int, vocab_size: int, seq_len: int) -> int:

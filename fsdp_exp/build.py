@@ -30,8 +30,9 @@ from fsdp_exp.checkpoint import TrainState
 from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.flops import (
     count_step_flops,
-    device_peak_tflops,
+    device_peak,
     flops_per_token,
+    peak_column,
     step_flops_figures,
 )
 from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
@@ -118,7 +119,10 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
                              pin_memory=ranks.device.type == "cuda"),
     )
 
-    figures: dict = {"fsdp_units": fsdp_units}
+    tf32 = cfg.precision.apply_tf32(ranks.device.type)
+    peak = device_peak(ranks.device, peak_column(cfg.precision.param_dtype, tf32), cfg.metrics.peak_tflops)
+    figures: dict = {"fsdp_units": fsdp_units, "tf32": tf32,
+                     "peak_tflops": peak.tflops, "peak_tflops_source": peak.source}
     grad_scaler = cfg.precision.grad_scaler(ranks.device.type)
     schedule = lr_schedule(optimizer, train.lr_schedule, train.lr_warmup_steps, train.steps)
     trainer = Trainer(
@@ -134,7 +138,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         grad_scaler=grad_scaler,
         lr_schedule=schedule,
         tokens_per_sample=data.tokens_per_sample,
-        peak_tflops=device_peak_tflops(ranks.device, cfg.precision.param_dtype, cfg.metrics.peak_tflops),
+        peak_tflops=peak.tflops,
     )
     figures.update(count_flops(trainer, batches, cfg, micro_batch))
     trainer.flops_per_step = figures["flops_per_step"]
@@ -160,6 +164,8 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         if fsdp_units:
             log.info("FSDP units: %s", ", ".join(f"{u['module']} ({u['params']:,})" for u in fsdp_units))
         log_flops(figures)
+        if peak.warning:
+            log.warning(peak.warning)
         jsonl = JsonLines(run_dir / "metrics.jsonl")
         if resume is not None:  # earlier records stay; readers take the last record of a step
             jsonl.log({"event": "resumed", "step": trainer.start_step, "checkpoint": str(resume)})

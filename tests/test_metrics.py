@@ -114,6 +114,7 @@ def test_flops_are_counted_and_match_the_analytic_count_for_gpt(tmp_path: Path) 
     assert summary["flops_source"] == "counted" and "flops_uncounted_ops" not in summary
     assert summary["flops_per_step"] == pytest.approx(summary["flops_per_step_analytic"], rel=0.1)
     assert summary["mfu"] == pytest.approx(summary["tflops_per_device"] / 2.0)
+    assert summary["peak_tflops"] == 2.0 and summary["peak_tflops_source"] == "metrics.peak_tflops"
 
 
 def test_analytic_flops_come_from_the_built_model_and_match_the_counted_ones_on_cpu() -> None:

@@ -6,6 +6,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -16,30 +17,89 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-# Dense peak TFLOP/s by device-name fragment: (bf16/fp16 tensor cores, fp32 with TF32).
-# From the vendors' data sheets (SXM parts). An unknown device gets no MFU rather than
-# a wrong one; `metrics.peak_tflops` names the peak for any device.
-PEAK_TFLOPS: dict[str, tuple[float, float]] = {
-    "H200": (989.4, 494.7),
-    "H100": (989.4, 494.7),
-    "A100": (312.0, 156.0),
-    "L40S": (362.1, 183.0),
-    "A10G": (125.0, 62.5),
-    "L4": (121.0, 60.0),
-}
+
+class Peak(NamedTuple):
+    """One GPU variant's dense peak TFLOP/s (without 2:4 sparsity), from NVIDIA's datasheet."""
+
+    entry: str
+    device_names: tuple[str, ...]  # as torch.cuda.get_device_name() gives them, whole
+    bf16: float | None  # bf16 and fp16 on tensor cores
+    tf32: float | None  # fp32 matmuls on tensor cores in TF32
+    fp32: float | None  # strict fp32, without tensor cores
+    source: str
 
 
-def device_peak_tflops(device: torch.device, param_dtype: str, configured: float | None) -> float | None:
-    """The peak this run's MFU is measured against, or None (CPU, unknown GPU)."""
+# Where a datasheet gives only the sparse tensor-core figure, the dense one is half of it.
+# A device is matched on its whole name, so "NVIDIA L4" is not "NVIDIA L40" and an H100
+# PCIe card does not get the SXM figures. A MIG slice ("... MIG 1g.10gb") matches nothing.
+PEAKS: tuple[Peak, ...] = (
+    Peak("B200", ("NVIDIA B200",), 2250, 1100, 75,
+         "HGX B200 datasheet, per GPU: 4.5 PF bf16 and 2.2 PF tf32 sparse, 75 TF fp32"),
+    Peak("H200 NVL", ("NVIDIA H200 NVL",), 835.5, 417.5, 60,
+         "H200 datasheet: 1,671 bf16 and 835 tf32 sparse, 60 fp32"),
+    Peak("H200 SXM", ("NVIDIA H200",), 989.5, 494.5, 67,
+         "H200 datasheet: 1,979 bf16 and 989 tf32 sparse, 67 fp32"),
+    Peak("H100 NVL", ("NVIDIA H100 NVL",), 835.5, 417.5, 60,
+         "H100 datasheet, per GPU: 1,671 bf16 and 835 tf32 sparse, 60 fp32"),
+    Peak("H100 PCIe", ("NVIDIA H100 PCIe",), 756.5, 378, 51,
+         "H100 datasheet: 1,513 bf16 and 756 tf32 sparse, 51 fp32"),
+    Peak("H100 SXM", ("NVIDIA H100 80GB HBM3",), 989.5, 494.5, 67,
+         "H100 datasheet: 1,979 bf16 and 989 tf32 sparse, 67 fp32"),
+    Peak("A100 SXM 80GB", ("NVIDIA A100-SXM4-80GB",), 312, 156, 19.5, "A100 datasheet"),
+    Peak("A100 SXM 40GB", ("NVIDIA A100-SXM4-40GB",), 312, 156, 19.5, "A100 datasheet"),
+    Peak("A100 PCIe 80GB", ("NVIDIA A100 80GB PCIe",), 312, 156, 19.5, "A100 datasheet"),
+    Peak("A100 PCIe 40GB", ("NVIDIA A100-PCIE-40GB",), 312, 156, 19.5, "A100 datasheet"),
+    Peak("L40S", ("NVIDIA L40S",), 362.05, 183, 91.6, "L40S datasheet"),
+    Peak("L40", ("NVIDIA L40",), 181.05, 90.5, 90.5, "L40 datasheet"),
+    Peak("L4", ("NVIDIA L4",), 121, 60, 30.3, "L4 datasheet: 242 bf16 and 120 tf32 sparse, 30.3 fp32"),
+    Peak("A10G", ("NVIDIA A10G",), None, None, None,
+         "none: NVIDIA publishes no datasheet for AWS's A10G, and the A10's figures are not its own"),
+    Peak("A10", ("NVIDIA A10",), 125, 62.5, 31.2, "A10 datasheet"),
+)
+
+CONFIGURED = "metrics.peak_tflops"
+
+
+@dataclass
+class PeakChoice:
+    """The peak a run's MFU is measured against, and where it came from."""
+
+    tflops: float | None
+    source: str | None  # "<table entry>, <column>", "metrics.peak_tflops", or None
+    warning: str | None = None  # for rank 0 to log: why there is no MFU
+
+
+def peak_column(param_dtype: str, tf32: bool) -> str:
+    """The column of the table the run's matmuls are measured against."""
+    if param_dtype in ("bfloat16", "float16"):
+        return "bf16"
+    return "tf32" if tf32 else "fp32"
+
+
+def find_peak(device_name: str) -> Peak | None:
+    name = " ".join(device_name.split()).lower()
+    return next((p for p in PEAKS if name in (n.lower() for n in p.device_names)), None)
+
+
+def peak_for(device_name: str, column: str) -> PeakChoice:
+    """The table's peak for a GPU named `device_name` in `column` (bf16, tf32 or fp32)."""
+    peak = find_peak(device_name)
+    tflops = getattr(peak, column) if peak else None
+    if tflops is None:
+        why = f"{device_name!r} is not in the table of known GPUs" if peak is None else peak.source
+        return PeakChoice(None, None, f"no peak TFLOP/s for {device_name} ({why}), so no MFU; "
+                                      f"set {CONFIGURED} to its dense {column} peak")
+    return PeakChoice(tflops, f"{peak.entry}, {column}")
+
+
+def device_peak(device: torch.device, column: str, configured: float | None) -> PeakChoice:
+    """The peak this run's MFU is measured against: `metrics.peak_tflops` when set, else
+    the table's for this GPU; none on CPU."""
     if configured:
-        return configured
+        return PeakChoice(configured, CONFIGURED)
     if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, (half, tf32) in PEAK_TFLOPS.items():
-        if fragment in name:
-            return tf32 if param_dtype == "float32" else half
-    return None
+        return PeakChoice(None, None)
+    return peak_for(torch.cuda.get_device_name(device), column)
 
 
 def _attention_flops(query: tuple, key: tuple, value: tuple, *args: object, **kwargs: object) -> int:

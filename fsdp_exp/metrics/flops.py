@@ -53,7 +53,7 @@ PEAKS: tuple[Peak, ...] = (
     Peak("L40", ("NVIDIA L40",), 181.05, 90.5, 90.5, "L40 datasheet"),
     Peak("L4", ("NVIDIA L4",), 121, 60, 30.3, "L4 datasheet: 242 bf16 and 120 tf32 sparse, 30.3 fp32"),
     Peak("A10G", ("NVIDIA A10G",), None, None, None,
-         "none: NVIDIA publishes no datasheet for AWS's A10G, and the A10's figures are not its own"),
+         "none: NVIDIA publishes no datasheet for AWS's A10G, a variant of the A10 but not the same part"),
     Peak("A10", ("NVIDIA A10",), 125, 62.5, 31.2, "A10 datasheet"),
 )
 
@@ -117,7 +117,7 @@ def _attention_backward_flops(grad_out: tuple, query: tuple, key: tuple, value: 
 
 
 # FlopCounterMode counts the GPU kernels of scaled_dot_product_attention but not the
-# CPU one (torch 2.11 to 2.14), which would leave attention out of every CPU figure.
+# CPU one (torch 2.14), which would leave attention out of every CPU figure.
 # These are the formulas torch uses for the GPU kernels (sdpa_flop, sdpa_backward_flop).
 ATTENTION_FORMULAS = {
     getattr(torch.ops.aten, name): formula

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,10 @@ from fsdp_exp.checkpoint import TrainState
 from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.flops import (
     count_step_flops,
-    device_peak_tflops,
+    device_peak,
     flops_per_token,
+    peak_column,
+    step_flops_figures,
 )
 from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
 from fsdp_exp.models.contract import check_logits
@@ -116,7 +119,10 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
                              pin_memory=ranks.device.type == "cuda"),
     )
 
-    figures: dict = {"fsdp_units": fsdp_units}
+    tf32 = cfg.precision.apply_tf32(ranks.device.type)
+    peak = device_peak(ranks.device, peak_column(cfg.precision.param_dtype, tf32), cfg.metrics.peak_tflops)
+    figures: dict = {"fsdp_units": fsdp_units, "tf32": tf32,
+                     "peak_tflops": peak.tflops, "peak_tflops_source": peak.source}
     grad_scaler = cfg.precision.grad_scaler(ranks.device.type)
     schedule = lr_schedule(optimizer, train.lr_schedule, train.lr_warmup_steps, train.steps)
     trainer = Trainer(
@@ -132,10 +138,11 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         grad_scaler=grad_scaler,
         lr_schedule=schedule,
         tokens_per_sample=data.tokens_per_sample,
-        peak_tflops=device_peak_tflops(ranks.device, cfg.precision.param_dtype, cfg.metrics.peak_tflops),
+        peak_tflops=peak.tflops,
     )
     figures.update(count_flops(trainer, batches, cfg, micro_batch))
     trainer.flops_per_step = figures["flops_per_step"]
+    trainer.hardware_flops_per_step = figures["hardware_flops_per_step"]
 
     # After the FLOP count, whose forward pass draws dropout masks: the restored RNG
     # state is then the one the saved run had at its next step.
@@ -157,6 +164,8 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         if fsdp_units:
             log.info("FSDP units: %s", ", ".join(f"{u['module']} ({u['params']:,})" for u in fsdp_units))
         log_flops(figures)
+        if peak.warning:
+            log.warning(peak.warning)
         jsonl = JsonLines(run_dir / "metrics.jsonl")
         if resume is not None:  # earlier records stay; readers take the last record of a step
             jsonl.log({"event": "resumed", "step": trainer.start_step, "checkpoint": str(resume)})
@@ -170,21 +179,28 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
 
 
 def log_flops(figures: dict) -> None:
-    counted, analytic = figures["flops_per_step"], figures.get("flops_per_step_analytic")
-    if analytic is None:
-        log.info("FLOPs per step on each rank: %.3g (counted)", counted)
-        return
-    ratio = counted / analytic
-    log.info("FLOPs per step on each rank: %.3g counted, %.3g by the 6N formula (ratio %.3f)",
-             counted, analytic, ratio)
-    if abs(ratio - 1) > 0.1:
-        log.warning("counted and analytic FLOPs differ by %.0f%%: TFLOP/s and MFU use the counted figure",
-                    abs(ratio - 1) * 100)
+    model, hardware = figures["flops_per_step"], figures["hardware_flops_per_step"]
+    source, analytic = figures["flops_source"], figures.get("flops_per_step_analytic")
+    counted = figures.get("flops_per_step_counted", model)
+    line = f"FLOPs per step on each rank: {model:.3g} ({source}; MFU counts these)"
+    if hardware != model:
+        line += f"; {hardware:.3g} with the forward activation checkpointing recomputes (HFU)"
+    if analytic is not None:
+        line += f"; {counted:.3g} counted, {analytic:.3g} by the 6N formula (ratio {counted / analytic:.3f})"
+    log.info(line)
+    uncounted = ", ".join(figures.get("flops_uncounted_ops", []))
+    if uncounted:
+        log.warning("FlopCounterMode has no FLOP formula for %s: %s", uncounted,
+                    "TFLOP/s and MFU use the analytic count" if source == "analytic"
+                    else "TFLOP/s and MFU leave those kernels out")
+    if analytic is not None and abs(counted / analytic - 1) > 0.1:
+        log.warning("counted and analytic FLOPs differ by %.0f%%: TFLOP/s and MFU use the %s figure",
+                    abs(counted / analytic - 1) * 100, source)
 
 
 def count_flops(trainer: Trainer, batches: Any, cfg: Experiment, micro_batch: int) -> dict:
     """This rank's FLOPs per optimizer step, counted once on a batch shaped like the real
-    ones (so the data order is untouched); for `gpt`, also the analytic 6N count."""
+    ones (so the data order is untouched); for a language model, also the analytic 6N count."""
     inputs, targets = batches.dataset[0]
     shaped = (inputs.expand(micro_batch, *inputs.shape).contiguous(),
               targets.expand(micro_batch, *targets.shape).contiguous())
@@ -193,11 +209,11 @@ def count_flops(trainer: Trainer, batches: Any, cfg: Experiment, micro_batch: in
         check_logits(logits, shaped[1], cfg.model.name)
         return trainer.loss_of(logits, shaped[1])
 
-    flops = count_step_flops(trainer.model, loss) * trainer.grad_accum
-    figures = {"flops_per_step": flops}
+    counted = count_step_flops(trainer.model, loss)
+    analytic = None
     if trainer.tokens_per_sample:
         seq_len = trainer.tokens_per_sample
         per_token = flops_per_token(unwrap(trainer.model), seq_len)
         if per_token is not None:
-            figures["flops_per_step_analytic"] = per_token * seq_len * micro_batch * trainer.grad_accum
-    return figures
+            analytic = per_token * seq_len * micro_batch
+    return step_flops_figures(counted, analytic, trainer.grad_accum)

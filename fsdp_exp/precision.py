@@ -29,10 +29,26 @@ class Precision:
     output_dtype: DType = DType.float32  # the dtype of the model's output (logits)
     loss_scaling: bool = False  # dynamic loss scaling, agreed across ranks (fp16 needs it)
     initial_scale: float = 2.0**16
+    tf32: bool = True  # on a GPU, fp32 matmuls and convolutions on TF32 tensor cores; false: strict fp32
 
     def __post_init__(self) -> None:
         if self.initial_scale <= 0:
             raise ConfigError(f"precision.initial_scale={self.initial_scale}: must be greater than 0")
+
+    def apply_tf32(self, device_type: str) -> bool:
+        """Set this process's TF32 flags on a GPU; whether fp32 matmuls now run in TF32.
+
+        The CUDA flags alone: `torch.set_float32_matmul_precision` would also switch the
+        CPU's oneDNN matmuls, and on torch 2.14, setting the newer `fp32_precision` makes
+        every later read of `allow_tf32` or `get_float32_matmul_precision()` raise (mixed
+        APIs), which torch.compile and other libraries do. cuDNN's convolutions default to
+        TF32, so `tf32=false` turns them off as well.
+        """
+        if device_type != "cuda":
+            return False
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32
+        torch.backends.cudnn.allow_tf32 = self.tf32
+        return self.tf32
 
     def fsdp_policy(self, root: bool) -> MixedPrecisionPolicy:
         """Every dtype explicit: `reduce_dtype=None` changed meaning between torch releases.

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,7 @@ class Trainer:
         grad_scaler: torch.amp.GradScaler | None = None,
         tokens_per_sample: int = 0,
         flops_per_step: int = 0,
+        hardware_flops_per_step: int = 0,
         peak_tflops: float | None = None,
         hooks: Iterable[StepHooks] = (),
         lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
@@ -72,7 +74,9 @@ class Trainer:
     ):
         """`batches` yields micro-batches of `batch_size // grad_accum` samples; one step
         takes `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
-        `flops_per_step`: this rank's FLOPs per optimizer step; with `peak_tflops`, MFU.
+        `flops_per_step`: this rank's model FLOPs per optimizer step; with `peak_tflops`, MFU.
+        `hardware_flops_per_step`: what ran, with the forward activation checkpointing
+        recomputes; with `peak_tflops`, HFU.
         `start_step`: the step a resumed run continues after (its first `warmup_steps`
         steps are warm-up again); `start_loss`: the loss the checkpoint saved at it."""
         self.model = model
@@ -88,6 +92,7 @@ class Trainer:
         self.grad_scaler = grad_scaler
         self.tokens_per_sample = tokens_per_sample
         self.flops_per_step = flops_per_step
+        self.hardware_flops_per_step = hardware_flops_per_step
         self.peak_tflops = peak_tflops
         self.hooks = list(hooks)
         self.lr_schedule = lr_schedule
@@ -243,6 +248,9 @@ class Trainer:
         if self.flops_per_step:
             means["tflops_per_device"] = self.flops_per_step * t.steps / t.time_s / 1e12
             means["mfu"] = means["tflops_per_device"] / self.peak_tflops if self.peak_tflops else None
+        if self.hardware_flops_per_step:
+            hardware_tflops = self.hardware_flops_per_step * t.steps / t.time_s / 1e12
+            means["hfu"] = hardware_tflops / self.peak_tflops if self.peak_tflops else None
         return means
 
 

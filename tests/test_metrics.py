@@ -114,8 +114,10 @@ def test_flops_are_counted_and_match_the_analytic_count_for_gpt(tmp_path: Path) 
                      "wandb.mode=disabled", f"hydra.run.dir={out}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     summary = read_json(out / "summary.json")
+    assert summary["flops_source"] == "counted" and "flops_uncounted_ops" not in summary
     assert summary["flops_per_step"] == pytest.approx(summary["flops_per_step_analytic"], rel=0.1)
     assert summary["mfu"] == pytest.approx(summary["tflops_per_device"] / 2.0)
+    assert summary["peak_tflops"] == 2.0 and summary["peak_tflops_source"] == "metrics.peak_tflops"
 
 
 def test_analytic_flops_come_from_the_built_model_and_match_the_counted_ones_on_cpu() -> None:
@@ -136,7 +138,8 @@ def test_analytic_flops_come_from_the_built_model_and_match_the_counted_ones_on_
     assert flops_per_token(build_vit(28, 7, 2, 2, 128, 128, 10), 49) is None  # not a language model
     x = torch.randint(0, 256, (2, 128))
     counted = count_step_flops(model, lambda: F.cross_entropy(model(x).flatten(0, 1), x.flatten()))
-    assert counted / (analytic * 2 * 128) == pytest.approx(1, abs=0.1)
+    assert counted.uncounted == [] and counted.hardware == counted.model
+    assert counted.model / (analytic * 2 * 128) == pytest.approx(1, abs=0.1)
 
 
 def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:

@@ -2,36 +2,104 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-# Dense peak TFLOP/s by device-name fragment: (bf16/fp16 tensor cores, fp32 with TF32).
-# From the vendors' data sheets (SXM parts). An unknown device gets no MFU rather than
-# a wrong one; `metrics.peak_tflops` names the peak for any device.
-PEAK_TFLOPS: dict[str, tuple[float, float]] = {
-    "H200": (989.4, 494.7),
-    "H100": (989.4, 494.7),
-    "A100": (312.0, 156.0),
-    "L40S": (362.1, 183.0),
-    "A10G": (125.0, 62.5),
-    "L4": (121.0, 60.0),
-}
+
+class Peak(NamedTuple):
+    """One GPU variant's dense peak TFLOP/s (without 2:4 sparsity), from NVIDIA's datasheet."""
+
+    entry: str
+    device_names: tuple[str, ...]  # as torch.cuda.get_device_name() gives them, whole
+    bf16: float | None  # bf16 and fp16 on tensor cores
+    tf32: float | None  # fp32 matmuls on tensor cores in TF32
+    fp32: float | None  # strict fp32, without tensor cores
+    source: str
 
 
-def device_peak_tflops(device: torch.device, param_dtype: str, configured: float | None) -> float | None:
-    """The peak this run's MFU is measured against, or None (CPU, unknown GPU)."""
+# Where a datasheet gives only the sparse tensor-core figure, the dense one is half of it.
+# A device is matched on its whole name, so "NVIDIA L4" is not "NVIDIA L40" and an H100
+# PCIe card does not get the SXM figures. A MIG slice ("... MIG 1g.10gb") matches nothing.
+PEAKS: tuple[Peak, ...] = (
+    Peak("B200", ("NVIDIA B200",), 2250, 1100, 75,
+         "HGX B200 datasheet, per GPU: 4.5 PF bf16 and 2.2 PF tf32 sparse, 75 TF fp32"),
+    Peak("H200 NVL", ("NVIDIA H200 NVL",), 835.5, 417.5, 60,
+         "H200 datasheet: 1,671 bf16 and 835 tf32 sparse, 60 fp32"),
+    Peak("H200 SXM", ("NVIDIA H200",), 989.5, 494.5, 67,
+         "H200 datasheet: 1,979 bf16 and 989 tf32 sparse, 67 fp32"),
+    Peak("H100 NVL", ("NVIDIA H100 NVL",), 835.5, 417.5, 60,
+         "H100 datasheet, per GPU: 1,671 bf16 and 835 tf32 sparse, 60 fp32"),
+    Peak("H100 PCIe", ("NVIDIA H100 PCIe",), 756.5, 378, 51,
+         "H100 datasheet: 1,513 bf16 and 756 tf32 sparse, 51 fp32"),
+    Peak("H100 SXM", ("NVIDIA H100 80GB HBM3",), 989.5, 494.5, 67,
+         "H100 datasheet: 1,979 bf16 and 989 tf32 sparse, 67 fp32"),
+    Peak("A100 SXM 80GB", ("NVIDIA A100-SXM4-80GB",), 312, 156, 19.5, "A100 datasheet"),
+    Peak("A100 SXM 40GB", ("NVIDIA A100-SXM4-40GB",), 312, 156, 19.5, "A100 datasheet"),
+    Peak("A100 PCIe 80GB", ("NVIDIA A100 80GB PCIe",), 312, 156, 19.5, "A100 datasheet"),
+    Peak("A100 PCIe 40GB", ("NVIDIA A100-PCIE-40GB",), 312, 156, 19.5, "A100 datasheet"),
+    Peak("L40S", ("NVIDIA L40S",), 362.05, 183, 91.6, "L40S datasheet"),
+    Peak("L40", ("NVIDIA L40",), 181.05, 90.5, 90.5, "L40 datasheet"),
+    Peak("L4", ("NVIDIA L4",), 121, 60, 30.3, "L4 datasheet: 242 bf16 and 120 tf32 sparse, 30.3 fp32"),
+    Peak("A10G", ("NVIDIA A10G",), None, None, None,
+         "none: NVIDIA publishes no datasheet for AWS's A10G, a variant of the A10 but not the same part"),
+    Peak("A10", ("NVIDIA A10",), 125, 62.5, 31.2, "A10 datasheet"),
+)
+
+CONFIGURED = "metrics.peak_tflops"
+
+
+@dataclass
+class PeakChoice:
+    """The peak a run's MFU is measured against, and where it came from."""
+
+    tflops: float | None
+    source: str | None  # "<table entry>, <column>", "metrics.peak_tflops", or None
+    warning: str | None = None  # for rank 0 to log: why there is no MFU
+
+
+def peak_column(param_dtype: str, tf32: bool) -> str:
+    """The column of the table the run's matmuls are measured against."""
+    if param_dtype in ("bfloat16", "float16"):
+        return "bf16"
+    return "tf32" if tf32 else "fp32"
+
+
+def find_peak(device_name: str) -> Peak | None:
+    name = " ".join(device_name.split()).lower()
+    return next((p for p in PEAKS if name in (n.lower() for n in p.device_names)), None)
+
+
+def peak_for(device_name: str, column: str) -> PeakChoice:
+    """The table's peak for a GPU named `device_name` in `column` (bf16, tf32 or fp32)."""
+    peak = find_peak(device_name)
+    tflops = getattr(peak, column) if peak else None
+    if tflops is None:
+        why = f"{device_name!r} is not in the table of known GPUs" if peak is None else peak.source
+        return PeakChoice(None, None, f"no peak TFLOP/s for {device_name} ({why}), so no MFU; "
+                                      f"set {CONFIGURED} to its dense {column} peak")
+    return PeakChoice(tflops, f"{peak.entry}, {column}")
+
+
+def device_peak(device: torch.device, column: str, configured: float | None) -> PeakChoice:
+    """The peak this run's MFU is measured against: `metrics.peak_tflops` when set, else
+    the table's for this GPU; none on CPU."""
     if configured:
-        return configured
+        return PeakChoice(configured, CONFIGURED)
     if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, (half, tf32) in PEAK_TFLOPS.items():
-        if fragment in name:
-            return tf32 if param_dtype == "float32" else half
-    return None
+        return PeakChoice(None, None)
+    return peak_for(torch.cuda.get_device_name(device), column)
 
 
 def _attention_flops(query: tuple, key: tuple, value: tuple, *args: object, **kwargs: object) -> int:
@@ -50,7 +118,8 @@ def _attention_backward_flops(grad_out: tuple, query: tuple, key: tuple, value: 
 
 # FlopCounterMode counts the GPU kernels of scaled_dot_product_attention but not the
 # CPU one (torch 2.14), which would leave attention out of every CPU figure.
-_CPU_ATTENTION = {
+# These are the formulas torch uses for the GPU kernels (sdpa_flop, sdpa_backward_flop).
+ATTENTION_FORMULAS = {
     getattr(torch.ops.aten, name): formula
     for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _attention_flops),
                           ("_scaled_dot_product_flash_attention_for_cpu_backward", _attention_backward_flops))
@@ -58,18 +127,90 @@ _CPU_ATTENTION = {
 }
 
 
-def count_step_flops(model: nn.Module, loss_of: Callable[[], torch.Tensor]) -> int:
-    """FLOPs of one forward and backward on this rank, counted by FlopCounterMode.
+@dataclass
+class StepFlops:
+    """One forward and backward on this rank."""
+
+    model: int  # the model's own FLOPs: what MFU counts
+    hardware: int  # what ran: with the forward that activation checkpointing recomputes
+    uncounted: list[str] = field(default_factory=list)  # attention kernels that ran with no formula
+
+
+class _UncountedAttention(TorchDispatchMode):
+    """Notes the attention kernels the counter has no formula for. Entered below the
+    counter, it sees the ops the counter ran, after its decompositions."""
+
+    def __init__(self, formulas: dict) -> None:
+        super().__init__()
+        self.formulas = formulas
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func._overloadpacket
+        if "attention" in packet.__name__ and packet not in self.formulas:
+            self.ops.add(str(packet))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _count_recompute(model: nn.Module, formulas: dict) -> Iterator[list[FlopCounterMode]]:
+    """While open, each activation-checkpointed block counts the forward it recomputes in
+    backward with its own counter (torch.utils.checkpoint's `context_fn`: the second
+    context wraps the recomputation). The counters are yielded; the blocks are restored."""
+    counters: list[FlopCounterMode] = []
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, FlopCounterMode]:
+        counters.append(FlopCounterMode(display=False, custom_mapping=formulas))
+        return contextlib.nullcontext(), counters[-1]
+
+    wrappers = [m for m in model.modules()
+                if isinstance(m, CheckpointWrapper) and m.checkpoint_impl == CheckpointImpl.NO_REENTRANT]
+    plain = [w.checkpoint_fn for w in wrappers]
+    for wrapper in wrappers:  # the wrapper's own partial keeps its other arguments
+        wrapper.checkpoint_fn = functools.partial(wrapper.checkpoint_fn, context_fn=contexts)
+    try:
+        yield counters
+    finally:
+        for wrapper, checkpoint_fn in zip(wrappers, plain):
+            wrapper.checkpoint_fn = checkpoint_fn
+
+
+def count_step_flops(model: nn.Module, loss_of: Callable[[], torch.Tensor],
+                     formulas: dict = ATTENTION_FORMULAS) -> StepFlops:
+    """FLOPs of one forward and backward on this rank, counted by FlopCounterMode: the
+    model's own and, with activation checkpointing, the hardware's (with the recompute).
 
     Every rank must call this together (the sharded forward gathers parameters). The
-    gradients it leaves are cleared; the weights are not touched.
+    gradients it leaves are cleared; the weights are not touched. Under torch.compile
+    the count runs eagerly: Dynamo skips frames while a dispatch mode is active.
     """
-    counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
-    with counter:
+    counter = FlopCounterMode(display=False, custom_mapping=formulas)
+    uncounted = _UncountedAttention(counter.flop_registry)
+    with _count_recompute(model, formulas) as recomputed, uncounted, counter:
         loss_of().backward()
     for p in model.parameters():
         p.grad = None
-    return counter.get_total_flops()
+    hardware = counter.get_total_flops()
+    model_flops = hardware - sum(c.get_total_flops() for c in recomputed)
+    return StepFlops(model=model_flops, hardware=hardware, uncounted=sorted(uncounted.ops))
+
+
+def step_flops_figures(counted: StepFlops, analytic: int | None, micro_batches: int = 1) -> dict:
+    """The FLOP figures of one optimizer step of `micro_batches` micro-batches, each
+    counted as `counted` and, for a language model, `analytic` (6N). MFU uses the counted
+    model FLOPs, unless the count missed an attention kernel and the analytic count is
+    known; `flops_source` says which."""
+    model, hardware = counted.model * micro_batches, counted.hardware * micro_batches
+    figures: dict = {"flops_per_step": model, "hardware_flops_per_step": hardware, "flops_source": "counted"}
+    if analytic is not None:
+        figures["flops_per_step_analytic"] = analytic * micro_batches
+    if counted.uncounted:
+        figures["flops_uncounted_ops"] = counted.uncounted
+        if analytic is not None:
+            figures.update(flops_per_step=analytic * micro_batches, flops_per_step_counted=model,
+                           hardware_flops_per_step=analytic * micro_batches + hardware - model,
+                           flops_source="analytic")
+    return figures
 
 
 def gpt_flops_per_token(n_layer: int, n_embd: int, vocab_size: int, seq_len: int) -> int:

@@ -22,7 +22,7 @@ class JsonLines:
     """metrics.jsonl: one JSON object per logged step, flushed as it is written."""
 
     def __init__(self, path: Path):
-        self.file = open(path, "a", buffering=1)
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - open until close()
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -169,7 +169,7 @@ class Wandb:
             )
         except Exception as err:  # noqa: BLE001 - any wandb failure must not stop training
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            warnings.warn(  # noqa: B028 - the caller is wandb setup, not user code
+            warnings.warn(  # no stacklevel: the caller is wandb setup, not user code
                 f"wandb ({mode}) failed, training goes on without it: {type(err).__name__}: {first_line}")
 
     def log(self, record: dict) -> None:
@@ -225,6 +225,8 @@ def summary_table(summary: dict) -> str:
         ("data wait", fmt(summary.get("data_wait_share"), ".1%")),
         ("TFLOP/s per device", fmt(summary.get("tflops_per_device"), ".3f")),
         ("MFU", fmt(summary.get("mfu"), ".1%")),
+        ("HFU (with recompute)", fmt(summary.get("hfu"), ".1%") if summary.get("hfu") != summary.get("mfu") else None),
+        ("peak TFLOP/s", summary.get("peak_tflops") and f"{summary['peak_tflops']:g} ({summary.get('peak_tflops_source')})"),
         ("peak memory (max)", fmt(summary.get("peak_mem_gb"), ".2f") + " GB"),
         ("per rank", ", ".join(f"{v:.2f}" for v in summary.get("peak_mem_gb_per_rank") or []) + " GB"),
         ("checkpoint blocked", fmt(summary.get("checkpoint_blocked_s"), ".3f") + " s per save"),

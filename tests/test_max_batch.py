@@ -174,24 +174,30 @@ def test_under_torchrun_max_batch_is_refused(tmp_path: Path) -> None:
     assert "fsdp_exp: task=max_batch: starts fresh ranks for every probe, so it cannot run under torchrun" in result.stderr
 
 
+def search_ddp_and_full(tmp_path: Path, *args: str) -> tuple[Path, dict, dict, subprocess.CompletedProcess]:
+    """`task=max_batch` swept over sharding=ddp,full on HEAVY_VIT, then compared: the sweep's
+    directory, the two max_batch.json records and compare's output."""
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", "task=max_batch", "sharding=ddp,full", *args, *HEAVY_VIT, "wandb.mode=disabled",
+                     f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=1400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ddp, full = (read_json(sweep / n / "max_batch.json") for n in ("0", "1"))
+    compared = run_cli(str(sweep), cwd=tmp_path, module=("-m", "fsdp_exp.compare"))
+    assert compared.returncode == 0, compared.stderr
+    return sweep, ddp, full, compared
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_full_sharding_fits_a_larger_batch_than_ddp(tmp_path: Path) -> None:
     """A ViT with 14M parameters and one token per image: parameters, gradients and Adam state
     (16 bytes per parameter) outweigh the activations. Full sharding splits them over the 2
     ranks, DDP keeps all of them on each (plus its gradient buckets)."""
-    sweep = tmp_path / "sweep"
-    result = run_cli("-m", "task=max_batch", "sharding=ddp,full", "memory.limit_gb=0.735", *HEAVY_VIT,
-                     "max_batch.resolution=16", "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
-                     timeout=1500)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ddp, full = (read_json(sweep / n / "max_batch.json") for n in ("0", "1"))
+    sweep, ddp, full, compared = search_ddp_and_full(tmp_path, "memory.limit_gb=0.735", "max_batch.resolution=16")
     assert ddp["max_batch_size"] and full["max_batch_size"]
     # Seen here: ddp 208, full 352 (DDP's peak grows more slowly with the batch, so the gap is
     # not the 2x that halving the parameter state alone would suggest).
     assert full["max_batch_size"] >= 1.5 * ddp["max_batch_size"], (ddp["max_batch_size"], full["max_batch_size"])
-    compared = run_cli(str(sweep), cwd=tmp_path, module=("-m", "fsdp_exp.compare"))
-    assert compared.returncode == 0, compared.stderr
     assert f"| sharding=ddp | max_batch | ok | {ddp['max_batch_size']:,}" in compared.stdout
     assert f"| sharding=full | max_batch | ok | {full['max_batch_size']:,}" in compared.stdout
 
@@ -202,17 +208,10 @@ def test_a_sweep_where_one_setup_fits_nothing_exits_0_and_compare_says_what_batc
     """ddp holds the whole ViT's parameters, gradients and Adam state on each rank, full
     sharding half of them: under 0.65 GB, batch 1 fits only with full sharding (seen here:
     ddp needs 0.69 GB, full 0.61 GB)."""
-    sweep = tmp_path / "sweep"
-    result = run_cli("-m", "task=max_batch", "sharding=ddp,full", "memory.limit_gb=0.65", *HEAVY_VIT,
-                     "max_batch.search_up_to=8", "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
-                     timeout=800)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ddp, full = (read_json(sweep / n / "max_batch.json") for n in ("0", "1"))
+    sweep, ddp, full, compared = search_ddp_and_full(tmp_path, "memory.limit_gb=0.65", "max_batch.search_up_to=8")
     assert ddp["max_batch_size"] == 0 and ddp["smallest_batch_needs_gb"] > 0.65
     assert full["max_batch_size"] >= 1
     assert read_json(sweep / "0" / "summary.json")["status"] == "ok"
-    compared = run_cli(str(sweep), cwd=tmp_path, module=("-m", "fsdp_exp.compare"))
-    assert compared.returncode == 0, compared.stderr
     need = f"none fits (batch 1 needs {ddp['smallest_batch_needs_gb']:.2f} GB)"
     assert f"| sharding=ddp | max_batch | ok | {need} |" in compared.stdout
     assert f"| sharding=full | max_batch | ok | {full['max_batch_size']:,} |" in compared.stdout

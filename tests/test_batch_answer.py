@@ -66,7 +66,7 @@ def test_one_more_probe_places_a_fastest_batch_whose_neighbours_are_far():
 
 def record(**changes) -> dict:
     return {"max_batch_size": 652, "world_size": 2, "resolution": 4, "limit_gb": LIMIT, "search_up_to": 4096,
-            "bounded_by": "oom", "noise_band_gb": 0.6 * MB, "peak_under_limit_gb": 0.5991,
+            "bounded_by": "oom", "noise_band_gb": 0.6 * MB, "noise_band_samples": 3.04, "peak_under_limit_gb": 0.5991,
             "recommended_batch_size": 352, "margin": 0.1, "fastest_batch_size": 624,
             "fastest_samples_per_s": 1536.6, "near_fastest_batch_size": 428, "smallest_batch_needs_gb": None,
             "probe_count": 7, "probe_wall_s": 91.0} | changes
@@ -75,7 +75,7 @@ def record(**changes) -> dict:
 def test_the_answer_line_names_the_counted_peak_the_noise_band_and_the_fastest_batch():
     line = answer_line(record(), LIMIT)
     assert line == ("max batch: 652 per rank on 2 rank(s) (656 ran out of memory under memory.limit_gb=0.6); "
-                    "peak 0.599 GB as the limit counts it, noise band 0.6 MB; recommended 352 (10% margin); "
+                    "peak 0.599 GB as the limit counts it, noise band 0.6 MB (3.0 samples); recommended 352 (10% margin); "
                     "fastest 624 (1,536.6 samples/s), within 5% of it from 428; 7 probes, 91 s of probing")
     assert "(656 fit with less than the 0.6 MB that runs of this setup vary by to spare under memory.limit_gb=0.6)" \
         in answer_line(record(bounded_by="noise"), LIMIT)

@@ -106,12 +106,14 @@ def answer_line(record: dict, limit_gb: float | None) -> str:
     if not size:
         return f"max batch: none fits under {under}: {needs(record)}; {cost}"
     noise = f"{record['noise_band_gb'] / MB:.1f} MB"
+    samples = record.get("noise_band_samples")
+    band = noise + (f" ({samples:.1f} samples)" if samples else "")
     why = {"search_up_to": f"fits at max_batch.search_up_to={record['search_up_to']} under {under}",
            "oom": f"{size + step} ran out of memory under {under}",
            "noise": f"{size + step} fit with less than the {noise} that runs of this setup vary by to spare under {under}",
            }.get(record["bounded_by"], f"{size + step} failed under {under}")
     parts = [f"max batch: {size} per rank on {ranks} rank(s) ({why})",
-             f"peak {record['peak_under_limit_gb']:.3f} GB as the limit counts it, noise band {noise}",
+             f"peak {record['peak_under_limit_gb']:.3f} GB as the limit counts it, noise band {band}",
              f"recommended {record['recommended_batch_size']} ({record['margin']:.0%} margin)"]
     if record["fastest_batch_size"]:
         parts.append(f"fastest {record['fastest_batch_size']} ({record['fastest_samples_per_s']:,.1f} samples/s), "

@@ -249,6 +249,8 @@ class Sweep:
             "bounded_by": None if boundary is None else (
                 "search_up_to" if not past else "oom" if "oom" in past else "failed" if "failed" in past else "noise"),
             "noise_band_gb": noise,
+            # how far the boundary moves between runs of this setup, in samples
+            "noise_band_samples": noise / model.slope_gb_per_sample if model and model.slope_gb_per_sample > 0 else None,
             "peak_under_limit_gb": at_max.limited_peak_gb() if at_max else None,
             "peak_mem_gb": at_max.peak_mem_gb if at_max else None,
             "peak_mem_gb_per_rank": at_max.peak_mem_gb_per_rank if at_max else None,
@@ -291,7 +293,7 @@ def setup_line(cfg: Experiment) -> str:
 
 def summary_figures(record: dict) -> dict:
     keys = ("max_batch_size", "recommended_batch_size", "bounded_by", "resolution", "limit_gb", "peak_under_limit_gb",
-            "noise_band_gb", "smallest_batch_needs_gb", "fastest_batch_size", "fastest_samples_per_s",
+            "noise_band_gb", "noise_band_samples", "smallest_batch_needs_gb", "fastest_batch_size", "fastest_samples_per_s",
             "near_fastest_batch_size", "samples_per_s", "peak_mem_gb", "peak_mem_gb_per_rank", "world_size")
     return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"]}
 

@@ -305,3 +305,27 @@ def test_the_recommended_size_keeps_the_margin_free():
     assert recommended_size(model, 3.0, 0.0, boundary=150, resolution=1) == 150  # never above the boundary
     assert recommended_size(None, 3.0, 0.25, boundary=100, resolution=8) == 72
     assert math.isinf(MemoryModel(1.0, 0.0, 2).largest_batch_under(3.0))
+
+
+def search_with_a_noise_band(curve: Curve, band: Callable[[int], float]) -> tuple[int, list[Outcome]]:
+    """As task=max_batch searches: every probe that trains reports its peak; the noise band,
+    which the search leaves free under the limit, is `band(probes so far)`, so it can widen
+    as probes come in."""
+    outcomes: list[Outcome] = []
+    while (size := BatchSearch(LIMIT_GB, noise_gb=band(len(outcomes))).next_size(outcomes)) is not None:
+        peak = curve(size)
+        outcomes.append(Outcome(size, peak <= LIMIT_GB, peak if peak <= LIMIT_GB else None))
+        assert len(outcomes) <= 12, sizes(outcomes)
+    return BatchSearch(LIMIT_GB, noise_gb=band(len(outcomes))).bracket(outcomes)[0], outcomes
+
+
+@pytest.mark.parametrize("band", [lambda n: 0.002 * LIMIT_GB, lambda n: (0.001 if n < 3 else 0.003) * LIMIT_GB],
+                         ids=["steady", "widening"])
+def test_a_probe_that_trained_inside_the_noise_band_does_not_fit_but_its_peak_counts(band):
+    """A probe inside the band is a point of the curve like any other: the line through it
+    stays right, and the answer is exact under the limit less the band."""
+    for boundary in [3, 100, 656, 1000, 4000]:
+        curve = linear(boundary)
+        found, outcomes = search_with_a_noise_band(curve, band)
+        assert found == true_boundary(curve, LIMIT_GB - band(len(outcomes))), (boundary, sizes(outcomes))
+        assert len(outcomes) <= 6, (boundary, sizes(outcomes))

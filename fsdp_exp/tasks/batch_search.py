@@ -150,8 +150,13 @@ def _line(points: Sequence[Point]) -> MemoryModel:
     return MemoryModel(intercept, slope, n, scatter, mean_b, spread)
 
 
-def _peaks(outcomes: Sequence[Outcome], below: int | None) -> list[Point]:
-    """The probes that fit below `below`, one point per batch size (repeats averaged)."""
+def _peaks(outcomes: Sequence[Outcome], below: int | None = None) -> list[Point]:
+    """The probes that trained below `below` (default: below the smallest that did not),
+    one point per batch size (repeats averaged). A probe that trained above the search's
+    limit (inside the noise band under the memory limit) does not fit, but its peak is as
+    good a point of the curve as any."""
+    if below is None:
+        below = min((o.batch_size for o in outcomes if not o.fits), default=None)
     seen: dict[int, list[float]] = {}
     for o in outcomes:
         if o.fits and o.peak_gb is not None and (below is None or o.batch_size < below):
@@ -197,8 +202,7 @@ def fit_memory(outcomes: Sequence[Outcome]) -> MemoryModel | None:
     """The activation line through the probes that fit below the smallest that did not;
     while the peak is still flat, least squares through them all. From a single probe, the
     slope is estimated as its peak minus its held memory per sample."""
-    failed = [o.batch_size for o in outcomes if not o.fits]
-    points = _peaks(outcomes, min(failed) if failed else None)
+    points = _peaks(outcomes)
     line, _ = _activation_line(points)
     if line is not None:
         return line
@@ -216,15 +220,18 @@ class BatchSearch:
     limit_gb: float
     resolution: int = 1
     up_to: int = 4096
+    # A probe that trained with less room than this under the limit does not fit (runs of
+    # one setup vary by that much), and the line aims at the limit less it.
+    noise_gb: float = 0.0
 
     def __post_init__(self) -> None:
         self.up_to = max(self.resolution, self.up_to // self.resolution * self.resolution)
 
     def bracket(self, outcomes: Sequence[Outcome]) -> tuple[int, int | None]:
         """(largest size that fit below the smallest that did not, smallest that did not)."""
-        failed = [o.batch_size for o in outcomes if not o.fits]
+        failed = [o.batch_size for o in outcomes if not self._fits(o)]
         hi = min(failed) if failed else None
-        fit = [o.batch_size for o in outcomes if o.fits and (hi is None or o.batch_size < hi)]
+        fit = [o.batch_size for o in outcomes if self._fits(o) and (hi is None or o.batch_size < hi)]
         return max(fit, default=0), hi
 
     def next_size(self, outcomes: Sequence[Outcome]) -> int | None:
@@ -248,11 +255,12 @@ class BatchSearch:
             return None, ""
         halfway = math.sqrt(lo * top) if top > 4 * lo else (lo + top) / 2
         bisect = self._on_grid(halfway, lo, top, round), ""
-        points = _peaks(outcomes, hi)
+        points = _peaks(outcomes)
         line, growing = _activation_line(points)
         if line is None or line.slope_gb_per_sample <= 0:
             return bisect
-        crossing = line.largest_batch_under(self.limit_gb)
+        target_gb = self.limit_gb - self.noise_gb
+        crossing = line.largest_batch_under(target_gb)
         last_b, last_peak = points[-1]
         if growing == 1:  # halfway, in log scale, to the bound the line from the knee gives
             bound = min(crossing, top)
@@ -263,12 +271,12 @@ class BatchSearch:
             below, above = crossing - error, crossing + error
             miss_error = line.uncertainty(crossing, max(line.scatter_gb, MISS_NOISE * last_peak))
         if hi is None:
-            risen = last_peak - points[0][1] >= (self.limit_gb - last_peak) / REACH
+            risen = last_peak - points[0][1] >= (target_gb - last_peak) / REACH
             if not risen:
                 return self._on_grid(min(below, math.sqrt(lo * top)), lo, top, round), ""
         misses = 0
         for expect, o in zip(reversed(expected), reversed(outcomes)):
-            if not ((expect == "fit" and not o.fits) or (expect == "fail" and o.fits)):
+            if not ((expect == "fit" and not self._fits(o)) or (expect == "fail" and self._fits(o))):
                 break
             misses += 1
         widen = max(r, miss_error) * 2 ** (misses - 1) if misses else 0.0
@@ -286,6 +294,12 @@ class BatchSearch:
         if misses >= 2 or not self._halved(outcomes, 4):
             return bisect
         return choice
+
+    def _fits(self, outcome: Outcome) -> bool:
+        """Trained, with the noise band to spare under the limit."""
+        if not outcome.fits or not self.noise_gb or outcome.peak_gb is None:
+            return outcome.fits
+        return outcome.peak_gb <= self.limit_gb - self.noise_gb
 
     def _halved(self, outcomes: Sequence[Outcome], probes: int) -> bool:
         """Whether the last `probes` probes at least halved the bracket (True until there are that many)."""

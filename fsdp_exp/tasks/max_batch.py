@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,16 +119,15 @@ class Sweep:
     def search(self) -> BatchSearch:
         """The search for the largest size that fits with the noise band to spare."""
         settings = self.cfg.max_batch
-        return BatchSearch(self.limit_gb - self.noise_gb(), settings.resolution, settings.search_up_to)
+        return BatchSearch(self.limit_gb, settings.resolution, settings.search_up_to, self.noise_gb())
 
     def noise_gb(self) -> float:
         return noise_band_gb([p for p in self.probes if not p.killed], self.limit_gb)
 
     def outcomes(self) -> list[Outcome]:
-        """The probes as the search reads them: one that trained within the noise band of the
-        limit counts as not fitting."""
-        noise = self.noise_gb()
-        return [replace(p.outcome(), fits=fits_with_room(p, self.limit_gb, noise)) for p in self.probes if not p.killed]
+        """The probes as the search reads them (it counts one that trained inside the noise
+        band as not fitting)."""
+        return [p.outcome() for p in self.probes if not p.killed]
 
     def boundary(self) -> int:
         return self.search().bracket(self.outcomes())[0]

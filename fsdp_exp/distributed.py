@@ -44,6 +44,12 @@ def init(device_type: str, timeout_s: float = 600) -> Ranks:
     return Ranks(rank, local_rank, world_size, device)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on this rank's GPU, so that a timer reads the time it took."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def close() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

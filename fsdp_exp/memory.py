@@ -61,10 +61,12 @@ def allocation_failure(err: BaseException) -> str:
     return text.split(". Error code")[0][:300]
 
 
-def device_memory_gb(device_type: str) -> float:
-    """What one device holds: a GPU's memory, or this machine's RAM on CPU."""
-    if device_type == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory / GB
+def device_memory_gb(device: str | torch.device) -> float:
+    """What one device holds: a GPU's memory (`cuda` alone: the current GPU), or this
+    machine's RAM on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GB
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
 
 

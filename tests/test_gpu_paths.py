@@ -6,6 +6,7 @@ No GPU runs here. What only a GPU can show is listed under "Not tested here" in 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +16,11 @@ import torch
 
 from fsdp_exp import distributed, profile
 from fsdp_exp.cli import compose_checked
+from fsdp_exp.config import Device
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.launch import RunFailed
 from fsdp_exp.memory import MemorySettings, allocation_failure, is_out_of_memory
+from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.memory import GB, MemoryMonitor
 from fsdp_exp.plan import prepare
 from fsdp_exp.tasks.probe import probe_config
@@ -225,6 +230,103 @@ def test_history_is_recorded_under_a_limit_and_in_every_probe() -> None:
     assert not exp.memory.records_history
     probe = probe_config(exp, batch_size=4, steps=2, world_size=2, limit_gb=None)
     assert probe.memory.records_history and not exp.memory.records_history
+
+
+# ---- which GPU is a rank's ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("env", "visible", "index"), [
+    ({"LOCAL_RANK": "3"}, 8, 3),  # every rank sees the node's 8 GPUs (local, torchrun)
+    ({"LOCAL_RANK": "0"}, 1, 0),
+    ({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "0"}, 1, 0),  # --gpus-per-task=1 with cgroups
+    ({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "3"}, 1, 0),  # --gpu-bind, no cgroups
+    ({"LOCAL_RANK": "1", "FSDP_EXP_DEVICE": "cuda:4", "CUDA_VISIBLE_DEVICES": "0,1,10,11,2,3,4,5"}, 8, 4),  # Ray
+])
+def test_each_rank_takes_its_own_gpu(env: dict, visible: int, index: int) -> None:
+    assert distributed.gpu_index(env, visible) == index
+
+
+@pytest.mark.parametrize(("env", "visible", "message"), [
+    ({"LOCAL_RANK": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, 2, "local rank 2 sees only 2 GPUs (CUDA_VISIBLE_DEVICES=0,1)"),
+    ({"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}, 0, "local rank 0 sees no GPU"),
+])
+def test_a_rank_without_a_gpu_of_its_own_is_one_line(env: dict, visible: int, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        distributed.gpu_index(env, visible)
+    assert message in str(err.value)
+
+
+def test_a_ray_worker_names_the_device_ray_train_gave_it() -> None:
+    from fsdp_exp.launch.ray import rank_variables
+
+    context = SimpleNamespace(get_world_rank=lambda: 5, get_local_rank=lambda: 1, get_world_size=lambda: 8,
+                              get_local_world_size=lambda: 4)
+    variables = rank_variables(context, torch.device("cuda", 3))
+    assert variables == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                         "FSDP_EXP_DEVICE": "cuda:3"}
+    assert distributed.gpu_index(variables, 4) == 3
+    assert "FSDP_EXP_DEVICE" not in rank_variables(context)  # CPU workers
+
+
+# ---- the device is rank 0's, not the driver's ---------------------------------------------
+
+
+H200 = {"torch": "2.11.0", "cuda": "12.8", "nccl": "2.27.3", "device": "NVIDIA H200", "device_count": 8,
+        "device_memory_gb": 8.0, "pytorch_cuda_alloc_conf": None, "python": "3.12.3", "host": "gpu-node-07"}
+
+
+class ClusterLauncher:
+    """A cluster's launcher, in this process: rank 0 reports the device (as train_rank
+    does) and a probe's peak grows 0.01 GB a sample from 1 GB, so 700 fit in 8 GB."""
+
+    runs_here = False
+    starts_all_ranks = True
+    restarts = 0
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def launch(self, task: object, cfg: object, run_dir: Path, nproc: int, time_limit_s: float | None = None) -> dict:
+        (Path(run_dir) / DEVICE_RECORD).write_text(json.dumps(H200))
+        batch = cfg.train.batch_size
+        self.batches.append(batch)
+        peak = 1 + 0.01 * batch
+        if peak > H200["device_memory_gb"]:
+            raise RunFailed("rank 0 failed: OutOfMemory: ran out of memory: CUDA out of memory", out_of_memory=True)
+        return {"peak_mem_gb": peak, "peak_mem_gb_per_rank": [peak] * nproc, "peak_reserved_gb": peak,
+                "peak_reserved_gb_per_rank": [peak] * nproc, "held_mem_gb": 0.5, "samples_per_s": 100.0 * batch,
+                "alloc_retries": 0.0}
+
+
+def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    from fsdp_exp.tasks import max_batch
+
+    def login_node(device: object) -> float:
+        raise AssertionError("the driver has no GPU")
+
+    monkeypatch.setattr(max_batch, "device_memory_gb", login_node)
+    exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0, []).exp
+    exp.device, exp.memory.limit_gb = Device.cuda, None
+    launcher = ClusterLauncher()
+    figures = max_batch.Sweep(exp, tmp_path, launcher, 2).run()
+    assert launcher.batches[0] == exp.max_batch.resolution
+    assert figures["limit_gb"] == 8.0
+    assert 650 <= figures["max_batch_size"] <= 700
+    record = json.loads((tmp_path / "max_batch.json").read_text())
+    assert record["device_name"] == "NVIDIA H200"
+    assert read_device_record(tmp_path) == H200
+    assert exp.environment["device"] == "NVIDIA H200" and exp.environment["host"] == "gpu-node-07"
+
+
+def test_the_summarys_environment_is_what_rank_0_saw(tmp_path: Path) -> None:
+    from fsdp_exp.run import device_seen
+
+    exp = prepare(compose_checked([]), 0, []).exp
+    exp.launcher = ClusterLauncher()
+    assert device_seen(exp, tmp_path) == {"device_seen_by": None}  # rank 0 never got that far
+    (tmp_path / DEVICE_RECORD).write_text(json.dumps(H200))
+    assert device_seen(exp, tmp_path) == {**H200, "device_seen_by": "rank 0"}
 
 
 # ---- timers wait for the GPU first ---------------------------------------------------------

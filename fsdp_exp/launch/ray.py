@@ -9,8 +9,11 @@ Design:
   with `num_workers = nproc` workers; Ray Train's TorchConfig makes the process group
   (gloo on CPU, nccl with `use_gpu`), which `fsdp_exp.distributed.init` then finds made.
   Each worker runs `fsdp_exp.launch.worker.run_rank` with RANK, LOCAL_RANK and WORLD_SIZE
-  from Ray's train context, and the launch returns rank 0's return value
-  (`Result.return_value`). Each run has a fresh name under `storage_path` (default
+  from Ray's train context and, on GPUs, its device from `ray.train.torch.get_device()`
+  (FSDP_EXP_DEVICE, which `fsdp_exp.distributed.init` takes): Ray shows every worker of a
+  node all of the node's GPUs, in an order (GPU ids sorted as strings) that need not follow
+  the local ranks, so LOCAL_RANK does not name a worker's GPU. The launch returns rank 0's
+  return value (`Result.return_value`). Each run has a fresh name under `storage_path` (default
   `<run_dir>/ray/`), so Ray never restores a checkpoint of an earlier run by itself:
   which checkpoint a run starts from stays the project's `resume`.
 - **The Ray session is kept for the whole Hydra process.** `address: null` starts a local
@@ -95,6 +98,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
+from fsdp_exp.distributed import DEVICE_VARIABLE
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.launch.local import failure_line
@@ -449,9 +453,12 @@ class RankJob:
 
         context = ray.train.get_context()
         rank = context.get_world_rank()
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(context.get_local_rank()),
-                          WORLD_SIZE=str(context.get_world_size()),
-                          LOCAL_WORLD_SIZE=str(context.get_local_world_size()))
+        device = None
+        if self.cfg.device == "cuda":
+            import ray.train.torch
+
+            device = ray.train.torch.get_device()
+        os.environ.update(rank_variables(context, device))
         os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)  # restarts are Ray's: resume is set below
         cfg = copy.deepcopy(self.cfg)
         restored = ray.train.get_checkpoint()
@@ -490,6 +497,17 @@ class RankJob:
             return before
         except OSError:
             return int(restored is not None)
+
+
+def rank_variables(context: Any, device: Any = None) -> dict[str, str]:
+    """What a worker's rank reads from its environment, from Ray Train's context and, on
+    GPUs, the device Ray Train gave the worker."""
+    variables = {"RANK": str(context.get_world_rank()), "LOCAL_RANK": str(context.get_local_rank()),
+                 "WORLD_SIZE": str(context.get_world_size()),
+                 "LOCAL_WORLD_SIZE": str(context.get_local_world_size())}
+    if device is not None:
+        variables[DEVICE_VARIABLE] = str(device)
+    return variables
 
 
 class QuietRay(logging.Filter):

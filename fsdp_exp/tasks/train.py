@@ -19,6 +19,7 @@ from fsdp_exp.memory import (
     is_out_of_memory,
     peak_under_limit_gb,
 )
+from fsdp_exp.metrics.environment import rank_environment, write_device_record
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 
 if TYPE_CHECKING:
@@ -53,6 +54,10 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
     ranks = distributed.init(cfg.device)
     if cfg.memory.records_history:
         record_allocation_history(ranks.device)
+    if ranks.is_main:  # the run's device is rank 0's, not the driver's
+        seen = rank_environment(ranks.device)
+        write_device_record(run_dir, seen)
+        cfg.environment.update(seen)
     # Under a multi-node launch every node's command chose its own run directory:
     # the checkpoints are rank 0's, so every rank saves into and resumes from those.
     ckpt_dir, cfg.resume = distributed.from_main((cfg.checkpoint.dir, cfg.resume))

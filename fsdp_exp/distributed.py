@@ -34,7 +34,7 @@ def init(device_type: str, timeout_s: float = 600) -> Ranks:
     own device mesh from `device.type`, never from the accelerator's default.
     """
     rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
     if device_type == "cuda":
         device = torch.device("cuda", gpu_index(os.environ, torch.cuda.device_count()))

@@ -81,6 +81,7 @@ Design:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -93,9 +94,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
 from fsdp_exp.distributed import DEVICE_VARIABLE
@@ -257,7 +259,7 @@ def connect(address: str | None, start_timeout: float, cpus: float) -> None:
             return
         ray.shutdown()
         _session.clear()
-    options: dict[str, Any] = dict(logging_level=logging.ERROR, log_to_driver=False)
+    options: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address is None:
         # In this thread: a local start from another thread can deadlock.
         try:
@@ -294,13 +296,11 @@ def disconnect() -> None:
     import ray
 
     _session.clear()
-    try:
+    with contextlib.suppress(Exception):  # already half gone
         ray.shutdown()
-    except Exception:  # noqa: BLE001 - already half gone
-        pass
 
 
-def fit(trainer: Any, watch: "Watch", time_limit_s: float | None) -> tuple[Any, BaseException | None]:
+def fit(trainer: Any, watch: Watch, time_limit_s: float | None) -> tuple[Any, BaseException | None]:
     """`trainer.fit()` in a thread, while this one echoes rank 0's lines; (result, error)."""
     box: dict[str, Any] = {}
 
@@ -621,7 +621,7 @@ class Reporter:
                 else:
                     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(snapshot)),
                                      checkpoint_dir_name=step_name(step), delete_local_checkpoint_after_upload=True)
-        except BaseException as err:  # noqa: BLE001 - raised again by finish()
+        except BaseException as err:  # raised again by finish()
             self.error = err
             logging.getLogger("fsdp_exp.rank_file").exception("reporting to Ray Train failed")
 

@@ -82,7 +82,7 @@ def git_commit() -> str | None:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_DIR, capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_DIR,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return commit + ("-dirty" if dirty else "")

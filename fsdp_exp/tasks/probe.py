@@ -70,7 +70,7 @@ class Probe:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, record: dict) -> "Probe":
+    def from_json(cls, record: dict) -> Probe:
         known = {k: v for k, v in record.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 

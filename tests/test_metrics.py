@@ -63,6 +63,9 @@ def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
     env = summary["environment"]
     assert env["torch"] == torch.__version__ and env["world_size"] == 2
     assert env["overrides"] == summary["overrides"] and "git_commit" in env
+    seen = read_json(out / "device.json")  # written by rank 0, not by the driver
+    assert env["device_seen_by"] == "rank 0" and {k: env[k] for k in seen} == seen
+    assert seen["device_memory_gb"] > 0 and seen["host"] == env["driver_host"]
     assert summary["mfu"] is None, "a CPU has no known peak: no MFU rather than a wrong one"
     assert summary["tflops_per_device"] > 0
 

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from fsdp_exp.errors import ConfigError
+
+DEVICE_VARIABLE = "FSDP_EXP_DEVICE"  # set by a launcher that knows each rank's GPU (launcher=ray)
 
 
 @dataclass
@@ -29,10 +34,10 @@ def init(device_type: str, timeout_s: float = 600) -> Ranks:
     own device mesh from `device.type`, never from the accelerator's default.
     """
     rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
     if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", gpu_index(os.environ, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
@@ -42,6 +47,36 @@ def init(device_type: str, timeout_s: float = 600) -> Ranks:
         device_id = device if device_type == "cuda" else None
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
     return Ranks(rank, local_rank, world_size, device)
+
+
+def gpu_index(env: Mapping[str, str], visible_gpus: int) -> int:
+    """Which of the GPUs this rank sees is its own.
+
+    A launcher that knows names it in FSDP_EXP_DEVICE (launcher=ray: Ray Train's own
+    choice, since its local ranks need not follow the order of CUDA_VISIBLE_DEVICES).
+    Otherwise, where each rank sees only its own GPU (SLURM's --gpus-per-task or
+    --gpu-bind, per-task cgroups), that one; where every rank sees all of its node's GPUs
+    (launcher=local, torchrun, SLURM without binding), the one at LOCAL_RANK.
+    """
+    named = env.get(DEVICE_VARIABLE, "")
+    if named.startswith("cuda"):
+        return torch.device(named).index or 0
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    seen = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in env else "no CUDA_VISIBLE_DEVICES"
+    if visible_gpus == 0:
+        raise ConfigError(f"device=cuda: local rank {local_rank} sees no GPU ({seen})")
+    if visible_gpus == 1:
+        return 0
+    if local_rank >= visible_gpus:
+        raise ConfigError(f"device=cuda: local rank {local_rank} sees only {visible_gpus} GPUs ({seen}); "
+                          "give each rank either one GPU of its own or all of its node's GPUs")
+    return local_rank
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on this rank's GPU, so that a timer reads the time it took."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def close() -> None:

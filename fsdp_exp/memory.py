@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,24 +33,40 @@ class OutOfMemory(RuntimeError):
 _CPU_LIMIT_FAILURES = ("Resource temporarily unavailable", "Cannot allocate memory", "std::bad_alloc")
 
 
+# A GPU runs out of memory outside the caching allocator too, and then torch raises a plain
+# RuntimeError: a library's own allocation (cuBLAS, cuDNN workspaces), the CUDA runtime,
+# or NCCL's buffers (torch appends NCCL's last error; newer NCCL put the error code first).
+_OUT_OF_MEMORY = re.compile(
+    "DefaultCPUAllocator: can't allocate memory"
+    "|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED"
+    "|CUDA error: out of memory"
+    r"|Cuda failure (?:\d+ )?'out of memory'"
+)
+
+
 def is_out_of_memory(err: BaseException) -> bool:
-    if isinstance(err, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(err):
+    if isinstance(err, torch.OutOfMemoryError) or _OUT_OF_MEMORY.search(str(err)):
         return True
     return _cpu_baseline is not None and any(text in str(err) for text in _CPU_LIMIT_FAILURES)
 
 
 def allocation_failure(err: BaseException) -> str:
-    """The allocator's own sentence, without its source location."""
+    """The allocator's own sentence, without its source location (NCCL's, after "NCCL:")."""
     text = " ".join(str(err).split())
-    start = text.find("DefaultCPUAllocator")
-    text = text[start:] if start >= 0 else text
+    found = _OUT_OF_MEMORY.search(text)
+    if found and found.group().startswith("Cuda failure"):
+        text = f"NCCL: {text[found.start():]}"
+    elif found:
+        text = text[found.start():]
     return text.split(". Error code")[0][:300]
 
 
-def device_memory_gb(device_type: str) -> float:
-    """What one device holds: a GPU's memory, or this machine's RAM on CPU."""
-    if device_type == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory / GB
+def device_memory_gb(device: str | torch.device) -> float:
+    """What one device holds: a GPU's memory (`cuda` alone: the current GPU), or this
+    machine's RAM on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GB
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
 
 
@@ -60,6 +77,14 @@ class MemorySettings:
     def __post_init__(self) -> None:
         if self.limit_gb is not None and self.limit_gb <= 0:
             raise ConfigError(f"memory.limit_gb={self.limit_gb}: must be greater than 0")
+        self.in_probe = False  # a probe of task=max_batch (fsdp_exp.tasks.probe sets it)
+
+    @property
+    def records_history(self) -> bool:
+        """Whether a GPU rank records the allocator's history from the start, so that an
+        out-of-memory snapshot shows the allocations that led to it: where running out is
+        expected, under a limit and in every probe of task=max_batch."""
+        return self.limit_gb is not None or self.in_probe
 
 
 def check_limit(limit_gb: float | None, device_type: str, ranks_per_device: int) -> None:

@@ -2,7 +2,9 @@
 
 profile=memory writes, per rank, a torch profiler memory timeline (HTML) over steps
 [start_step, start_step + steps), and on a GPU a CUDA memory snapshot (pickle) that
-pytorch.org/memory_viz reads. A GPU run that runs out of memory dumps a snapshot anyway.
+pytorch.org/memory_viz reads. A GPU run that runs out of memory dumps a snapshot anyway;
+it holds the allocations that led there when the allocator recorded its history from the
+start of the run (`record_allocation_history`: under memory.limit_gb, and in max_batch probes).
 """
 
 from __future__ import annotations
@@ -17,6 +19,29 @@ import torch
 from fsdp_exp.errors import ConfigError, at_least
 
 log = logging.getLogger("fsdp_exp")
+
+HISTORY_ENTRIES = 200_000  # the allocator's last allocations and frees a snapshot holds
+_recording_history = False  # this process's allocator records its history
+
+
+def record_allocation_history(device: torch.device) -> bool:
+    """On a GPU rank, the caching allocator records every allocation and free from now on
+    (with Python stacks, about 2 us each), for the snapshots memory_viz reads. Decided by
+    the rank's device, not by whether a GPU exists: a CPU rank on a GPU host must not
+    initialise CUDA. True when this call started the recording."""
+    global _recording_history
+    if device.type != "cuda" or _recording_history:
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+    _recording_history = True
+    return True
+
+
+def stop_allocation_history(device: torch.device) -> None:
+    global _recording_history
+    if device.type == "cuda" and _recording_history:
+        torch.cuda.memory._record_memory_history(enabled=None)
+        _recording_history = False
 
 
 @dataclass
@@ -60,7 +85,8 @@ class MemoryProfile(NoProfile):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        # Unless the run records its history from the start already: then it goes on after.
+        self.stops_history = record_allocation_history(self.device)
         self.profiler = torch.profiler.profile(
             activities=activities, profile_memory=True, record_shapes=True, with_stack=True
         )
@@ -78,17 +104,22 @@ class MemoryProfile(NoProfile):
             trace = self.run_dir / f"trace_rank{self.rank}.json"
             self.profiler.export_chrome_trace(str(trace))
             write_allocation_timeline(trace, timeline, self.rank, reason=str(err).splitlines()[0][:120])
-        if self.device.type == "cuda":
-            dump_cuda_snapshot(self.run_dir / f"memory_snapshot_rank{self.rank}.pickle")
-            torch.cuda.memory._record_memory_history(enabled=None)
+        dump_cuda_snapshot(self.run_dir / f"memory_snapshot_rank{self.rank}.pickle", self.device)
+        if self.stops_history:
+            stop_allocation_history(self.device)
         log.info("memory profile of steps %d-%d: %s", self.start_step, step, timeline)
         self.profiler = None
 
 
-def dump_cuda_snapshot(path: Path) -> None:
-    """The CUDA caching allocator's state (and its history, when recorded) for memory_viz."""
-    if torch.cuda.is_available():
+def dump_cuda_snapshot(path: Path, device: torch.device) -> None:
+    """On a GPU rank, the caching allocator's state (and its history, when recorded) for
+    memory_viz. Never raises: it is written while a failure is being reported."""
+    if device.type != "cuda":
+        return
+    try:
         torch.cuda.memory._dump_snapshot(str(path))
+    except Exception as err:  # noqa: BLE001 - e.g. a CUDA error left the device unusable
+        log.warning("no memory snapshot at %s: %s: %s", path, type(err).__name__, str(err).splitlines()[0][:200])
 
 
 def write_allocation_timeline(trace: Path, html: Path, rank: int, reason: str) -> None:

@@ -1,7 +1,8 @@
 """One run on the driver: resolve the config, start the task's ranks, write summary.json.
 
 The driver is the only writer of summary.json, so a run whose ranks died still gets one,
-with status "failed" and the error; rank 0 streams metrics.jsonl as it trains.
+with status "failed" and the error; rank 0 streams metrics.jsonl as it trains. Its
+`environment` holds the driver's half and what rank 0 saw (fsdp_exp.metrics.environment).
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from fsdp_exp.config import Experiment
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch import RunFailed
-from fsdp_exp.metrics.environment import environment
+from fsdp_exp.metrics.environment import (
+    DEVICE_RECORD,
+    environment,
+    rank_environment,
+    read_device_record,
+)
 from fsdp_exp.metrics.sinks import summary_table, write_summary
 from fsdp_exp.plan import prepare
 
@@ -31,10 +38,14 @@ def run_experiment(
 ) -> dict:
     plan = prepare(cfg, torch.cuda.device_count(), overrides, group, job_type=choices.get("task", "train"))
     exp, nproc = plan.exp, plan.nproc
-    exp.environment = environment(str(exp.device), nproc, overrides)
+    exp.environment = environment(nproc, overrides)
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"overrides": overrides, "choices": choices, "device": str(exp.device),
-              "environment": exp.environment}
+    (run_dir / DEVICE_RECORD).unlink(missing_ok=True)  # an earlier run's, in a reused directory
+
+    def record() -> dict:
+        return {"overrides": overrides, "choices": choices, "device": str(exp.device),
+                "environment": {**exp.environment, **device_seen(exp, run_dir)}}
+
     start = time.perf_counter()
     try:
         figures = exp.task.run(exp, run_dir, exp.launcher, nproc)
@@ -47,10 +58,21 @@ def run_experiment(
         log.error("%s", err)
         summary = {"status": "failed", "error": str(err), "world_size": nproc}
     except KeyboardInterrupt:
-        write_summary(run_dir, {"status": "interrupted", "world_size": nproc, **record})
+        write_summary(run_dir, {"status": "interrupted", "world_size": nproc, **record()})
         raise
-    summary.update(record, wall_s=time.perf_counter() - start)
+    summary.update(record(), wall_s=time.perf_counter() - start)
     write_summary(run_dir, summary)
     if summary["status"] == "ok":
         log.info("%s\n%s", run_dir / "summary.json", summary_table(summary))
     return summary
+
+
+def device_seen(exp: Experiment, run_dir: Path) -> dict:
+    """Rank 0's half of the environment record: as rank 0 of the run reported it, or, when
+    it never got that far and the ranks run on this machine, this machine's view of it."""
+    seen = read_device_record(run_dir)
+    if seen:
+        return {**seen, "device_seen_by": "rank 0"}
+    if exp.launcher.runs_here:
+        return {**rank_environment(torch.device(str(exp.device))), "device_seen_by": "driver"}
+    return {"device_seen_by": None}

@@ -100,11 +100,7 @@ class Trainer:
         self.start_step = start_step
         self.start_loss = start_loss
         self.memory = MemoryMonitor(ranks.device)
-        self.data_wait_s = 0.0
-
-    def _sync(self) -> None:
-        if self.ranks.device.type == "cuda":
-            torch.cuda.synchronize(self.ranks.device)
+        self.host_data_wait_s = 0.0
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy over classes (images) or over every position's next token (LMs)."""
@@ -117,9 +113,11 @@ class Trainer:
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def _next(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch; the host's time waiting for it is counted (on a GPU, queued
+        kernels may run meanwhile, so the GPU waits at most that long)."""
         start = time.perf_counter()
         batch = next(batches)
-        self.data_wait_s += time.perf_counter() - start
+        self.host_data_wait_s += time.perf_counter() - start
         return batch
 
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -155,8 +153,11 @@ class Trainer:
         self.model.train()
         batches = iter(self.batches)
         first, warmup_end = self.start_step + 1, self.start_step + self.warmup_steps
+        # Work still queued from before training (the FLOP count, a checkpoint load) must
+        # not fall into the first window's time.
+        distributed.synchronize(self.ranks.device)
         self.memory.start_run()
-        window = _Window(first_step=first, start=time.perf_counter(), data_wait_s=0.0)
+        window = _Window(first_step=first, start=time.perf_counter(), host_data_wait_s=0.0)
         totals = {"steady": _Totals(), "all": _Totals()}
         run_peaks: dict[str, list[float]] = {}
         record: dict = {}
@@ -172,13 +173,14 @@ class Trainer:
             if logged or step == warmup_end:  # a window never straddles warm-up
                 record, per_rank = self._record(step, loss, window, warmup_end)
                 for key, values in per_rank.items():
-                    run_peaks[key] = [max(a, b) for a, b in zip(run_peaks.get(key, values), values)]
+                    run_peaks[key] = _over_windows(key, run_peaks.get(key), values)
                 for name in ("steady", "all") if step > warmup_end else ("all",):
                     totals[name].add(step - window.first_step + 1, record)
                 if logged:
                     for sink in self.sinks:
                         sink.log(record)
-                window = _Window(first_step=step + 1, start=time.perf_counter(), data_wait_s=self.data_wait_s)
+                window = _Window(first_step=step + 1, start=time.perf_counter(),
+                                 host_data_wait_s=self.host_data_wait_s)
                 self.memory.start_window()
         if self.checkpoint is not None:
             self.checkpoint.close()
@@ -217,7 +219,7 @@ class Trainer:
                 warmup_end: int) -> tuple[dict, dict[str, list[float]]]:
         """The record for the window ending at `step`, and its memory peaks per rank."""
         mean_loss = distributed.mean(loss)
-        self._sync()
+        distributed.synchronize(self.ranks.device)
         elapsed = time.perf_counter() - window.start
         per_rank = {k: distributed.gather(v, self.ranks.device) for k, v in self.memory.window_peaks().items()}
         record = {
@@ -225,7 +227,8 @@ class Trainer:
             "time": time.time(),  # wall clock, for start-up and timeline figures
             "loss": mean_loss,
             "lr": self.optimizer.param_groups[0]["lr"],
-            **self._means(_Totals(step - window.first_step + 1, elapsed, self.data_wait_s - window.data_wait_s)),
+            **self._means(_Totals(step - window.first_step + 1, elapsed,
+                                  self.host_data_wait_s - window.host_data_wait_s)),
             **{key: max(values) for key, values in per_rank.items()},
             "peak_mem_gb_per_rank": per_rank["peak_mem_gb"],
         }
@@ -241,7 +244,7 @@ class Trainer:
             "samples_per_s": self.global_batch * t.steps / t.time_s,
             "steps_per_s": t.steps / t.time_s,
             "step_time_s": t.time_s / t.steps,
-            "data_wait_share": t.data_wait_s / t.time_s,
+            "host_data_wait_share": t.host_data_wait_s / t.time_s,
         }
         if self.tokens_per_sample:
             means["tokens_per_s"] = means["samples_per_s"] * self.tokens_per_sample
@@ -254,20 +257,30 @@ class Trainer:
         return means
 
 
+def _over_windows(key: str, run: list[float] | None, window: list[float]) -> list[float]:
+    """A run's figure per rank from its windows': the sum of the allocator's counts
+    (retries, out-of-memory errors), the largest of the peaks."""
+    if run is None:
+        return list(window)
+    if key in MemoryMonitor.COUNTS:
+        return [a + b for a, b in zip(run, window)]
+    return [max(a, b) for a, b in zip(run, window)]
+
+
 @dataclass
 class _Window:
     first_step: int
     start: float
-    data_wait_s: float
+    host_data_wait_s: float
 
 
 @dataclass
 class _Totals:
     steps: int = 0
     time_s: float = 0.0
-    data_wait_s: float = 0.0
+    host_data_wait_s: float = 0.0
 
     def add(self, steps: int, record: dict) -> None:
         self.steps += steps
         self.time_s += record["step_time_s"] * steps
-        self.data_wait_s += record["data_wait_share"] * record["step_time_s"] * steps
+        self.host_data_wait_s += record["host_data_wait_share"] * record["step_time_s"] * steps

@@ -42,7 +42,7 @@ def test_samples_per_s_agrees_with_wall_time(one_rank_group: Ranks) -> None:
     summary = trainer.fit()
     wall = time.perf_counter() - start
     assert summary["samples_per_s"] == pytest.approx(12 * 64 / wall, rel=0.05)
-    assert 0 <= summary["data_wait_share"] < 1
+    assert 0 <= summary["host_data_wait_share"] < 1
     assert summary["warmup_only"] is False
 
 
@@ -63,6 +63,9 @@ def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
     env = summary["environment"]
     assert env["torch"] == torch.__version__ and env["world_size"] == 2
     assert env["overrides"] == summary["overrides"] and "git_commit" in env
+    seen = read_json(out / "device.json")  # written by rank 0, not by the driver
+    assert env["device_seen_by"] == "rank 0" and {k: env[k] for k in seen} == seen
+    assert seen["device_memory_gb"] > 0 and seen["host"] == env["driver_host"]
     assert summary["mfu"] is None, "a CPU has no known peak: no MFU rather than a wrong one"
     assert summary["tflops_per_device"] > 0
 
@@ -150,7 +153,7 @@ def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     (log_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     data = log_file.read_bytes()  # wandb's record log: protobuf strings are stored as-is
-    metric_keys = (b"samples_per_s", b"peak_mem_gb", b"step_time_s", b"data_wait_share", b"loss")
+    metric_keys = (b"samples_per_s", b"peak_mem_gb", b"step_time_s", b"host_data_wait_share", b"loss")
     summary_and_config = (b"final_loss", b"environment", b"model.num_layers=2")  # the tag too
     for key in metric_keys + summary_and_config + (b"project_from_env",):
         assert key in data, key

@@ -109,6 +109,8 @@ class DCPCheckpoint:
 
     def save(self, step: int, loss: torch.Tensor | None = None) -> None:
         """Collective. `loss`: this rank's loss at `step`; their mean is saved with it."""
+        # The step's kernels may still be queued: their time is the step's, not the save's.
+        distributed.synchronize(self.state.ranks.device)
         start = time.perf_counter()
         self._finish_pending()
         path = self.root / step_name(step)

@@ -9,7 +9,8 @@ A launcher is a dataclass whose fields are its settings; the driver asks it (`La
 - `starts_all_ranks`: whether this one command starts every rank of the run;
 - `launch(task, cfg, run_dir, nproc, time_limit_s=None)`: start `nproc` fresh ranks, each
   running `fsdp_exp.launch.worker.run_rank(task, cfg, run_dir, time_limit_s)` with RANK,
-  LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and return rank 0's result
+  LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (and FSDP_EXP_DEVICE where the
+  launcher knows each rank's GPU; see `fsdp_exp.distributed.gpu_index`), and return rank 0's result
   (the tasks return the same figures on every rank). When a rank fails it raises
   RunFailed, with `out_of_memory` when any rank ran out of memory, so task=max_batch can
   use any launcher: every probe is one `launch`.
@@ -17,8 +18,9 @@ A launcher is a dataclass whose fields are its settings; the driver asks it (`La
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from fsdp_exp.errors import ConfigError
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
     except ConfigError as err:
         return refuse(rank, str(err))
     exp = plan.exp
-    exp.environment = environment(str(exp.device), world_size, argv)
+    exp.environment = environment(world_size, argv)
 
     distributed.init(exp.device)
     shared = [run_dir_text]

@@ -9,8 +9,11 @@ Design:
   with `num_workers = nproc` workers; Ray Train's TorchConfig makes the process group
   (gloo on CPU, nccl with `use_gpu`), which `fsdp_exp.distributed.init` then finds made.
   Each worker runs `fsdp_exp.launch.worker.run_rank` with RANK, LOCAL_RANK and WORLD_SIZE
-  from Ray's train context, and the launch returns rank 0's return value
-  (`Result.return_value`). Each run has a fresh name under `storage_path` (default
+  from Ray's train context and, on GPUs, its device from `ray.train.torch.get_device()`
+  (FSDP_EXP_DEVICE, which `fsdp_exp.distributed.init` takes): Ray shows every worker of a
+  node all of the node's GPUs, in an order (GPU ids sorted as strings) that need not follow
+  the local ranks, so LOCAL_RANK does not name a worker's GPU. The launch returns rank 0's
+  return value (`Result.return_value`). Each run has a fresh name under `storage_path` (default
   `<run_dir>/ray/`), so Ray never restores a checkpoint of an earlier run by itself:
   which checkpoint a run starts from stays the project's `resume`.
 - **The Ray session is kept for the whole Hydra process.** `address: null` starts a local
@@ -78,6 +81,7 @@ Design:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -90,11 +94,13 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
+from fsdp_exp.distributed import DEVICE_VARIABLE
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.launch.local import failure_line
@@ -253,7 +259,7 @@ def connect(address: str | None, start_timeout: float, cpus: float) -> None:
             return
         ray.shutdown()
         _session.clear()
-    options: dict[str, Any] = dict(logging_level=logging.ERROR, log_to_driver=False)
+    options: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address is None:
         # In this thread: a local start from another thread can deadlock.
         try:
@@ -290,13 +296,11 @@ def disconnect() -> None:
     import ray
 
     _session.clear()
-    try:
+    with contextlib.suppress(Exception):  # already half gone
         ray.shutdown()
-    except Exception:  # noqa: BLE001 - already half gone
-        pass
 
 
-def fit(trainer: Any, watch: "Watch", time_limit_s: float | None) -> tuple[Any, BaseException | None]:
+def fit(trainer: Any, watch: Watch, time_limit_s: float | None) -> tuple[Any, BaseException | None]:
     """`trainer.fit()` in a thread, while this one echoes rank 0's lines; (result, error)."""
     box: dict[str, Any] = {}
 
@@ -449,9 +453,12 @@ class RankJob:
 
         context = ray.train.get_context()
         rank = context.get_world_rank()
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(context.get_local_rank()),
-                          WORLD_SIZE=str(context.get_world_size()),
-                          LOCAL_WORLD_SIZE=str(context.get_local_world_size()))
+        device = None
+        if self.cfg.device == "cuda":
+            import ray.train.torch
+
+            device = ray.train.torch.get_device()
+        os.environ.update(rank_variables(context, device))
         os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)  # restarts are Ray's: resume is set below
         cfg = copy.deepcopy(self.cfg)
         restored = ray.train.get_checkpoint()
@@ -490,6 +497,17 @@ class RankJob:
             return before
         except OSError:
             return int(restored is not None)
+
+
+def rank_variables(context: Any, device: Any = None) -> dict[str, str]:
+    """What a worker's rank reads from its environment, from Ray Train's context and, on
+    GPUs, the device Ray Train gave the worker."""
+    variables = {"RANK": str(context.get_world_rank()), "LOCAL_RANK": str(context.get_local_rank()),
+                 "WORLD_SIZE": str(context.get_world_size()),
+                 "LOCAL_WORLD_SIZE": str(context.get_local_world_size())}
+    if device is not None:
+        variables[DEVICE_VARIABLE] = str(device)
+    return variables
 
 
 class QuietRay(logging.Filter):
@@ -603,7 +621,7 @@ class Reporter:
                 else:
                     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(snapshot)),
                                      checkpoint_dir_name=step_name(step), delete_local_checkpoint_after_upload=True)
-        except BaseException as err:  # noqa: BLE001 - raised again by finish()
+        except BaseException as err:  # raised again by finish()
             self.error = err
             logging.getLogger("fsdp_exp.rank_file").exception("reporting to Ray Train failed")
 

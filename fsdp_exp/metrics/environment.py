@@ -1,7 +1,14 @@
-"""The environment record of a run, for summary.json and the wandb config."""
+"""The environment record of a run, for summary.json and the wandb config.
+
+Two halves: what the driver knows (the project's version and commit, the overrides, the
+world size) and what rank 0 of the run sees (its device, the versions it runs, its host).
+On a cluster the driver is not a compute node, so the second half comes from rank 0 itself,
+which writes it to `device.json` in the run directory as soon as it has its device.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -10,25 +17,53 @@ from pathlib import Path
 
 import torch
 
+from fsdp_exp.memory import device_memory_gb
+
 PROJECT_DIR = Path(__file__).resolve().parents[2]
+DEVICE_RECORD = "device.json"
 
 
-def environment(device_type: str, world_size: int, overrides: list[str]) -> dict:
-    cuda = device_type == "cuda" and torch.cuda.is_available()
+def environment(world_size: int, overrides: list[str]) -> dict:
+    """The driver's half."""
     return {
         "fsdp_exp": package_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-        "device": torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
-        "device_count": torch.cuda.device_count() if cuda else os.cpu_count(),
-        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "world_size": world_size,
         "git_commit": git_commit(),
         "overrides": overrides,
+        "driver_host": platform.node(),
+    }
+
+
+def rank_environment(device: torch.device) -> dict:
+    """What this rank sees: its device and how much memory it holds (a GPU's, or the
+    machine's RAM on CPU), the versions it runs, its host."""
+    cuda = device.type == "cuda"
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "device": torch.cuda.get_device_name(device) if cuda else (platform.processor() or platform.machine()),
+        "device_count": torch.cuda.device_count() if cuda else os.cpu_count(),
+        "device_memory_gb": device_memory_gb(device),
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "python": platform.python_version(),
         "host": platform.node(),
     }
+
+
+def write_device_record(run_dir: Path, record: dict) -> None:
+    path = Path(run_dir) / DEVICE_RECORD
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def read_device_record(run_dir: Path) -> dict:
+    """What rank 0 of the run in `run_dir` saw, or {} when it never got that far."""
+    try:
+        return json.loads((Path(run_dir) / DEVICE_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def package_version() -> str | None:
@@ -47,7 +82,7 @@ def git_commit() -> str | None:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_DIR, capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_DIR,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return commit + ("-dirty" if dirty else "")

@@ -1,7 +1,7 @@
 """Peak memory of this rank over a window of steps.
 
-GPU: the caching allocator's peaks (allocated, active, reserved) and its retry and OOM
-counts. CPU: the process's peak resident memory (VmHWM), reset at each window where the
+GPU: the caching allocator's peaks (allocated, active, reserved) and how often, within the
+window, it freed its cache to retry an allocation or ran out of memory. CPU: the process's peak resident memory (VmHWM), reset at each window where the
 kernel allows it (/proc/self/clear_refs), else the peak since the process started.
 
 Where peaks can be reset, each phase of a step (forward and backward, the optimizer step)
@@ -24,6 +24,8 @@ GB = 2**30
 
 
 class MemoryMonitor:
+    COUNTS = ("alloc_retries", "ooms")  # events within a window: a run's figure is their sum, not the largest
+
     def __init__(self, device: torch.device):
         self.device = device
         self.cpu_resets = device.type == "cpu" and _reset_cpu_peak()
@@ -31,17 +33,23 @@ class MemoryMonitor:
         self.phase: tuple[str, float, float] | None = None  # name, counted and resident GB at its start
 
     def start_run(self) -> None:
-        """The first window. On CPU the heap's free pages first go back to the kernel
-        (glibc's malloc_trim): otherwise what was freed before training, such as the whole
-        model a rank built before sharding it, stays resident and counts in every peak.
-        Once only: a trim every window would cost about a sixth of the step time."""
+        """The first window. What was freed before training, such as the whole model a rank
+        built before sharding it, first goes back: on CPU the heap's free pages to the kernel
+        (glibc's malloc_trim), on GPU the caching allocator's free blocks to the driver
+        (empty_cache). Otherwise it stays resident, or reserved, and counts in every peak.
+        Once only: a trim every window would cost about a sixth of the step time on CPU, and
+        on GPU the allocator would have to ask the driver again for what it gave back."""
         if self.device.type == "cpu":
             _trim_heap()
+        else:
+            torch.cuda.empty_cache()
         self.start_window()
 
     def start_window(self) -> None:
         self.window, self.phase = {}, None
         self._reset_peaks()
+        if self.device.type == "cuda":  # the retry and OOM counts start again from 0
+            torch.cuda.reset_accumulated_memory_stats(self.device)
 
     def start_phase(self, name: str) -> None:
         """Begin a phase of the step; its peak is `peak_<name>_gb` in the window's peaks."""
@@ -69,11 +77,15 @@ class MemoryMonitor:
         self.phase = None
 
     def window_peaks(self) -> dict[str, float]:
-        """`peak_mem_gb` (allocated on GPU, resident on CPU), on GPU the other stats, and
-        each phase's peak."""
+        """`peak_mem_gb` (allocated on GPU, resident on CPU), on GPU the other peaks and the
+        window's counts, and each phase's peak."""
         self.end_phase()
         self._fold(self._peaks())
-        return dict(self.window)
+        if self.device.type != "cuda":
+            return dict(self.window)
+        stats = torch.cuda.memory_stats(self.device)
+        return {**self.window, "alloc_retries": float(stats.get("num_alloc_retries", 0)),
+                "ooms": float(stats.get("num_ooms", 0))}
 
     def _fold(self, peaks: dict[str, float]) -> None:
         for key, value in peaks.items():
@@ -92,8 +104,6 @@ class MemoryMonitor:
                 "peak_mem_gb": stats.get("allocated_bytes.all.peak", 0) / GB,
                 "peak_active_gb": stats.get("active_bytes.all.peak", 0) / GB,
                 "peak_reserved_gb": stats.get("reserved_bytes.all.peak", 0) / GB,
-                "alloc_retries": float(stats.get("num_alloc_retries", 0)),
-                "ooms": float(stats.get("num_ooms", 0)),
             }
         return {"peak_mem_gb": _cpu_peak_bytes() / GB}
 

@@ -222,7 +222,7 @@ def summary_table(summary: dict) -> str:
         ("samples/s", fmt(summary.get("samples_per_s"), ",.1f")),
         ("tokens/s", fmt(summary.get("tokens_per_s"), ",.0f")),
         ("step time", fmt(summary.get("step_time_s"), ".4f") + " s"),
-        ("data wait", fmt(summary.get("data_wait_share"), ".1%")),
+        ("host waiting for data", fmt(summary.get("host_data_wait_share"), ".1%")),
         ("TFLOP/s per device", fmt(summary.get("tflops_per_device"), ".3f")),
         ("MFU", fmt(summary.get("mfu"), ".1%")),
         ("HFU (with recompute)", fmt(summary.get("hfu"), ".1%") if summary.get("hfu") != summary.get("mfu") else None),

@@ -3,6 +3,9 @@
 The driver runs probes (fresh launches of all ranks, `fsdp_exp.tasks.probe`) at the batch
 sizes `BatchSearch` picks, records each one in max_batch.json as soon as it ends, and
 reuses the recorded probes when it is run again into the same run directory.
+
+Without memory.limit_gb the limit is the memory of rank 0's device, as rank 0 of the first
+probe reports it: on a cluster the driver is not a compute node, and may have no GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ from typing import TYPE_CHECKING, Any
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.memory import device_memory_gb
+from fsdp_exp.metrics.environment import (
+    DEVICE_RECORD,
+    read_device_record,
+    write_device_record,
+)
 from fsdp_exp.tasks.batch_answer import (
     SPACING,
     answer_line,
@@ -109,7 +117,8 @@ class Sweep:
         settings = self.cfg.max_batch
         self.steps = settings.steps_per_probe
         self.timeout_s = settings.probe_timeout
-        self.limit_gb = self.cfg.memory.limit_gb or device_memory_gb(self.cfg.device)
+        self.limit_gb = self.cfg.memory.limit_gb  # or, without one, what rank 0's device holds (`learn_device`)
+        self.device_seen: dict = {}  # rank 0's environment record (fsdp_exp.metrics.environment)
         self.fingerprint = fingerprint(self.cfg, self.nproc, self.steps)
         self.probes: list[Probe] = []
         self.need: Probe | None = None  # the smallest batch under all this device gives a rank, when none fits
@@ -129,15 +138,23 @@ class Sweep:
         band as not fitting)."""
         return [p.outcome() for p in self.probes if not p.killed]
 
+    def next_size(self) -> int | None:
+        """The search's next size; before any probe has told the device's memory, its first
+        one, which needs none."""
+        if self.limit_gb is None:
+            return self.cfg.max_batch.resolution
+        return self.search().next_size(self.outcomes())
+
     def boundary(self) -> int:
         return self.search().bracket(self.outcomes())[0]
 
     def run(self) -> dict:
         self.probes = self.recorded_probes()
         self.reused = len(self.probes)
+        self.learn_device()
         placed = any(p.for_fastest for p in self.probes)
         while True:
-            size, for_fastest = self.search().next_size(self.outcomes()), False
+            size, for_fastest = self.next_size(), False
             if size is None and not placed and self.boundary():
                 placed = for_fastest = True
                 size = probe_to_place_fastest(self.probes, self.boundary(), self.cfg.max_batch.resolution)
@@ -167,12 +184,33 @@ class Sweep:
             log.info("probe %d: %s", len(self.probe_dirs()), probe.line())
         else:
             log.info("without the limit: %s", probe.line())
+        self.learn_device(probe)
+        if self.limit_gb is None:
+            why = probe.reason or f"no {DEVICE_RECORD} in {probe_dir} (is it on a file system the nodes share?)"
+            raise RunFailed(f"batch {size}: rank 0 did not report its device, so the memory to fit in is unknown: {why}")
         if limit_gb == "same":
             self.probes.append(probe)
         else:
             self.need = probe
         self.save(None)
         return probe
+
+    def learn_device(self, *probes: Probe) -> None:
+        """Rank 0's environment record, from the first probe whose rank 0 wrote one: the
+        run's own (device.json, and the environment of summary.json and wandb), and without
+        memory.limit_gb the limit, all of rank 0's device."""
+        if self.device_seen:
+            return
+        for probe in [*self.probes, *probes]:
+            self.device_seen = read_device_record(self.run_dir / probe.dir) if probe.dir else {}
+            if self.device_seen:
+                break
+        else:
+            return
+        write_device_record(self.run_dir, self.device_seen)
+        self.cfg.environment.update(self.device_seen)
+        if self.limit_gb is None:
+            self.limit_gb = self.device_seen["device_memory_gb"]
 
     def probe_dirs(self) -> list[Path]:
         return sorted(p for p in (self.run_dir / "probes").glob("*_b*") if p.is_dir())
@@ -189,6 +227,8 @@ class Sweep:
             log.warning("%s was recorded for another setup: kept as %s, not reused", path.name, kept.name)
             return []
         probes = [Probe.from_json(p) for p in earlier.get("probes", [])]
+        if self.limit_gb is None:  # the device's memory then, should its probes not say it
+            self.limit_gb = earlier.get("limit_gb")
         if earlier.get("smallest_batch_need_probe"):
             self.need = Probe.from_json(earlier["smallest_batch_need_probe"])
         if probes:
@@ -208,7 +248,8 @@ class Sweep:
             return  # already measured, or it ran out of the device's own memory: nothing more to give it
         log.info("batch %d ran out of memory under %s; measuring what it needs without that limit", size,
                  f"memory.limit_gb={self.cfg.memory.limit_gb:g}" if self.cfg.memory.limit_gb else "the device's memory")
-        share_gb = None if self.cfg.device == "cuda" else device_memory_gb(self.cfg.device) / self.nproc
+        machine_gb = self.device_seen.get("device_memory_gb") or device_memory_gb(self.cfg.device)
+        share_gb = None if self.cfg.device == "cuda" else machine_gb / self.nproc
         need = self.probe(size, limit_gb=share_gb)
         if need.status == "failed":
             raise RunFailed(f"batch {size} runs out of memory under memory.limit_gb, and without it: {need.reason}")
@@ -239,6 +280,7 @@ class Sweep:
         record = {
             "setup": setup_line(self.cfg),
             "device": self.cfg.device.value,
+            "device_name": self.device_seen.get("device"),  # rank 0's
             "world_size": self.nproc,
             "limit_gb": self.limit_gb,
             **{k: getattr(settings, k) for k in ("resolution", "margin", "search_up_to", "steps_per_probe")},

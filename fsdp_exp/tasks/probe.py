@@ -70,7 +70,7 @@ class Probe:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, record: dict) -> "Probe":
+    def from_json(cls, record: dict) -> Probe:
         known = {k: v for k, v in record.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
@@ -93,6 +93,7 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
     probe.wandb.mode = WandbMode.disabled
     if limit_gb != "same":
         probe.memory.limit_gb = limit_gb
+    probe.memory.in_probe = True
     probe.data = probe.data.enough_for(batch_size * world_size)  # generated data: one global batch
     probe.environment = {}
     return probe

@@ -19,7 +19,8 @@ from fsdp_exp.memory import (
     is_out_of_memory,
     peak_under_limit_gb,
 )
-from fsdp_exp.profile import dump_cuda_snapshot
+from fsdp_exp.metrics.environment import rank_environment, write_device_record
+from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -51,6 +52,12 @@ class Train:
 def train_rank(cfg: Experiment, run_dir: Path) -> dict:
     """One rank's whole training run; returns the run's figures (the same on every rank)."""
     ranks = distributed.init(cfg.device)
+    if cfg.memory.records_history:
+        record_allocation_history(ranks.device)
+    if ranks.is_main:  # the run's device is rank 0's, not the driver's
+        seen = rank_environment(ranks.device)
+        write_device_record(run_dir, seen)
+        cfg.environment.update(seen)
     # Under a multi-node launch every node's command chose its own run directory:
     # the checkpoints are rank 0's, so every rank saves into and resumes from those.
     ckpt_dir, cfg.resume = distributed.from_main((cfg.checkpoint.dir, cfg.resume))
@@ -88,7 +95,7 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
     except Exception as err:
         if not is_out_of_memory(err):
             raise
-        dump_cuda_snapshot(run_dir / f"oom_snapshot_rank{ranks.rank}.pickle")
+        dump_cuda_snapshot(run_dir / f"oom_snapshot_rank{ranks.rank}.pickle", ranks.device)
         limit = f" under memory.limit_gb={limit_gb}" if limit_gb else ""
         raise OutOfMemory(f"ran out of memory{limit}: {allocation_failure(err)}") from err
     finally:

@@ -1,0 +1,383 @@
+"""What the code does on a GPU, checked on CPU: the logic around torch.cuda, with torch.cuda's
+own calls replaced by fakes that follow their documented behaviour.
+
+No GPU runs here. What only a GPU can show is listed under "Not tested here" in the README.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fsdp_exp import distributed, profile
+from fsdp_exp.cli import compose_checked
+from fsdp_exp.config import Device
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.launch import RunFailed
+from fsdp_exp.memory import MemorySettings, allocation_failure, is_out_of_memory
+from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
+from fsdp_exp.metrics.memory import GB, MemoryMonitor
+from fsdp_exp.plan import prepare
+from fsdp_exp.tasks.probe import probe_config
+from fsdp_exp.trainer import Trainer
+
+# ---- out of memory outside the caching allocator ------------------------------------------
+
+# As torch words them (ATen's TORCH_CUDABLAS_CHECK and C10_CUDA_CHECK, ProcessGroupNCCL with
+# NCCL's last error appended; NCCL >= 2.19 puts the CUDA error code before the text).
+GPU_OUT_OF_MEMORY = [
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+    ("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call, "
+     "so the stacktrace below might be incorrect."),
+    ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled cuda error "
+     "(run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA "
+     "function failed.\nLast error:\nCuda failure 'out of memory'"),
+    ("NCCL error in: ProcessGroupNCCL.cpp:2027, unhandled cuda error, NCCL version 2.27.3\n"
+     "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 2 'out of memory'"),
+]
+
+NOT_OUT_OF_MEMORY = [
+    "CUDA error: device-side assert triggered",
+    "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm(...)`",
+    "NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error\nLast error:\nCuda failure 'invalid argument'",
+    "Expected all tensors to be on the same device",
+]
+
+
+@pytest.mark.parametrize("message", GPU_OUT_OF_MEMORY)
+def test_a_gpu_out_of_memory_outside_the_caching_allocator_is_out_of_memory(message: str) -> None:
+    assert is_out_of_memory(RuntimeError(message))
+
+
+@pytest.mark.parametrize("message", NOT_OUT_OF_MEMORY)
+def test_other_gpu_errors_are_not_out_of_memory(message: str) -> None:
+    assert not is_out_of_memory(RuntimeError(message))
+
+
+def test_the_failure_line_keeps_what_ran_out() -> None:
+    assert allocation_failure(RuntimeError(GPU_OUT_OF_MEMORY[3])) == "NCCL: Cuda failure 'out of memory'"
+    assert allocation_failure(RuntimeError(GPU_OUT_OF_MEMORY[0])).startswith("CUBLAS_STATUS_ALLOC_FAILED when")
+    cpu = "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried " \
+          "to allocate 800 bytes. Error code 12 (Cannot allocate memory)"
+    assert allocation_failure(RuntimeError(cpu)) == \
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 800 bytes"
+
+
+# ---- the caching allocator's figures per window -------------------------------------------
+
+
+class FakeCachingAllocator:
+    """torch.cuda's memory calls as the docs of torch/cuda/memory.py describe them: a peak
+    reset leaves the retry and OOM counts alone, an accumulated-stats reset zeroes them,
+    empty_cache hands the free cached blocks back."""
+
+    def __init__(self) -> None:
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        self.retries = self.ooms = 0
+        self.calls: list[str] = []
+
+    def alloc(self, nbytes: int, retry: bool = False) -> None:
+        self.allocated += nbytes
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.retries += retry
+
+    def free(self, nbytes: int) -> None:
+        self.allocated -= nbytes
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty_cache")
+        self.reserved = self.allocated
+
+    def reset_peak_memory_stats(self, device: object = None) -> None:
+        self.calls.append("reset_peak_memory_stats")
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def reset_accumulated_memory_stats(self, device: object = None) -> None:
+        self.calls.append("reset_accumulated_memory_stats")
+        self.retries = self.ooms = 0
+
+    def memory_stats(self, device: object = None) -> dict:
+        return {"allocated_bytes.all.peak": self.peak_allocated, "active_bytes.all.peak": self.peak_allocated,
+                "reserved_bytes.all.peak": self.peak_reserved, "num_alloc_retries": self.retries,
+                "num_ooms": self.ooms}
+
+    def max_memory_allocated(self, device: object = None) -> int:
+        return self.peak_allocated
+
+    def memory_allocated(self, device: object = None) -> int:
+        return self.allocated
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeCachingAllocator:
+    fake = FakeCachingAllocator()
+    for name in ("empty_cache", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "memory_stats",
+                 "max_memory_allocated", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    return fake
+
+
+def test_the_model_built_before_sharding_is_not_in_the_reserved_peak(fake_gpu: FakeCachingAllocator) -> None:
+    monitor = MemoryMonitor(torch.device("cuda", 0))
+    fake_gpu.alloc(4 * GB)  # the whole model, moved to the GPU (model.init_device=cpu) ...
+    fake_gpu.free(3 * GB)  # ... then sharded: its blocks stay cached
+    monitor.start_run()
+    assert fake_gpu.calls.index("empty_cache") < fake_gpu.calls.index("reset_peak_memory_stats")
+    fake_gpu.alloc(GB // 2)
+    peaks = monitor.window_peaks()
+    assert peaks["peak_reserved_gb"] == pytest.approx(1.5)
+    assert peaks["peak_mem_gb"] == pytest.approx(1.5)
+
+
+def test_allocator_retries_and_ooms_are_counted_per_window(fake_gpu: FakeCachingAllocator) -> None:
+    monitor = MemoryMonitor(torch.device("cuda", 0))
+    fake_gpu.alloc(GB, retry=True)  # before training: not in any window
+    monitor.start_run()
+    for phase in ("forward", "backward", "optimizer_step"):  # one retry in each phase: 3 in the window
+        monitor.start_phase(phase)
+        fake_gpu.alloc(GB // 8, retry=True)
+    monitor.end_phase()
+    first = monitor.window_peaks()
+    assert first["alloc_retries"] == 3 and first["ooms"] == 0
+    assert first["peak_forward_gb"] == pytest.approx(1.125)
+    monitor.start_window()
+    monitor.start_phase("forward")
+    fake_gpu.alloc(GB // 8, retry=True)
+    fake_gpu.ooms += 1
+    second = monitor.window_peaks()
+    assert second["alloc_retries"] == 1 and second["ooms"] == 1
+
+
+# ---- allocation history for the out-of-memory snapshot -----------------------------------
+
+
+@pytest.fixture
+def gpu_host(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """A machine with a GPU, as torch.cuda would see it; the history and snapshot calls are recorded."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kwargs: calls.append(("record", enabled, kwargs)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    monkeypatch.setattr(profile, "_recording_history", False)
+    return calls
+
+
+def test_a_cpu_rank_on_a_gpu_host_records_no_history_and_dumps_no_snapshot(gpu_host: list[tuple],
+                                                                            tmp_path: Path) -> None:
+    assert not profile.record_allocation_history(torch.device("cpu"))
+    profile.dump_cuda_snapshot(tmp_path / "oom_snapshot_rank0.pickle", torch.device("cpu"))
+    profile.stop_allocation_history(torch.device("cpu"))
+    assert gpu_host == []
+
+
+class FakeProfiler:
+    """torch.profiler.profile without a GPU to profile: it writes an empty timeline."""
+
+    def __init__(self, **kwargs: object) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *args: object) -> None:
+        pass
+
+    def export_memory_timeline(self, path: str, device: str) -> None:
+        Path(path).write_text("")
+
+
+@pytest.mark.parametrize("from_the_start", [True, False])
+def test_a_memory_profile_keeps_the_runs_allocation_history_on(gpu_host: list[tuple], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               from_the_start: bool) -> None:
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfiler)
+    gpu = torch.device("cuda", 0)
+    if from_the_start:  # under memory.limit_gb, or in a max_batch probe
+        assert profile.record_allocation_history(gpu)
+    memory_profile = profile.MemoryProfile(start_step=1, steps=1)
+    memory_profile.attach(tmp_path, 0, gpu)
+    memory_profile.before_step(1)
+    memory_profile.after_step(1)
+    snapshot = str(tmp_path / "memory_snapshot_rank0.pickle")
+    started = ("record", "all", {"max_entries": profile.HISTORY_ENTRIES, "stacks": "python"})
+    stopped = ("record", None, {})
+    assert gpu_host == ([started, ("dump", snapshot)] if from_the_start else [started, ("dump", snapshot), stopped])
+    assert not profile.record_allocation_history(gpu) if from_the_start else profile.record_allocation_history(gpu)
+
+
+def test_a_snapshot_that_cannot_be_written_does_not_hide_the_failure(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    def broken(path: str) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", broken)
+    profile.dump_cuda_snapshot(tmp_path / "oom_snapshot_rank0.pickle", torch.device("cuda", 0))
+
+
+def test_history_is_recorded_under_a_limit_and_in_every_probe() -> None:
+    assert not MemorySettings().records_history
+    assert MemorySettings(limit_gb=20).records_history
+    exp = prepare(compose_checked([]), 0, []).exp
+    assert not exp.memory.records_history
+    probe = probe_config(exp, batch_size=4, steps=2, world_size=2, limit_gb=None)
+    assert probe.memory.records_history and not exp.memory.records_history
+
+
+# ---- which GPU is a rank's ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("env", "visible", "index"), [
+    ({"LOCAL_RANK": "3"}, 8, 3),  # every rank sees the node's 8 GPUs (local, torchrun)
+    ({"LOCAL_RANK": "0"}, 1, 0),
+    ({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "0"}, 1, 0),  # --gpus-per-task=1 with cgroups
+    ({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "3"}, 1, 0),  # --gpu-bind, no cgroups
+    ({"LOCAL_RANK": "1", "FSDP_EXP_DEVICE": "cuda:4", "CUDA_VISIBLE_DEVICES": "0,1,10,11,2,3,4,5"}, 8, 4),  # Ray
+])
+def test_each_rank_takes_its_own_gpu(env: dict, visible: int, index: int) -> None:
+    assert distributed.gpu_index(env, visible) == index
+
+
+@pytest.mark.parametrize(("env", "visible", "message"), [
+    ({"LOCAL_RANK": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, 2, "local rank 2 sees only 2 GPUs (CUDA_VISIBLE_DEVICES=0,1)"),
+    ({"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}, 0, "local rank 0 sees no GPU"),
+])
+def test_a_rank_without_a_gpu_of_its_own_is_one_line(env: dict, visible: int, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        distributed.gpu_index(env, visible)
+    assert message in str(err.value)
+
+
+def test_a_ray_worker_names_the_device_ray_train_gave_it() -> None:
+    from fsdp_exp.launch.ray import rank_variables
+
+    context = SimpleNamespace(get_world_rank=lambda: 5, get_local_rank=lambda: 1, get_world_size=lambda: 8,
+                              get_local_world_size=lambda: 4)
+    variables = rank_variables(context, torch.device("cuda", 3))
+    assert variables == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                         "FSDP_EXP_DEVICE": "cuda:3"}
+    assert distributed.gpu_index(variables, 4) == 3
+    assert "FSDP_EXP_DEVICE" not in rank_variables(context)  # CPU workers
+
+
+# ---- the device is rank 0's, not the driver's ---------------------------------------------
+
+
+H200 = {"torch": "2.11.0", "cuda": "12.8", "nccl": "2.27.3", "device": "NVIDIA H200", "device_count": 8,
+        "device_memory_gb": 8.0, "pytorch_cuda_alloc_conf": None, "python": "3.12.3", "host": "gpu-node-07"}
+
+
+class ClusterLauncher:
+    """A cluster's launcher, in this process: rank 0 reports the device (as train_rank
+    does) and a probe's peak grows 0.01 GB a sample from 1 GB, so 700 fit in 8 GB."""
+
+    runs_here = False
+    starts_all_ranks = True
+    restarts = 0
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def launch(self, task: object, cfg: object, run_dir: Path, nproc: int, time_limit_s: float | None = None) -> dict:
+        (Path(run_dir) / DEVICE_RECORD).write_text(json.dumps(H200))
+        batch = cfg.train.batch_size
+        self.batches.append(batch)
+        peak = 1 + 0.01 * batch
+        if peak > H200["device_memory_gb"]:
+            raise RunFailed("rank 0 failed: OutOfMemory: ran out of memory: CUDA out of memory", out_of_memory=True)
+        return {"peak_mem_gb": peak, "peak_mem_gb_per_rank": [peak] * nproc, "peak_reserved_gb": peak,
+                "peak_reserved_gb_per_rank": [peak] * nproc, "held_mem_gb": 0.5, "samples_per_s": 100.0 * batch,
+                "alloc_retries": 0.0}
+
+
+def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    from fsdp_exp.tasks import max_batch
+
+    def login_node(device: object) -> float:
+        raise AssertionError("the driver has no GPU")
+
+    monkeypatch.setattr(max_batch, "device_memory_gb", login_node)
+    exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0, []).exp
+    exp.device, exp.memory.limit_gb = Device.cuda, None
+    launcher = ClusterLauncher()
+    figures = max_batch.Sweep(exp, tmp_path, launcher, 2).run()
+    assert launcher.batches[0] == exp.max_batch.resolution
+    assert figures["limit_gb"] == 8.0
+    assert 650 <= figures["max_batch_size"] <= 700
+    record = json.loads((tmp_path / "max_batch.json").read_text())
+    assert record["device_name"] == "NVIDIA H200"
+    assert read_device_record(tmp_path) == H200
+    assert exp.environment["device"] == "NVIDIA H200" and exp.environment["host"] == "gpu-node-07"
+
+
+def test_the_summarys_environment_is_what_rank_0_saw(tmp_path: Path) -> None:
+    from fsdp_exp.run import device_seen
+
+    exp = prepare(compose_checked([]), 0, []).exp
+    exp.launcher = ClusterLauncher()
+    assert device_seen(exp, tmp_path) == {"device_seen_by": None}  # rank 0 never got that far
+    (tmp_path / DEVICE_RECORD).write_text(json.dumps(H200))
+    assert device_seen(exp, tmp_path) == {**H200, "device_seen_by": "rank 0"}
+
+
+# ---- timers wait for the GPU first ---------------------------------------------------------
+
+
+def test_checkpoint_blocked_time_leaves_out_the_steps_queued_kernels(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    from fsdp_exp.checkpoint import DCPCheckpoint
+    from fsdp_exp.checkpoint.files import METADATA, step_name
+
+    queued_s = 0.3
+
+    def wait_for_queued_kernels(device: torch.device) -> None:
+        time.sleep(queued_s)
+
+    monkeypatch.setattr(distributed, "synchronize", wait_for_queued_kernels)
+    ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    state = SimpleNamespace(ranks=ranks, write_small_state=lambda path, step, loss: path.mkdir(parents=True),
+                            tensors=lambda: {"model": {"weight": torch.ones(4)}})
+    checkpoint = DCPCheckpoint(dir=str(tmp_path))
+    checkpoint.attach(state)
+    checkpoint.save(1, torch.tensor(1.0))
+    assert (tmp_path / step_name(1) / METADATA).is_file()
+    assert checkpoint.blocked_s[0] < queued_s
+
+
+def tiny_trainer(steps: int, log_every: int, hooks: tuple = ()) -> Trainer:
+    """A few CPU steps of a linear classifier, without a process group."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    batches = [(torch.randn(2, 4), torch.randint(0, 3, (2,))) for _ in range(steps)]
+    ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, ranks, steps=steps, batch_size=2,
+                   log_every=log_every, hooks=hooks)
+
+
+def test_the_first_window_starts_after_the_gpu_has_finished_what_came_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[object] = []
+    monkeypatch.setattr(distributed, "synchronize", lambda device: events.append("synchronize"))
+    monkeypatch.setattr(MemoryMonitor, "start_run", lambda self: events.append("first window"))
+    hook = SimpleNamespace(before_step=lambda step: events.append(step), after_step=lambda step: None)
+    tiny_trainer(steps=2, log_every=2, hooks=(hook,)).fit()
+    assert events[:3] == ["synchronize", "first window", 1]
+
+
+def test_a_runs_retries_are_the_sum_of_its_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    window = {"peak_mem_gb": 1.0, "peak_reserved_gb": 1.5, "alloc_retries": 2.0, "ooms": 1.0}
+    monkeypatch.setattr(MemoryMonitor, "window_peaks", lambda self: dict(window))
+    trainer = tiny_trainer(steps=6, log_every=2)
+    trainer.sinks = [records := SimpleNamespace(logged=[], log=lambda r: records.logged.append(r))]
+    summary = trainer.fit()
+    assert [r["alloc_retries"] for r in records.logged] == [2.0, 2.0, 2.0]
+    assert summary["alloc_retries"] == 6.0 and summary["ooms"] == 3.0
+    assert summary["peak_mem_gb"] == 1.0 and summary["peak_reserved_gb"] == 1.5

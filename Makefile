@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install test test-slow run bench bench-gpu clean
+.PHONY: install test test-slow run check-gpu bench bench-gpu clean
 
 install:  ## make .venv and install the package editable with its dev extras
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ test-slow:  ## the longer end-to-end checks
 
 run:  ## the default experiment
 	$(BIN)/python -m fsdp_exp
+
+check-gpu:  ## does fsdp_exp work on this machine's GPUs? a few minutes of real runs, a pass/fail table
+	$(BIN)/python -m fsdp_exp.check_gpu
 
 bench:  ## every benchmark (about 40 minutes on 2 CPU cores); figures go in docs/BENCHMARKS.md
 	$(BIN)/python bench/overhead.py

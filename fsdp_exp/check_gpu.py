@@ -1,0 +1,143 @@
+"""`python -m fsdp_exp.check_gpu`: does fsdp_exp work on this machine's GPUs? A few minutes of real runs.
+
+Each check runs `python -m fsdp_exp ...` as a user would, into a directory of its own, reads
+the run's summary.json and metrics.jsonl, and prints one row: check, pass or fail, what it
+saw, seconds. The checks and how each is judged are in fsdp_exp/check_gpu_checks.py.
+Exit code 0 when every check passed, 1 when any failed, 2 without a GPU.
+
+    python -m fsdp_exp.check_gpu                     # every GPU here, one rank each
+    python -m fsdp_exp.check_gpu --peak-tflops 400   # a GPU not in the peak table: its dense bf16 peak
+    python -m fsdp_exp.check_gpu --keep DIR          # keep the runs in DIR (kept anyway when a check fails)
+    python -m fsdp_exp.check_gpu --device cpu        # development: the same checks on 2 CPU ranks (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+from fsdp_exp.check_gpu_checks import RunResult, Setup, checks, runs, setup_for
+
+RUN_TIMEOUT_S = 900
+EXIT_FAILED, EXIT_NO_GPU = 1, 2
+# The variables a launcher sets for a rank: a check started inside a torchrun or SLURM job
+# must start runs of its own, not act as one of that job's ranks.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "GROUP_RANK", "ROLE_")
+
+
+def command(overrides: list[str], out: Path) -> list[str]:
+    return [sys.executable, "-m", "fsdp_exp", *overrides, f"hydra.run.dir={out}"]
+
+
+def run_fsdp_exp(overrides: list[str], out: Path, timeout_s: float = RUN_TIMEOUT_S) -> RunResult:
+    """One run into `out`, in a session of its own, so that a run past its time is ended
+    with all its ranks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(RANK_VARIABLES)}
+    env["WANDB_MODE"] = "disabled"
+    shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: a kept directory's old run must go
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with subprocess.Popen(command(overrides, out), cwd=out.parent, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return RunResult(out, None, {}, [], f"still running after {timeout_s:g} s, ended")
+    return read_run(out, stderr)
+
+
+def read_run(out: Path, stderr: str = "") -> RunResult:
+    """A finished run as its files show it: the summary, the loss at each step (the last
+    record of a step counts, as after a resume), and the full weights when exported."""
+    summary_file, metrics_file = out / "summary.json", out / "metrics.jsonl"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
+    lines = metrics_file.read_text().splitlines() if metrics_file.is_file() else []
+    records = [r for r in map(json.loads, lines) if "loss" in r]
+    weights = None
+    if (out / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        weights = load_file(out / "model.safetensors")
+    error = (summary or {}).get("error") or next(iter(stderr.strip().splitlines()[-1:]), "")
+    return RunResult(out, summary, {r["step"]: r["loss"] for r in records}, records, error, weights)
+
+
+def title(setup: Setup) -> str:
+    import torch
+
+    from fsdp_exp.metrics.environment import package_version
+
+    where = (f"{setup.ranks} GPU(s) visible, one rank each (nccl)" if setup.device == "cuda" else
+             f"CPU, {setup.ranks} gloo ranks: a development run of the checks, which says nothing of a GPU")
+    return (f"fsdp_exp.check_gpu  {date.today()}  {platform.node()}  fsdp_exp {package_version() or '-'}  "
+            f"torch {torch.__version__}  CUDA {torch.version.cuda or '-'}  {where}")
+
+
+def table_row(*cells: object) -> str:
+    return "| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |"
+
+
+TABLE_HEAD = table_row("check", "result", "detail", "s") + "\n" + table_row("---", "---", "---", "---:")
+
+
+def check_all(setup: Setup, workdir: Path, run=run_fsdp_exp, out=print) -> bool:
+    """Run every check in order, printing its row as it ends; whether all passed. A run
+    two checks read (the GPT run: MFU and the device) runs once."""
+    plan, done, all_passed = runs(setup, workdir), {}, True
+    out(TABLE_HEAD)
+    for check in checks(setup):
+        start = time.perf_counter()
+        for name in check.runs:
+            if name not in done:
+                done[name] = run(plan[name], workdir / name)
+        try:
+            passed, detail = check.judge(*(done[name] for name in check.runs))
+        except Exception as err:  # noqa: BLE001 - a summary the judge did not expect is a failed check, not a crash
+            passed, detail = False, f"could not judge the run: {type(err).__name__}: {err}"
+        all_passed &= passed
+        out(table_row(check.name, "pass" if passed else "fail", detail, f"{time.perf_counter() - start:.0f}"))
+        sys.stdout.flush()
+    return all_passed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_exp.check_gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, where the table has none")
+    parser.add_argument("--keep", type=Path, help="put the runs here and keep them")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: for development only, the same checks on 2 CPU ranks with gloo")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fsdp_exp.check_gpu: no GPU here (torch.cuda.is_available() is False), so nothing to check",
+              file=sys.stderr)
+        return EXIT_NO_GPU
+    setup = setup_for(args.device, torch.cuda.device_count(), args.peak_tflops)
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="fsdp_exp_check_gpu_"))
+    print(title(setup))
+    passed = check_all(setup, workdir.resolve())
+    if passed and not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"\nthe runs' directories (logs, summary.json, metrics.jsonl): {workdir.resolve()}")
+    print("\nall checks passed" if passed else "\nsome checks FAILED: please send this output with the run directories' "
+          "rank logs in a bug report")
+    return 0 if passed else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

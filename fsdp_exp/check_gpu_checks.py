@@ -1,0 +1,258 @@
+"""The checks of `python -m fsdp_exp.check_gpu`: the runs each one needs, and how each is judged.
+
+A run is a list of overrides for `python -m fsdp_exp`. A judge reads finished runs (their
+summary.json, the loss at each step from metrics.jsonl, the exported weights) and says
+pass or fail, with one line of what it saw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class RunResult:
+    dir: Path
+    summary: dict | None  # None: the run wrote no summary.json (a bad config, a killed run)
+    losses: dict[int, float]  # step -> loss
+    records: list[dict]
+    error: str = ""  # the run's error, or the last line it printed to stderr
+    weights: dict[str, torch.Tensor] | None = None  # model.safetensors, when exported
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where the checks run, and the sizes that suit it."""
+
+    device: str  # cuda; cpu only for development
+    ranks: int
+    # Relative difference allowed between two runs that must agree. A mis-reduced gradient
+    # is off by a factor (2 when summed over 2 ranks instead of averaged), far above either.
+    # On a GPU the kernels choose their algorithm by shape and some add atomically, so one
+    # process's batch and the ranks' halves round differently: 10x the CPU's tolerance.
+    tolerance: float
+    gpt: tuple[str, ...]  # the GPT of the MFU and memory checks
+    mfu_batch: int
+    limit_gb: float  # memory.limit_gb of both memory checks
+    limit_batch: int  # trains well under limit_gb
+    oom_batch: int  # far too big for limit_gb
+    peak_tflops: float | None = None  # metrics.peak_tflops, when given
+
+
+def setup_for(device: str, gpus: int, peak_tflops: float | None = None) -> Setup:
+    if device == "cuda":
+        gpt = ("model=gpt", "model.size=small", "data=synthetic_tokens", "data.vocab_size=50257",
+               "data.seq_len=1024", "model.block_size=1024")
+        return Setup("cuda", max(gpus, 1), 1e-4, gpt, mfu_batch=8, limit_gb=8.0, limit_batch=2, oom_batch=64,
+                     peak_tflops=peak_tflops)
+    gpt = ("model=gpt", "model.size=tiny", "model.vocab_size=256", "data=synthetic_tokens", "data.seq_len=128",
+           "model.block_size=128", "data.num_samples=8192")
+    # A CPU has no peak TFLOP/s; a nominal 1 keeps the MFU plumbing running, and the summary
+    # names it as metrics.peak_tflops.
+    return Setup("cpu", 2, 1e-5, gpt, mfu_batch=4, limit_gb=1.5, limit_batch=4, oom_batch=2048,
+                 peak_tflops=peak_tflops or 1.0)
+
+
+# tests/test_parity.py's setup: a 2-layer ViT, SGD with momentum (its update is linear in
+# the gradient, so a mis-reduced gradient shows at once), 6 steps, the weights exported.
+PARITY_STEPS = 6
+VIT = ["model.num_layers=2", "train.batch_size=16", "train.log_every=1", "train.lr=0.05",
+       "optimizer._target_=torch.optim.SGD", "+optimizer.momentum=0.9", "checkpoint.export_full=true"]
+
+
+def runs(setup: Setup, workdir: Path) -> dict[str, list[str]]:
+    """Every run the checks read, by name: the overrides of `python -m fsdp_exp`."""
+    common = [f"device={setup.device}", f"launcher.nproc_per_node={setup.ranks}", "wandb.mode=disabled"]
+    vit = [*common, *VIT, f"train.steps={PARITY_STEPS}", "precision.tf32=false"]
+    checkpoint = ["checkpoint=dcp", f"checkpoint.dir={workdir / 'checkpoints'}"]
+    gpt = [*common, *setup.gpt, "sharding=full", "train.log_every=5"]
+    peak = [f"metrics.peak_tflops={setup.peak_tflops:g}"] if setup.peak_tflops else []
+    return {
+        "none": [*vit, "sharding=none"],
+        "full": [*vit, "sharding=full"],
+        "grad_op": [*vit, "sharding=grad_op"],
+        "ddp": [*vit, "sharding=ddp"],
+        "bf16_offload": [*vit, "sharding=full", "offload=true", "precision=bf16"],
+        "fp16_offload": [*vit, "sharding=full", "offload=true", "precision=fp16"],
+        # overwrite: the checkpoints of an earlier check kept in the same directory (--keep)
+        "first_half": [*vit, "sharding=full", *checkpoint, "checkpoint.overwrite=true",
+                       f"train.steps={PARITY_STEPS // 2}"],
+        "resumed": [*vit, "sharding=full", *checkpoint, "resume=auto"],
+        "gpt": [*gpt, "precision=bf16", f"train.batch_size={setup.mfu_batch}", "train.steps=20",
+                "metrics.warmup_steps=5", *peak],
+        "under_limit": [*gpt, f"memory.limit_gb={setup.limit_gb:g}", f"train.batch_size={setup.limit_batch}",
+                        "train.steps=4"],
+        "oom": [*gpt, f"memory.limit_gb={setup.limit_gb:g}", f"train.batch_size={setup.oom_batch}",
+                "train.steps=2"],
+    }
+
+
+@dataclass
+class Check:
+    name: str
+    runs: tuple[str, ...]  # what the judge reads, in its order
+    judge: Callable[..., tuple[bool, str]] = field(repr=False)
+
+
+def checks(setup: Setup) -> list[Check]:
+    tol = setup.tolerance
+    return [
+        *(Check(f"parity: {s} = none", ("none", s), lambda ref, run: parity(ref, run, tol))
+          for s in ("full", "grad_op", "ddp")),
+        Check("bf16 + offload trains", ("bf16_offload",), trains),
+        Check("fp16 + offload trains", ("fp16_offload",), trains),
+        Check("DCP save and resume", ("full", "first_half", "resumed"), lambda a, b, c: resumes(a, b, c, tol)),
+        Check("MFU and FLOPs", ("gpt",), mfu),
+        Check("peak under memory.limit_gb", ("under_limit",), lambda run: under_limit(run, setup.limit_gb)),
+        Check("forced OOM is status oom", ("oom",), out_of_memory),
+        Check("device and peak", ("gpt",), lambda run: device(run, setup.device)),
+    ]
+
+
+# ---- judges ---------------------------------------------------------------------------------
+
+def not_ok(run: RunResult, name: str = "") -> str | None:
+    """Why a run cannot be judged (it did not end ok), or None."""
+    status = (run.summary or {}).get("status", "no summary.json")
+    if status == "ok":
+        return None
+    return f"{name + ': ' if name else ''}{status}: {run.error or '(no error recorded)'}"[:300]
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def same_losses(reference: dict[int, float], losses: dict[int, float], tolerance: float) -> tuple[float, str | None]:
+    """The largest relative difference at the reference's steps, and the first step past
+    the tolerance (or a missing step), if any."""
+    worst, problem = 0.0, None
+    for step, ref in sorted(reference.items()):
+        if step not in losses:
+            return math.inf, f"no loss at step {step}"
+        diff = relative(losses[step], ref)
+        worst = max(worst, diff)
+        if problem is None and not diff < tolerance:  # a NaN fails too
+            problem = f"step {step}: loss {losses[step]:.6g}, the reference {ref:.6g}"
+    return worst, problem
+
+
+def parity(reference: RunResult, run: RunResult, tolerance: float) -> tuple[bool, str]:
+    """As tests/test_parity.py: the loss at every step and every final weight within
+    `tolerance` of the unsharded run on the same global batch."""
+    problem = not_ok(reference, "sharding=none") or not_ok(run)
+    if problem:
+        return False, problem
+    ref = reference.losses
+    if len(ref) < 2 or not ref[max(ref)] < ref[min(ref)]:
+        return False, f"the unsharded run did not learn (losses {[round(v, 4) for v in ref.values()]})"
+    worst_loss, problem = same_losses(ref, run.losses, tolerance)
+    if problem:
+        return False, f"{problem} (tolerance {tolerance:g})"
+    if reference.weights is None or run.weights is None:
+        return False, "no model.safetensors to compare"
+    if reference.weights.keys() != run.weights.keys():
+        return False, "the exported weights have other names than the unsharded run's"
+    worst_weight, name = max((((run.weights[k].float() - w.float()).norm() / w.float().norm().clamp_min(1e-12)).item(), k)
+                             for k, w in reference.weights.items())
+    if not worst_weight < tolerance:
+        return False, f"weight {name} differs by {worst_weight:.1e} (tolerance {tolerance:g})"
+    ranks = run.summary.get("world_size")
+    alone = " (1 rank: nothing is sharded across ranks; parity across ranks needs 2 GPUs)" if ranks == 1 else ""
+    return True, (f"{len(ref)} steps on {ranks} rank(s): losses within {worst_loss:.1e}, weights within "
+                  f"{worst_weight:.1e} of sharding=none{alone}")
+
+
+def trains(run: RunResult) -> tuple[bool, str]:
+    """Every loss finite, the last below the first; fp16 reports its loss scale."""
+    problem = not_ok(run)
+    if problem:
+        return False, problem
+    steps = sorted(run.losses)
+    if not steps or not all(math.isfinite(run.losses[s]) for s in steps):
+        return False, f"a loss is not finite: {[run.losses[s] for s in steps]}"
+    first, last = run.losses[steps[0]], run.losses[steps[-1]]
+    scale = [r["loss_scale"] for r in run.records if "loss_scale" in r]
+    detail = f"loss {first:.4f} at step {steps[0]}, {last:.4f} at step {steps[-1]}"
+    if run.summary.get("choices", {}).get("precision") == "fp16":
+        if not scale or not (math.isfinite(scale[-1]) and scale[-1] > 0):
+            return False, f"{detail}; no usable loss scale recorded ({scale[-1:] or 'none'})"
+        detail += f"; loss scale {scale[-1]:g}"
+    return last < first, detail if last < first else f"did not learn: {detail}"
+
+
+def resumes(uninterrupted: RunResult, first_half: RunResult, resumed: RunResult, tolerance: float) -> tuple[bool, str]:
+    """The run resumed from the first half's checkpoint logs the uninterrupted run's loss at
+    every step after it."""
+    problem = not_ok(uninterrupted, "uninterrupted") or not_ok(first_half, "first half") or not_ok(resumed, "resumed")
+    if problem:
+        return False, problem
+    saved_at = first_half.summary.get("steps")
+    if resumed.summary.get("resumed_from_step") != saved_at:
+        return False, f"resumed from step {resumed.summary.get('resumed_from_step')}, not {saved_at}"
+    after = {s: v for s, v in uninterrupted.losses.items() if s > saved_at}
+    worst, problem = same_losses(after, resumed.losses, tolerance)
+    if problem or not after:
+        return False, f"{problem or 'no steps after the checkpoint'} (tolerance {tolerance:g})"
+    return True, f"saved at step {saved_at}, resumed: steps {min(after)}-{max(after)} within {worst:.1e} of the uninterrupted run"
+
+
+def mfu(run: RunResult) -> tuple[bool, str]:
+    """MFU within (0, 1), and the FLOPs counted by FlopCounterMode within 10% of 6N."""
+    problem = not_ok(run)
+    if problem:
+        return False, problem
+    s = run.summary
+    counted = s.get("flops_per_step_counted", s.get("flops_per_step"))
+    analytic = s.get("flops_per_step_analytic")
+    ratio = counted / analytic if counted and analytic else None
+    flops = f"counted FLOPs {ratio:.3f} x 6N" if ratio else "no 6N count to compare with"
+    if s.get("mfu") is None:
+        return False, (f"no MFU: no peak TFLOP/s for {s.get('environment', {}).get('device')}; rerun with "
+                       f"--peak-tflops <its dense bf16 peak>; {flops}")
+    detail = f"MFU {s['mfu']:.1%} of {s.get('peak_tflops'):g} TFLOP/s ({s.get('peak_tflops_source')}); {flops}"
+    return 0 < s["mfu"] < 1 and ratio is not None and abs(ratio - 1) <= 0.1, detail
+
+
+def limited_peak(summary: dict) -> tuple[float | None, str]:
+    """The peak that memory.limit_gb caps, as task=max_batch reads it: the limit's own count
+    on CPU, the allocator's reserved memory on a GPU."""
+    for key, what in (("peak_under_limit_gb", "as the limit counts it"), ("peak_reserved_gb", "reserved"),
+                      ("peak_mem_gb", "resident or allocated")):
+        if summary.get(key) is not None:
+            return summary[key], what
+    return None, ""
+
+
+def under_limit(run: RunResult, limit_gb: float) -> tuple[bool, str]:
+    problem = not_ok(run)
+    if problem:
+        return False, problem
+    peak, what = limited_peak(run.summary)
+    if peak is None:
+        return False, "no peak memory in summary.json"
+    return 0 < peak <= limit_gb, f"peak {peak:.3f} GB ({what}) under memory.limit_gb={limit_gb:g}"
+
+
+def out_of_memory(run: RunResult) -> tuple[bool, str]:
+    status = (run.summary or {}).get("status", "no summary.json")
+    return status == "oom", f"status {status}: {run.error}"[:300]
+
+
+def device(run: RunResult, expected: str) -> tuple[bool, str]:
+    """The device rank 0 trained on, and the peak TFLOP/s MFU was measured against."""
+    if run.summary is None:
+        return False, f"no summary.json: {run.error}"[:300]
+    s, env = run.summary, run.summary.get("environment", {})
+    memory = env.get("device_memory_gb")
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "cuda", "nccl") if env.get(k))
+    peak = (f"peak {s['peak_tflops']:g} TFLOP/s ({s.get('peak_tflops_source')})" if s.get("peak_tflops")
+            else "no peak TFLOP/s")
+    detail = (f"{s.get('device')}: {env.get('device')} (x{env.get('device_count')}"
+              f"{f', {memory:.0f} GB' if memory else ''}), seen by {env.get('device_seen_by')}; {versions}; {peak}")
+    return s.get("device") == expected and env.get("device_seen_by") == "rank 0", detail

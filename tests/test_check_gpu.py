@@ -1,0 +1,270 @@
+"""`python -m fsdp_exp.check_gpu` on CPU: the no-GPU path, each check's command lines, how each
+judges runs (hand-made summaries in the on-disk format), and the table.
+
+The checks themselves need a GPU. `--device cpu` runs them on 2 gloo ranks for development;
+that whole run is the slow test at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_exp import memory
+from fsdp_exp.check_gpu import TABLE_HEAD, check_all, command, read_run, table_row
+from fsdp_exp.check_gpu_checks import (
+    PARITY_STEPS,
+    RunResult,
+    checks,
+    device,
+    mfu,
+    out_of_memory,
+    parity,
+    resumes,
+    runs,
+    setup_for,
+    trains,
+    under_limit,
+)
+from fsdp_exp.cli import compose_config
+from fsdp_exp.plan import prepare
+from tests.conftest import run_cli
+
+GPU = setup_for("cuda", gpus=2)
+ONE_GPU = setup_for("cuda", gpus=1)
+CPU = setup_for("cpu", gpus=0)
+LOSSES = {1: 2.30, 2: 2.10, 3: 1.90, 4: 1.70, 5: 1.55, 6: 1.40}
+WEIGHTS = {"head.weight": torch.ones(4, 4), "head.bias": torch.arange(4.0)}
+
+
+def result(status: str = "ok", losses: dict | None = None, weights: dict | None = None, records: list | None = None,
+           error: str = "", **summary) -> RunResult:
+    losses = dict(LOSSES if losses is None else losses)
+    records = records if records is not None else [{"step": s, "loss": v} for s, v in losses.items()]
+    full = {"status": status, "world_size": 2, "device": "cuda", "choices": {"precision": "fp32"}, **summary}
+    if error:
+        full["error"] = error
+    return RunResult(Path("run"), full, losses, records, error, WEIGHTS if weights is None else weights)
+
+
+# ---- without a GPU ----------------------------------------------------------------------------
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
+    done = run_cli(cwd=tmp_path, module=("-m", "fsdp_exp.check_gpu"), extra_env={"CUDA_VISIBLE_DEVICES": ""},
+                   timeout=60)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and "no GPU" in done.stderr and "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- the command lines --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("setup", [GPU, CPU], ids=["cuda", "cpu"])
+def test_every_run_composes_and_passes_the_plan(setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `python -m fsdp_exp` checks before it starts a rank, for each run of the check:
+    on a (pretended) 2-GPU machine with 80 GB each, and on CPU."""
+    monkeypatch.setattr(memory, "device_memory_gb", lambda device: 80.0)
+    gpus = 2 if setup.device == "cuda" else 0
+    for name, overrides in runs(setup, tmp_path).items():
+        line = command(overrides, tmp_path / name)
+        assert line[1:3] == ["-m", "fsdp_exp"] and line[-1] == f"hydra.run.dir={tmp_path / name}"
+        plan = prepare(compose_config(line[3:]), gpus, overrides)
+        assert plan.exp.device.value == setup.device, name
+        assert plan.exp.wandb.mode.value == "disabled", name
+        assert plan.nproc == (1 if name == "none" else setup.ranks), name
+
+
+def test_the_runs_compared_differ_only_where_the_check_says() -> None:
+    plan = runs(GPU, Path("/tmp/w"))
+    for sharded in ("full", "grad_op", "ddp"):
+        assert set(plan[sharded]) ^ set(plan["none"]) == {f"sharding={sharded}", "sharding=none"}
+    assert "launcher.nproc_per_node=2" in plan["none"]  # the unsharded run stands in for both ranks
+    assert "precision.tf32=false" in plan["full"]  # fp32 parity in fp32, not TF32
+    # The resumed run is the uninterrupted one, resumed from the first half's checkpoint.
+    assert set(plan["resumed"]) - set(plan["full"]) == {"checkpoint=dcp", "checkpoint.dir=/tmp/w/checkpoints",
+                                                         "resume=auto"}
+    assert f"train.steps={PARITY_STEPS // 2}" in plan["first_half"]
+    assert "memory.limit_gb=8" in plan["oom"] and "train.batch_size=64" in plan["oom"]
+    assert not any(o.startswith("metrics.peak_tflops") for o in plan["gpt"])  # the table's peak
+    assert "metrics.peak_tflops=400" in runs(setup_for("cuda", 2, peak_tflops=400), Path("/w"))["gpt"]
+    assert "launcher.nproc_per_node=1" in runs(ONE_GPU, Path("/w"))["full"]
+
+
+def test_a_development_run_on_cpu_names_its_peak_as_configured() -> None:
+    assert (CPU.device, CPU.ranks) == ("cpu", 2)
+    assert "metrics.peak_tflops=1" in runs(CPU, Path("/w"))["gpt"]
+
+
+# ---- the judges --------------------------------------------------------------------------------
+
+def test_parity_passes_within_the_tolerance_and_says_how_close() -> None:
+    close = {s: v * (1 + 1e-6) for s, v in LOSSES.items()}
+    passed, detail = parity(result(), result(losses=close), GPU.tolerance)
+    assert passed and detail.startswith("6 steps on 2 rank(s): losses within 1.0e-06")
+
+
+def test_parity_on_one_gpu_says_nothing_is_sharded() -> None:
+    passed, detail = parity(result(world_size=1), result(world_size=1), GPU.tolerance)
+    assert passed and "1 rank: nothing is sharded" in detail
+
+
+@pytest.mark.parametrize("run, why", [
+    (result(losses={**LOSSES, 2: 2.10 * 1.5}), "step 2: loss 3.15, the reference 2.1"),  # a mis-reduced gradient
+    (result(losses={**LOSSES, 3: math.nan}), "step 3: loss nan"),
+    (result(losses={s: v for s, v in LOSSES.items() if s != 6}), "no loss at step 6"),
+    (result(weights={**WEIGHTS, "head.bias": WEIGHTS["head.bias"] * 1.01}), "weight head.bias differs by 1.0e-02"),
+    (result(weights={"head.weight": WEIGHTS["head.weight"]}), "other names"),
+    (result("failed", error="rank 1 failed: RuntimeError: NCCL error"), "failed: rank 1 failed: RuntimeError: NCCL"),
+])
+def test_parity_fails_and_says_where(run: RunResult, why: str) -> None:
+    passed, detail = parity(result(), run, GPU.tolerance)
+    assert not passed and why in detail
+
+
+def test_parity_needs_a_reference_that_learns() -> None:
+    passed, detail = parity(result(losses={1: 2.3, 2: 2.4}), result(losses={1: 2.3, 2: 2.4}), 1e-4)
+    assert not passed and "did not learn" in detail
+
+
+def test_mixed_precision_trains_when_its_losses_are_finite_and_fall() -> None:
+    fp16 = {"choices": {"precision": "fp16"}}
+    scaled = [{"step": s, "loss": v, "loss_scale": 65536.0} for s, v in LOSSES.items()]
+    assert trains(result(**fp16, records=scaled)) == (True, "loss 2.3000 at step 1, 1.4000 at step 6; loss scale 65536")
+    assert trains(result(choices={"precision": "bf16"}))[0]
+    assert trains(result(**fp16))[1].endswith("no usable loss scale recorded (none)")
+    assert not trains(result(**fp16, records=[{**r, "loss_scale": math.inf} for r in scaled]))[0]
+    assert trains(result(losses={1: 2.3, 2: math.nan}))[1].startswith("a loss is not finite")
+    assert trains(result(losses={1: 2.3, 2: 2.5})) == (False, "did not learn: loss 2.3000 at step 1, 2.5000 at step 2")
+
+
+def test_a_resume_matches_the_uninterrupted_run_after_the_checkpoint() -> None:
+    half = result(losses={s: v for s, v in LOSSES.items() if s <= 3}, steps=3)
+    resumed = result(losses={s: v for s, v in LOSSES.items() if s > 3}, steps=6, resumed_from_step=3)
+    assert resumes(result(), half, resumed, 1e-4) == (
+        True, "saved at step 3, resumed: steps 4-6 within 0.0e+00 of the uninterrupted run")
+    fresh_start = result(steps=6)
+    assert resumes(result(), half, fresh_start, 1e-4)[1] == "resumed from step None, not 3"
+    wrong_data = result(losses={**resumed.losses, 4: 1.9}, steps=6, resumed_from_step=3)
+    assert resumes(result(), half, wrong_data, 1e-4)[1].startswith("step 4: loss 1.9, the reference 1.7")
+    assert resumes(result(), result("failed", error="no .metadata"), resumed, 1e-4)[1] == "first half: failed: no .metadata"
+
+
+GPT = {"flops_per_step": 1.02e13, "flops_per_step_analytic": 1.0e13, "flops_source": "counted", "mfu": 0.41,
+       "peak_tflops": 989.5, "peak_tflops_source": "H100 SXM, bf16",
+       "environment": {"device": "NVIDIA H100 80GB HBM3", "device_count": 8, "device_memory_gb": 79.2,
+                       "torch": "2.14.1", "cuda": "13.0", "nccl": "2.27.3", "device_seen_by": "rank 0"}}
+
+
+def test_mfu_within_0_and_1_and_the_counted_flops_within_10_percent_of_6n() -> None:
+    assert mfu(result(**GPT)) == (True, "MFU 41.0% of 989.5 TFLOP/s (H100 SXM, bf16); counted FLOPs 1.020 x 6N")
+    assert not mfu(result(**{**GPT, "mfu": 1.3}))[0]
+    assert not mfu(result(**{**GPT, "mfu": 0.0}))[0]
+    assert not mfu(result(**{**GPT, "flops_per_step": 1.2e13}))[0]
+    # An attention kernel the counter missed: MFU used 6N, and the count it made is what is judged.
+    missed = {**GPT, "flops_source": "analytic", "flops_per_step": 1.0e13, "flops_per_step_counted": 0.8e13}
+    assert mfu(result(**missed)) == (False, "MFU 41.0% of 989.5 TFLOP/s (H100 SXM, bf16); counted FLOPs 0.800 x 6N")
+
+
+def test_a_gpu_without_a_known_peak_fails_the_mfu_check_and_names_the_option() -> None:
+    unknown = {**GPT, "mfu": None, "peak_tflops": None, "peak_tflops_source": None,
+               "environment": {**GPT["environment"], "device": "NVIDIA GeForce RTX 4090"}}
+    passed, detail = mfu(result(**unknown))
+    assert not passed and "NVIDIA GeForce RTX 4090" in detail and "--peak-tflops" in detail
+
+
+def test_peak_memory_is_judged_as_the_limit_counts_it() -> None:
+    gpu = {"peak_mem_gb": 2.9, "peak_reserved_gb": 3.4}
+    assert under_limit(result(**gpu), 8.0) == (True, "peak 3.400 GB (reserved) under memory.limit_gb=8")
+    assert not under_limit(result(**{**gpu, "peak_reserved_gb": 8.2}), 8.0)[0]
+    cpu = {"peak_mem_gb": 1.7, "peak_under_limit_gb": 1.2, "limit_gb": 1.5}
+    assert under_limit(result(**cpu), 1.5) == (True, "peak 1.200 GB (as the limit counts it) under memory.limit_gb=1.5")
+    assert under_limit(result("oom", error="rank 0 failed: OutOfMemory"), 8.0) == (
+        False, "oom: rank 0 failed: OutOfMemory")
+
+
+def test_a_forced_oom_passes_only_as_status_oom() -> None:
+    error = "rank 1 failed: OutOfMemory: ran out of memory under memory.limit_gb=8: CUDA out of memory."
+    assert out_of_memory(result("oom", error=error)) == (True, f"status oom: {error}")
+    assert not out_of_memory(result("failed", error="rank 0 failed: RuntimeError: NCCL error"))[0]
+    assert not out_of_memory(result())[0]
+    assert out_of_memory(RunResult(Path("r"), None, {}, [], "fsdp_exp: train.batch_size=64: larger than ..."))[1] == (
+        "status no summary.json: fsdp_exp: train.batch_size=64: larger than ...")
+
+
+def test_the_device_row_is_rank_0s_device_and_the_peak_it_used() -> None:
+    passed, detail = device(result(**GPT), "cuda")
+    assert passed and detail == ("cuda: NVIDIA H100 80GB HBM3 (x8, 79 GB), seen by rank 0; torch 2.14.1, cuda 13.0, "
+                                 "nccl 2.27.3; peak 989.5 TFLOP/s (H100 SXM, bf16)")
+    assert not device(result(**{**GPT, "device": "cpu"}), "cuda")[0]
+    assert not device(result(**{**GPT, "environment": {**GPT["environment"], "device_seen_by": "driver"}}), "cuda")[0]
+
+
+# ---- reading a run, running the checks, the table -------------------------------------------
+
+def test_a_run_is_read_from_its_files_and_the_last_record_of_a_step_counts(tmp_path: Path) -> None:
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "ok", "steps": 6, "resumed_from_step": 3}))
+    lines = [{"step": 3, "loss": 2.0, "lr": 0.05}, {"event": "resumed", "step": 3, "checkpoint": "c"},
+             {"step": 3, "loss": 1.9}, {"step": 4, "loss": 1.8}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run = read_run(tmp_path)
+    assert run.losses == {3: 1.9, 4: 1.8} and run.weights is None and run.error == ""
+    assert read_run(tmp_path / "missing", "Traceback ...\nfsdp_exp: sharding=zero3: no such option\n").error == (
+        "fsdp_exp: sharding=zero3: no such option")
+
+
+def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_path: Path) -> None:
+    ran: list[str] = []
+
+    def fake_run(overrides: list[str], out: Path) -> RunResult:
+        ran.append(out.name)
+        if out.name == "oom":
+            return result("oom", error="rank 0 failed: OutOfMemory: ...")
+        if out.name == "first_half":
+            return result(steps=3)
+        if out.name == "resumed":
+            return result(steps=6, resumed_from_step=3)
+        if out.name == "under_limit":
+            return result(peak_reserved_gb=3.0)
+        return result(**GPT)
+
+    lines: list[str] = []
+    assert check_all(GPU, tmp_path, run=fake_run, out=lines.append)
+    assert sorted(ran) == sorted(runs(GPU, tmp_path)) and ran.count("gpt") == 1
+    assert lines[0] == TABLE_HEAD
+    assert [line.split(" | ")[:2] for line in lines[1:]] == [["| " + c.name, "pass"] for c in checks(GPU)]
+
+    def broken_ddp(overrides: list[str], out: Path) -> RunResult:
+        return result("failed", error="rank 1 failed: boom") if out.name == "ddp" else fake_run(overrides, out)
+
+    lines.clear()
+    assert not check_all(GPU, tmp_path, run=broken_ddp, out=lines.append)
+    assert "| parity: ddp = none | fail | failed: rank 1 failed: boom |" in lines[3]
+
+    def odd_summary(overrides: list[str], out: Path) -> RunResult:
+        return result(mfu=0.5, peak_tflops=None) if out.name == "gpt" else fake_run(overrides, out)
+
+    lines.clear()
+    assert not check_all(GPU, tmp_path, run=odd_summary, out=lines.append)
+    assert "| MFU and FLOPs | fail | could not judge the run: TypeError" in lines[7]
+
+
+def test_a_table_cell_cannot_break_the_row() -> None:
+    assert table_row("a", "b|c", "d\ne", 3) == "| a | b/c | d e | 3 |"
+
+
+@pytest.mark.slow
+def test_every_check_passes_on_two_cpu_ranks(tmp_path: Path) -> None:
+    """The whole check end to end on CPU (`--device cpu`, gloo): the plumbing of every check
+    against real runs. About 12 runs."""
+    done = run_cli("--device", "cpu", "--keep", str(tmp_path / "runs"), cwd=tmp_path,
+                   module=("-m", "fsdp_exp.check_gpu"), timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "CPU, 2 gloo ranks: a development run" in lines[0]
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith(("| check", "| ---"))]
+    assert len(rows) == len(checks(setup_for("cpu", 0))) and all(" | pass | " in row for row in rows), rows

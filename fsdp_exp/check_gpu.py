@@ -50,9 +50,11 @@ def run_fsdp_exp(overrides: list[str], out: Path, timeout_s: float = RUN_TIMEOUT
                           stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
             _, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        except BaseException as err:  # past its time, or Ctrl-C (which the run's own session does not get)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+            if not isinstance(err, subprocess.TimeoutExpired):
+                raise
             return RunResult(out, None, {}, [], f"still running after {timeout_s:g} s, ended")
     return read_run(out, stderr)
 

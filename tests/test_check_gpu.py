@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from fsdp_exp import memory
-from fsdp_exp.check_gpu import TABLE_HEAD, check_all, command, read_run, table_row
+from fsdp_exp.check_gpu import (
+    TABLE_HEAD,
+    check_all,
+    command,
+    read_run,
+    run_fsdp_exp,
+    table_row,
+)
 from fsdp_exp.check_gpu_checks import (
     PARITY_STEPS,
     RunResult,
@@ -215,6 +222,12 @@ def test_a_run_is_read_from_its_files_and_the_last_record_of_a_step_counts(tmp_p
     assert run.losses == {3: 1.9, 4: 1.8} and run.weights is None and run.error == ""
     assert read_run(tmp_path / "missing", "Traceback ...\nfsdp_exp: sharding=zero3: no such option\n").error == (
         "fsdp_exp: sharding=zero3: no such option")
+
+
+def test_a_run_past_its_time_is_ended_and_fails_its_check(tmp_path: Path) -> None:
+    run = run_fsdp_exp(["device=cpu", "wandb.mode=disabled"], tmp_path / "slow", timeout_s=0.5)
+    assert run.summary is None and run.error == "still running after 0.5 s, ended"
+    assert out_of_memory(run) == (False, "status no summary.json: still running after 0.5 s, ended")
 
 
 def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_path: Path) -> None:

@@ -81,6 +81,7 @@ Design:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import importlib.util
@@ -246,6 +247,16 @@ class RayLauncher:
 _session: dict = {}  # the Ray session this module started or joined: {"address": ...}
 
 
+def _exit_before_ray_teardown() -> None:
+    """End a process whose join of a Ray cluster never answered, with the run's failure,
+    before the interpreter's teardown: Ray's client, still connecting in its thread, can
+    abort the process there (std::bad_alloc) and turn the exit code 1 into a signal."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def connect(address: str | None, start_timeout: float, cpus: float) -> None:
     """Start a local Ray (address None) or join a cluster, unless this process already is
     connected as asked; at most `start_timeout` seconds to join."""
@@ -281,6 +292,7 @@ def connect(address: str | None, start_timeout: float, cpus: float) -> None:
     joiner.start()
     joiner.join(start_timeout)
     if joiner.is_alive():
+        atexit.register(_exit_before_ray_teardown)
         raise ConfigError(
             f"launcher.address={address}: no Ray cluster answered within launcher.start_timeout="
             f"{start_timeout:g} s (is it running and reachable? a cluster with token authentication "

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from fsdp_exp.config import Experiment
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch import RunFailed
+from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.environment import (
     DEVICE_RECORD,
     environment,

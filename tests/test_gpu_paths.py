@@ -18,7 +18,7 @@ from fsdp_exp import distributed, profile
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.config import Device
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch import RunFailed
+from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import MemorySettings, allocation_failure, is_out_of_memory
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.memory import GB, MemoryMonitor
@@ -257,15 +257,15 @@ def test_a_rank_without_a_gpu_of_its_own_is_one_line(env: dict, visible: int, me
 
 
 def test_a_ray_worker_names_the_device_ray_train_gave_it() -> None:
-    from fsdp_exp.launch.ray import rank_variables
+    from fsdp_exp.launch.ray import worker_variables
 
     context = SimpleNamespace(get_world_rank=lambda: 5, get_local_rank=lambda: 1, get_world_size=lambda: 8,
                               get_local_world_size=lambda: 4)
-    variables = rank_variables(context, torch.device("cuda", 3))
+    variables = worker_variables(context, torch.device("cuda", 3))
     assert variables == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
-                         "FSDP_EXP_DEVICE": "cuda:3"}
+                         "FSDP_EXP_RESTARTS": "0", "FSDP_EXP_DEVICE": "cuda:3"}
     assert distributed.gpu_index(variables, 4) == 3
-    assert "FSDP_EXP_DEVICE" not in rank_variables(context)  # CPU workers
+    assert "FSDP_EXP_DEVICE" not in worker_variables(context)  # CPU workers
 
 
 # ---- the device is rank 0's, not the driver's ---------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.launch import RunFailed
+from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.launch.local import LocalLauncher
 from tests import rank_tasks
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli

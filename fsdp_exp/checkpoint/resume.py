@@ -4,7 +4,6 @@ may write into checkpoint.dir. On the ranks: where a restarted run starts."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,18 +75,21 @@ def resolve_resume(cfg: Experiment) -> str | None:
     return str(checkpoint.path)
 
 
-def restart_count(device: torch.device) -> int:
-    """On a rank: how many times the launcher has restarted the ranks. The largest count
-    over the ranks: under a multi-node torchrun only the agent whose rank failed counts a
-    restart, and the other nodes' ranks just join its new round."""
-    mine = float(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    return int(max(distributed.gather(mine, device)))
+def restart_count(device: torch.device, mine: int) -> int:
+    """On a rank: how many times the launcher has restarted the ranks, from this rank's
+    count (`fsdp_exp.launch.worker.restarts`). The largest count over the ranks: under a
+    multi-node torchrun only the agent whose rank failed counts a restart, and the other
+    nodes' ranks just join its new round."""
+    return int(max(distributed.gather(float(mine), device)))
 
 
-def resume_point(cfg: Experiment, restarts: int) -> Path | None:
-    """On a rank: the checkpoint to start from. After the launcher restarted the ranks
-    (launcher.max_restarts), the latest in checkpoint.dir; otherwise the driver's choice."""
+def resume_point(cfg: Experiment, restarts: int, restored: str | None = None) -> Path | None:
+    """On a rank: the checkpoint to start from. After the launcher restarted the ranks, the
+    checkpoint it `restored` (a launcher that keeps its own copies: Ray), or else the latest
+    in checkpoint.dir; otherwise the driver's choice."""
     root = cfg.checkpoint.dir
+    if restarts and restored:
+        return Path(restored)
     if restarts and root and latest(Path(root)) is not None:
         return latest(Path(root))
     return Path(cfg.resume) if cfg.resume else None

@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import signal
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
@@ -19,10 +18,16 @@ from torch.distributed.elastic.multiprocessing.errors import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdp_exp.errors import ConfigError, at_least
-from fsdp_exp.launch import RunFailed, check_nproc
-from fsdp_exp.launch.worker import rank_log_path, run_rank
-
-CPU_RANKS = 2  # what `auto` means on a machine without GPUs
+from fsdp_exp.launch.core import (
+    RankOutcome,
+    check_nproc,
+    explain,
+    failure_line,
+    ranks_per_node,
+    scoped_env,
+    threads_per_rank,
+)
+from fsdp_exp.launch.worker import run_rank
 
 
 @dataclass
@@ -44,12 +49,10 @@ class LocalLauncher:
     def world_size(self, gpus: int) -> int:
         """`nproc_per_node`, or for `auto` one rank per GPU (2 on CPU). `gpus`: the GPUs
         the ranks run on, 0 on CPU."""
-        if self.nproc_per_node == "auto":
-            return gpus or CPU_RANKS
-        if gpus and self.nproc_per_node > gpus:
+        if self.nproc_per_node != "auto" and gpus and self.nproc_per_node > gpus:
             raise ConfigError(f"launcher.nproc_per_node={self.nproc_per_node}: only {gpus} GPU(s) here, "
                               "one rank per GPU")
-        return int(self.nproc_per_node)
+        return ranks_per_node(self.nproc_per_node, gpus)
 
     def gpus(self, local_gpus: int) -> int:
         return local_gpus
@@ -82,28 +85,18 @@ def elastic_run(task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, opt
         with fresh_store_per_restart(options["max_restarts"]):
             return elastic_launch(LaunchConfig(**options), run_rank)(task, cfg, str(run_dir), alarm_s)
     except ChildFailedError as err:
-        raise run_failed(err.failures, run_dir, time_limit_s) from None
+        raise explain(outcomes(err.failures), run_dir, time_limit_s) from None
 
 
-def run_failed(failures: dict[int, ProcessFailure], run_dir: Path, time_limit_s: float | None) -> RunFailed:
-    """The failure that explains the run. Its cause comes first: an out-of-memory on any
-    rank, then the earliest error, and only then a rank stopped by a signal, which is
-    usually the agent stopping the ranks that were left waiting in a collective."""
-    def line(failure: ProcessFailure) -> str:
-        return failure_line(failure.message)
-
-    def order(item: tuple[int, ProcessFailure]) -> tuple:
-        rank, failure = item
-        return ("OutOfMemory:" not in line(failure), failure.exitcode < 0, failure.timestamp, rank)
-
-    rank, failure = min(failures.items(), key=order)
-    log_file = rank_log_path(run_dir, rank)
-    killed_by = failure.signal_name() if failure.exitcode < 0 else None
-    if failure.exitcode == -signal.SIGALRM and time_limit_s:
-        return RunFailed(f"rank {rank} ran past the time limit of {time_limit_s:g} s (log: {log_file})",
-                         timed_out=True, killed_by=killed_by)
-    return RunFailed(f"rank {rank} failed: {line(failure)} (log: {log_file})",
-                     out_of_memory="OutOfMemory:" in line(failure), killed_by=killed_by)
+def outcomes(failures: dict[int, ProcessFailure]) -> list[RankOutcome]:
+    """torch elastic's failures as rank outcomes: an error the rank raised (@record keeps
+    it), or the signal that ended it."""
+    def outcome(rank: int, failure: ProcessFailure) -> RankOutcome:
+        line = failure_line(failure.message)
+        if failure.exitcode < 0:
+            return RankOutcome(rank, signal=failure.signal_name(), ended=failure.timestamp, how=f"failed: {line}")
+        return RankOutcome(rank, error=line, ended=failure.timestamp)
+    return [outcome(rank, failure) for rank, failure in failures.items()]
 
 
 @contextlib.contextmanager
@@ -122,36 +115,6 @@ def fresh_store_per_restart(max_restarts: int) -> Iterator[None]:
         return
     with scoped_env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"):
         yield
-
-
-@contextlib.contextmanager
-def scoped_env(name: str, value: str) -> Iterator[None]:
-    """`name=value` in this process's environment (and the ranks') for the block, unless
-    the user set it."""
-    if name in os.environ:
-        yield
-        return
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        del os.environ[name]
-
-
-@contextlib.contextmanager
-def threads_per_rank(nproc: int) -> Iterator[None]:
-    """Split the cores between the ranks through OMP_NUM_THREADS, as torchrun does, but
-    in the environment the ranks start with (the elastic launcher leaves it unset)."""
-    with scoped_env("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))):
-        yield
-
-
-def failure_line(message: Any) -> str:
-    """The error of a failed rank as one line. @record stores {"message": "Type: text", ...};
-    a rank killed by a signal has a plain message."""
-    if isinstance(message, dict):
-        message = message.get("message", message)
-    return " ".join(str(message).split())
 
 
 def quiet_elastic() -> None:

@@ -43,25 +43,25 @@ Design:
   fall behind and delay the checkpoints a restart needs; the records stay in
   metrics.jsonl (and wandb).
 - **Restarts.** `max_failures` is Ray's FailureConfig: after a worker fails, Ray Train
-  restarts the whole worker group, up to that many times; each worker then sets
-  `cfg.resume` to `ray.train.get_checkpoint()` (Ray's copy of the latest reported
-  checkpoint), and rank 0 logs "restart N of the ranks", as with launcher=local. A
-  checkpoint that was committed but not reported yet when a worker died is not used: the
-  run repeats those steps, with the same result.
+  restarts the whole worker group, up to that many times. Each worker then tells its rank
+  the restart count and `ray.train.get_checkpoint()` (Ray's copy of the latest reported
+  checkpoint) through `fsdp_exp.launch.worker.rank_variables`, and the ranks resume from
+  it as after any launcher's restart (`fsdp_exp.checkpoint.resume.resume_point`); rank 0
+  logs "restart N of the ranks". Before Ray holds a checkpoint, the latest in
+  checkpoint.dir is used, as with launcher=local.
 - **Console and failures.** Workers' output stays in Ray's log files (`log_to_driver`
   off: Ray's own actors are chatty); the driver echoes rank 0's lines from rank0.log as
   they come, as launcher=local shows them, without the traceback lines that stay in the
-  log. A failed run becomes RunFailed in launcher=local's order: an out-of-memory on any
-  rank, then a rank whose process died (after `time_limit_s`: the rank's own SIGALRM,
-  reported with `timed_out`; else `killed_by="signal"`: Ray does not say which signal),
-  then the other errors, a rank's own error before the "connection closed by peer" of
-  the ranks left in a collective with it.
+  log. Ray Train's worker errors become the rank outcomes of `fsdp_exp.launch.core` (a
+  worker whose process died: ended by a signal, which Ray does not name; its time limit
+  passed: the rank's own SIGALRM), and `core.explain` names the failure as for every
+  launcher.
 - **Time limits.** Ray Train runs the training function in a thread of the worker
   process; `signal.alarm` works from any thread (only installing a handler needs the
   main thread), and SIGALRM's default action ends the whole worker process, even inside
   a collective. So `run_rank`'s alarm holds under Ray too. Should it not end a rank, the
-  driver stops the run 30 s after the limit (it disconnects from Ray, which ends the
-  run's actors).
+  driver stops the run 30 s after the limit (`core.watch`; it disconnects from Ray, which
+  ends the run's actors).
 - **Never hang.** A cluster that cannot place the workers (too few CPUs or GPUs) fails
   once Ray Train's worker-group start times out (60 s, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S)
   instead of retrying forever (`controller_failure_limit=0`), as a ConfigError.
@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import importlib.util
 import json
 import logging
@@ -101,31 +100,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
-from fsdp_exp.distributed import DEVICE_VARIABLE
 from fsdp_exp.errors import ConfigError, at_least
-from fsdp_exp.launch import RunFailed
-from fsdp_exp.launch.local import failure_line
+from fsdp_exp.launch.core import (
+    POLL_S,
+    Echo,
+    RankOutcome,
+    RunFailed,
+    explain,
+    failure_line,
+    missing_extra,
+    watch,
+)
 from fsdp_exp.launch.tail import NewLines
-from fsdp_exp.launch.worker import rank_log_path, run_rank
-from fsdp_exp.memory import OutOfMemory
+from fsdp_exp.launch.worker import rank_log_path, rank_variables, run_rank
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
-POLL_S = 0.2  # how often the driver echoes rank 0's log, and rank 0 looks for new records and checkpoints
-STOP_GRACE_S = 30  # after the time limit, how long the ranks' own alarm has before the driver stops the run
 PROCESS_GROUP_TIMEOUT_S = 600  # as fsdp_exp.distributed.init's
 UPLOAD_DIR = ".ray_upload"  # in checkpoint.dir: the hard-linked snapshot Ray uploads, removed after
 ATTEMPTS_FILE = "fsdp_exp_attempts"  # in Ray's directory of the run: one line per start of rank 0
 TRAIN_EXTRA = ("pandas", "pyarrow", "fsspec")  # what ray[train] adds to ray, found without importing
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def _missing_extra() -> ConfigError:
-    return ConfigError("launcher=ray: needs ray[train], which is not installed; "
-                       "install the extra: pip install -e .[ray]")
 
 
 @dataclass
@@ -174,9 +171,9 @@ class RayLauncher:
         try:
             import ray  # noqa: F401
         except ImportError:
-            raise _missing_extra() from None
+            raise missing_extra("ray", "ray[train]", "ray") from None
         if any(importlib.util.find_spec(name) is None for name in TRAIN_EXTRA):
-            raise _missing_extra()
+            raise missing_extra("ray", "ray[train]", "ray")
         if self.use_gpu and self.address is None:
             import torch
 
@@ -204,7 +201,7 @@ class RayLauncher:
             )
             from ray.train.torch import TorchConfig, TorchTrainer
         except ImportError:
-            raise _missing_extra() from None
+            raise missing_extra("ray", "ray[train]", "ray") from None
 
         run_dir = Path(run_dir).resolve()
         resources = {str(k): float(v) for k, v in dict(self.resources_per_worker or {}).items()}
@@ -227,13 +224,14 @@ class RayLauncher:
                 checkpoint_config=CheckpointConfig(num_to_keep=ckpt.keep if ckpt.saves else None),
             ),
         )
-        watch = Watch(run_dir, nproc)
-        start = time.time()
-        result, error = fit(trainer, watch, time_limit_s)
+        starts = Starts(run_dir, nproc)
+        result, error, stopped = fit(trainer, starts, time_limit_s)
+        if stopped:
+            raise explain([RankOutcome(0, signal="SIGKILL", started=starts.first())], run_dir, time_limit_s,
+                          stopped_for_time=True)
         if error is None:
             return result.return_value
-        raise failure(error, run_dir, time_limit_s, [s or start for s in watch.started], time.time(),
-                      nproc, resources)
+        raise failure(error, run_dir, time_limit_s, starts.since_launch(), nproc, resources)
 
     def storage(self, run_dir: Path) -> str:
         """Ray's storage: `storage_path` (a path, or a URI such as s3://...), or <run_dir>/ray."""
@@ -280,16 +278,7 @@ def connect(address: str | None, start_timeout: float, cpus: float) -> None:
             raise ConfigError(f"launcher.address=null: could not start a local Ray: {first_line(err)}") from None
         _session["address"] = None
         return
-    outcome: dict[str, BaseException] = {}
-
-    def join() -> None:
-        try:
-            ray.init(address=address, **options)
-        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
-            outcome["error"] = err
-
-    joiner = threading.Thread(target=join, name="fsdp_exp-ray-connect", daemon=True)
-    joiner.start()
+    joiner, outcome = in_thread(lambda: ray.init(address=address, **options), "fsdp_exp-ray-connect")
     joiner.join(start_timeout)
     if joiner.is_alive():
         atexit.register(_exit_before_ray_teardown)
@@ -303,6 +292,22 @@ def connect(address: str | None, start_timeout: float, cpus: float) -> None:
     _session["address"] = address
 
 
+def in_thread(work: Callable[[], Any], name: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """`work()` in a daemon thread, started; the box gets its "result", or the "error" it
+    raised, for the caller's thread."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, box
+
+
 def disconnect() -> None:
     """Leave Ray (a local Ray shuts down): Ray then ends the actors of this process's runs."""
     import ray
@@ -312,45 +317,23 @@ def disconnect() -> None:
         ray.shutdown()
 
 
-def fit(trainer: Any, watch: Watch, time_limit_s: float | None) -> tuple[Any, BaseException | None]:
-    """`trainer.fit()` in a thread, while this one echoes rank 0's lines; (result, error)."""
-    box: dict[str, Any] = {}
+def fit(trainer: Any, starts: Starts, time_limit_s: float | None) -> tuple[Any, BaseException | None, bool]:
+    """`trainer.fit()` in a thread, while this one echoes rank 0's lines (`core.watch`):
+    (result, error, whether the driver stopped the run for its time limit)."""
+    runner, box = in_thread(trainer.fit, "fsdp_exp-ray-fit")
 
-    def run() -> None:
-        try:
-            box["result"] = trainer.fit()
-        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = err
+    def done() -> bool:
+        starts.poll()
+        return not runner.is_alive()
 
-    runner = threading.Thread(target=run, name="fsdp_exp-ray-fit", daemon=True)
-    runner.start()
-    try:
-        while runner.is_alive():
-            watch.poll()
-            first = min((s for s in watch.started if s is not None), default=None)
-            if time_limit_s and first is not None and time.time() - first > time_limit_s + STOP_GRACE_S:
-                disconnect()
-                return None, StoppedAfterLimit()
-            runner.join(POLL_S)
-    except BaseException:  # Ctrl-C on the driver: the run must not outlive it
-        disconnect()
-        raise
-    finally:
-        watch.poll(final=True)
-    return box.get("result"), box.get("error")
-
-
-class StoppedAfterLimit(Exception):
-    """The driver stopped a run whose ranks were still running well past the time limit."""
+    stopped = watch(done, Echo(starts.logs[0], starts.sizes[0]), starts.first, disconnect, time_limit_s)
+    return box.get("result"), box.get("error"), stopped
 
 
 def failure(err: BaseException, run_dir: Path, time_limit_s: float | None, started: list[float],
-            ended: float, nproc: int, resources: dict) -> Exception:
-    """The one-line failure that explains the run (RunFailed, or ConfigError for a cluster
-    that cannot place the workers)."""
-    if isinstance(err, StoppedAfterLimit):
-        return RunFailed(f"rank 0 ran past the time limit of {time_limit_s:g} s and did not end; the driver "
-                         f"stopped the run (log: {rank_log_path(run_dir, 0)})", timed_out=True, killed_by="SIGKILL")
+            nproc: int, resources: dict) -> Exception:
+    """The one-line failure that explains the run: `core.explain` of the workers' errors,
+    or ConfigError for a cluster that cannot place the workers."""
     failures = getattr(err, "worker_failures", None)
     if not isinstance(failures, dict) or not failures:
         cause = getattr(err, "controller_failure", err)
@@ -358,28 +341,11 @@ def failure(err: BaseException, run_dir: Path, time_limit_s: float | None, start
             return ConfigError(f"launcher=ray: the Ray cluster cannot place {nproc} worker(s) with "
                                f"{resources or {'CPU': 1.0}} each: {first_line(cause)}")
         return RunFailed(f"Ray Train failed: {type(cause).__name__}: {first_line(cause)}")
-
-    def line(error: BaseException) -> str:
-        return failure_line(f"{type(error).__name__}: {error}")
-
-    def where(rank: int) -> str:
-        return f"(log: {rank_log_path(run_dir, rank)})"
-
-    died = sorted(rank for rank, error in failures.items() if process_died(error))
-    errors = {rank: error for rank, error in failures.items() if rank not in died}
-    oom = sorted(rank for rank, error in errors.items()
-                 if isinstance(error, OutOfMemory) or "OutOfMemory:" in line(error))
-    if oom:
-        return RunFailed(f"rank {oom[0]} failed: {line(errors[oom[0]])} {where(oom[0])}", out_of_memory=True)
-    late = [rank for rank in died if time_limit_s and ended - started[rank] >= time_limit_s]
-    if late:
-        return RunFailed(f"rank {late[0]} ran past the time limit of {time_limit_s:g} s {where(late[0])}",
-                         timed_out=True, killed_by="SIGALRM")
-    if died:
-        return RunFailed(f"rank {died[0]} died: its process ended without an error (killed by a signal, "
-                         f"or its node was lost) {where(died[0])}", killed_by="signal")
-    rank = min(errors, key=lambda r: (any(text in str(errors[r]) for text in _PEER_GONE), r))
-    return RunFailed(f"rank {rank} failed: {line(errors[rank])} {where(rank)}")
+    died = "died: its process ended without an error (killed by a signal, or its node was lost)"
+    outcomes = [RankOutcome(rank, signal="signal", started=started[rank], how=died) if process_died(error)
+                else RankOutcome(rank, error=failure_line(f"{type(error).__name__}: {error}"), started=started[rank])
+                for rank, error in failures.items()]
+    return explain(outcomes, run_dir, time_limit_s)
 
 
 def process_died(error: BaseException) -> bool:
@@ -395,22 +361,27 @@ def first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-class Watch:
-    """On the driver, from the run directory: when each rank started (its log grew), and
-    rank 0's console lines, echoed as launcher=local shows them."""
+class Starts:
+    """On the driver, from the run directory: when each rank started (its log grew)."""
 
     def __init__(self, run_dir: Path, nproc: int):
+        self.launched = time.time()
         self.logs = [rank_log_path(run_dir, rank) for rank in range(nproc)]
         self.sizes = [size(path) for path in self.logs]
         self.started: list[float | None] = [None] * nproc
-        self.echo = Echo(self.logs[0], self.sizes[0])
 
-    def poll(self, final: bool = False) -> None:
+    def poll(self) -> None:
         now = time.time()
         for rank, path in enumerate(self.logs):
             if self.started[rank] is None and size(path) > self.sizes[rank]:
                 self.started[rank] = now
-        self.echo.poll(final)
+
+    def first(self) -> float | None:
+        return min((s for s in self.started if s is not None), default=None)
+
+    def since_launch(self) -> list[float]:
+        """When each rank started, or the launch for a rank not seen to start."""
+        return [s or self.launched for s in self.started]
 
 
 def size(path: Path) -> int:
@@ -418,30 +389,6 @@ def size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-class Echo:
-    """New records of rank0.log onto the driver's stdout, but for those that go only to the
-    file under launcher=local (the rank's pid line, its traceback)."""
-
-    HEADER = re.compile(rb"^\[[^\]]*\]\[rank\d+\]\[[A-Z]+\] ")
-    FILE_ONLY = (b"rank 0 is pid ", b"this rank failed")
-
-    def __init__(self, path: Path, offset: int):
-        self.new_lines = NewLines(path, offset)
-        self.showing = True  # whether the record the next continuation line belongs to is shown
-
-    def poll(self, final: bool = False) -> None:
-        shown = []
-        for line in self.new_lines.read(final):
-            header = self.HEADER.match(line)
-            if header:
-                self.showing = not line[header.end():].startswith(self.FILE_ONLY)
-            if self.showing:
-                shown.append(line.decode(errors="replace"))
-        if shown:
-            sys.stdout.write("\n".join(shown) + "\n")
-            sys.stdout.flush()
 
 
 # ---- in each worker ------------------------------------------------------------------------
@@ -470,26 +417,20 @@ class RankJob:
             import ray.train.torch
 
             device = ray.train.torch.get_device()
-        os.environ.update(rank_variables(context, device))
-        os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)  # restarts are Ray's: resume is set below
-        cfg = copy.deepcopy(self.cfg)
         restored = ray.train.get_checkpoint()
-        if restored is not None:
-            cfg.resume = restored_path(restored, cfg, rank)
-        restarts = self.count_start(restored) if rank == 0 else 0
-        reporter = Reporter(rank, cfg, Path(self.run_dir))
+        os.environ.update(worker_variables(
+            context, device, restarts=self.count_start(restored) if rank == 0 else 0,
+            restored=restored_path(restored, self.cfg, rank) if restored is not None else None))
+        reporter = Reporter(rank, self.cfg, Path(self.run_dir))
 
         def task(cfg: Experiment, run_dir: Path) -> Any:
             quiet = QuietRay()  # on the handlers run_rank has just set up
             for handler in logging.getLogger().handlers:
                 handler.addFilter(quiet)
-            if restarts:
-                log.warning("restart %d of the ranks (Ray Train restarted the worker group), from %s",
-                            restarts, cfg.resume or "step 0 (no checkpoint yet)")
             reporter.start()
             return self.task(cfg, run_dir)
 
-        result = run_rank(task, cfg, self.run_dir, self.time_limit_s)
+        result = run_rank(task, self.cfg, self.run_dir, self.time_limit_s)
         reporter.finish()
         ray.train.report(json_safe(result) if isinstance(result, dict) else {})
         return result
@@ -511,15 +452,12 @@ class RankJob:
             return int(restored is not None)
 
 
-def rank_variables(context: Any, device: Any = None) -> dict[str, str]:
+def worker_variables(context: Any, device: Any = None, restarts: int = 0, restored: str | None = None) -> dict[str, str]:
     """What a worker's rank reads from its environment, from Ray Train's context and, on
     GPUs, the device Ray Train gave the worker."""
-    variables = {"RANK": str(context.get_world_rank()), "LOCAL_RANK": str(context.get_local_rank()),
-                 "WORLD_SIZE": str(context.get_world_size()),
-                 "LOCAL_WORLD_SIZE": str(context.get_local_world_size())}
-    if device is not None:
-        variables[DEVICE_VARIABLE] = str(device)
-    return variables
+    return rank_variables(context.get_world_rank(), context.get_local_rank(), context.get_world_size(),
+                          context.get_local_world_size(), device=None if device is None else str(device),
+                          restarts=restarts, restored=restored)
 
 
 class QuietRay(logging.Filter):

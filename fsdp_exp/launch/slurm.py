@@ -27,23 +27,22 @@ Design:
   `timeout_min`). It returns the same job with `cfg.resume` set to the latest checkpoint
   in `checkpoint.dir` (`fsdp_exp.checkpoint.files.latest`), and submitit requeues it (on
   SLURM `scontrol requeue`, same job id; locally the controller restarts the tasks). The
-  ranks then resume exactly as after a restart of launcher=local (TORCHELASTIC_RESTART_COUNT
-  is set to the requeue count, so `resume_point` takes the latest checkpoint and rank 0 logs
-  the restart). Requeues are counted in the callable; past `launcher.max_restarts` its
+  ranks then resume exactly as after a restart of launcher=local (the requeue count is the
+  ranks' restart count, `fsdp_exp.launch.worker.restarts`, so `resume_point` takes the latest
+  checkpoint and rank 0 logs the restart). Requeues are counted in the callable; past `launcher.max_restarts` its
   `checkpoint()` raises, so the run fails with that reason instead of being requeued
   (submitit alone would requeue preemptions without limit). A job that fails is
   resubmitted by the driver, resuming the same way, within the same `max_restarts`.
 - **The driver** (the Hydra process) blocks until the job ends, echoing rank 0's console
   lines (its task's stdout) as they come, and returns rank 0's result. A failed job
-  becomes RunFailed with the priorities of launcher=local: an out-of-memory on any rank,
-  then the earliest error (the result pickles' times), then a rank that ended without a
-  result. A rank killed from outside usually shows as its peers' errors (they outlive it
-  and write their tracebacks); only when no rank left one is `killed_by` set, and to
-  "signal", since neither submitit nor SLURM keeps the signal of one task. A rank past
-  the launch's time limit is ended by its own SIGALRM (worker.run_rank): a rank that
-  left no result after running that long is reported with `timed_out`, unless a rank
-  failed before the limit. The driver cancels the job itself 30 s after the limit, should
-  the alarm not end it. Ctrl-C on the driver cancels the job.
+  becomes the rank outcomes of `fsdp_exp.launch.core` (an error with the time its result
+  pickle was written; no result: a rank killed by a signal, or one that never started),
+  and `core.explain` names the failure as for every launcher. Neither submitit nor SLURM
+  keeps the signal of one task, so `killed_by` is "signal". A rank past the launch's time
+  limit is ended by its own SIGALRM (worker.run_rank): a rank that left no result after
+  running that long is reported with `timed_out`, unless a rank failed before the limit.
+  The driver cancels the job itself 30 s after the limit, should the alarm not end it
+  (`core.watch`). Ctrl-C on the driver cancels the job.
 - **Ports.** MASTER_ADDR is the first node of the job (127.0.0.1 locally). MASTER_PORT is
   a free port the driver picks (locally), or on a cluster one derived from the job id
   (as submitit.helpers.TorchDistributedEnvironment does), unless the job's `setup` lines
@@ -61,7 +60,6 @@ Design:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
@@ -70,25 +68,31 @@ import random
 import re
 import shutil
 import socket
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from fsdp_exp.checkpoint.files import latest
 from fsdp_exp.errors import ConfigError, at_least
-from fsdp_exp.launch import RunFailed, check_nproc
-from fsdp_exp.launch.local import CPU_RANKS, failure_line, threads_per_rank
-from fsdp_exp.launch.tail import NewLines
-from fsdp_exp.launch.worker import rank_log_path, run_rank
+from fsdp_exp.launch.core import (
+    POLL_S,
+    Echo,
+    RankOutcome,
+    check_nproc,
+    explain,
+    failure_line,
+    missing_extra,
+    ranks_per_node,
+    threads_per_rank,
+    watch,
+)
+from fsdp_exp.launch.worker import rank_variables, run_rank
 
 log = logging.getLogger("fsdp_exp")
 
 CLUSTERS = ("slurm", "local")
-POLL_S = 0.2  # how often the driver looks at the job
 FORCE_STATE_S = 30  # on a cluster, how often it also asks sacct (submitit alone may wait 10 minutes)
-STOP_GRACE_S = 30  # after the time limit, how long the ranks' own alarm has before the driver cancels
 RESULT_WAIT_S = 15  # on a cluster, how long result files may take to appear on the shared file system
 
 
@@ -98,11 +102,6 @@ class RankError(RuntimeError):
 
 class RequeueRefused(RuntimeError):
     """The job was signalled for preemption or its time limit, and no requeue is left."""
-
-
-def _missing_extra() -> ConfigError:
-    return ConfigError("launcher=slurm: needs submitit, which is not installed; "
-                       "install the extra: pip install -e .[slurm]")
 
 
 @dataclass
@@ -157,16 +156,14 @@ class SlurmLauncher:
         return self.nodes * self.per_node()
 
     def per_node(self) -> int:
-        if self.nproc_per_node != "auto":
-            return int(self.nproc_per_node)
-        return self.gpus_per_node or CPU_RANKS
+        return ranks_per_node(self.nproc_per_node, self.gpus_per_node)
 
     def check(self) -> None:
         """One ConfigError line for what cannot be submitted from here."""
         try:
             import submitit  # noqa: F401
         except ImportError:
-            raise _missing_extra() from None
+            raise missing_extra("slurm", "submitit", "slurm") from None
         if self.cluster == "slurm" and shutil.which("sbatch") is None:
             raise ConfigError("launcher.cluster=slurm: no SLURM here (sbatch not found); "
                               "use launcher.cluster=local to try it on this machine")
@@ -234,33 +231,28 @@ class SlurmLauncher:
 
     def _outcome(self, job: Any, nproc: int, run_dir: Path, time_limit_s: float | None) -> tuple:
         """Wait for the job; (None, rank 0's result) or (RunFailed, None)."""
-        echo = Echo(job.task(0).paths.stdout)
-        cancelled_for_time = False
-        last_forced = time.monotonic()
-        try:
-            while not job.done():
-                echo.poll()
-                if time_limit_s and not cancelled_for_time:
-                    starts = [s for s in started(job, nproc) if s is not None]
-                    if starts and time.time() - min(starts) > time_limit_s + STOP_GRACE_S:
-                        job.cancel(check=False)
-                        cancelled_for_time = True
-                if self.cluster == "slurm" and time.monotonic() - last_forced > FORCE_STATE_S:
-                    job.get_info(mode="force")  # refreshes the state every task's done() reads
-                    last_forced = time.monotonic()
-                time.sleep(POLL_S)
-        except BaseException:  # Ctrl-C on the driver: the job must not outlive it
-            job.cancel(check=False)
-            raise
-        finally:
-            echo.poll(final=True)
+        forced = [time.monotonic()]
+
+        def done() -> bool:
+            if self.cluster == "slurm" and time.monotonic() - forced[0] > FORCE_STATE_S:
+                job.get_info(mode="force")  # refreshes the state every task's done() reads
+                forced[0] = time.monotonic()
+            return job.done()
+
+        def first_start() -> float | None:
+            return min((s for s in started(job, nproc) if s is not None), default=None)
+
+        stopped = watch(done, Echo(job.task(0).paths.stdout), first_start, lambda: job.cancel(check=False),
+                        time_limit_s)
+        while not job.done():  # cancelled: the tasks end within seconds
+            time.sleep(POLL_S)
         ended = time.time()
         if self.cluster == "slurm":
             wait_for_results(job, nproc)
         results = [read_result(job.task(rank).paths.result_pickle) for rank in range(nproc)]
         if all(r is not None and r[0] == "success" for r in results):
             return None, results[0][1]
-        return run_failed(job, results, run_dir, time_limit_s, ended, started(job, nproc), cancelled_for_time), None
+        return explain(outcomes(job, results, started(job, nproc)), run_dir, time_limit_s, ended, stopped), None
 
     @staticmethod
     def _restarts_used(job: Any, job_fn: RankJob) -> int:
@@ -271,36 +263,21 @@ class SlurmLauncher:
             return job_fn.restarts
 
 
-def run_failed(job: Any, results: list, run_dir: Path, time_limit_s: float | None, ended: float,
-               starts: list[float | None], cancelled_for_time: bool) -> RunFailed:
-    """The failure that explains the job, in launcher=local's order: an out-of-memory on any
-    rank, then the earliest error, then a rank that ended without a result. A rank without
-    a result that had run past the time limit was ended by its alarm: that is the cause,
-    unless some rank had failed before the limit."""
-    errors = []  # (time, rank, line)
-    missing = []
-    for rank, result in enumerate(results):
+def outcomes(job: Any, results: list, starts: list[float | None]) -> list[RankOutcome]:
+    """The job's result pickles as rank outcomes: the error a rank raised, with the time its
+    pickle was written; no result: a rank killed by a signal, or one that never started."""
+    ranks = []
+    for rank, (result, start) in enumerate(zip(results, starts, strict=True)):
         if result is None:
-            missing.append(rank)
+            how = "never started" if start is None else \
+                "ended without a result (killed by a signal, or its node was lost)"
+            ranks.append(RankOutcome(rank, signal="signal", started=start,
+                                     how=f"{how}; job {job.job_id}, its log: {job.task(rank).paths.stderr}"))
         elif result[0] != "success":
-            errors.append((result[2], rank, error_line(str(result[1]))))
-    oom = [e for e in errors if "OutOfMemory:" in e[2]]
-    if oom:
-        _, rank, line = min(oom)
-        return RunFailed(f"rank {rank} failed: {line} (log: {rank_log_path(run_dir, rank)})", out_of_memory=True)
-    late = [r for r in missing if time_limit_s and starts[r] is not None
-            and (cancelled_for_time or ended - starts[r] >= time_limit_s)]
-    deadline = min(starts[r] for r in late) + time_limit_s if late else float("inf")
-    if errors and min(errors)[0] < deadline:
-        _, rank, line = min(errors)
-        return RunFailed(f"rank {rank} failed: {line} (log: {rank_log_path(run_dir, rank)})")
-    if late:
-        return RunFailed(f"rank {late[0]} ran past the time limit of {time_limit_s:g} s "
-                         f"(log: {rank_log_path(run_dir, late[0])})", timed_out=True, killed_by="SIGALRM")
-    rank = missing[0]
-    how = "never started" if starts[rank] is None else "ended without a result (killed by a signal, or its node was lost)"
-    return RunFailed(f"rank {rank} {how}; job {job.job_id}, its log: {job.task(rank).paths.stderr} "
-                     f"(log: {rank_log_path(run_dir, rank)})", killed_by="signal")
+            ranks.append(RankOutcome(rank, error=error_line(str(result[1])), ended=result[2], started=start))
+        else:
+            ranks.append(RankOutcome(rank, started=start))
+    return ranks
 
 
 _RANK_ERROR = f"{RankError.__module__}.{RankError.__qualname__}: "
@@ -356,21 +333,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Echo:
-    """Rank 0's console lines (its task's stdout) onto the driver's stdout, as launcher=local
-    shows them; submitit's own lines stay in its files."""
-
-    def __init__(self, path: Path):
-        self.new_lines = NewLines(path)
-
-    def poll(self, final: bool = False) -> None:
-        lines = self.new_lines.read(final)
-        text = [line.decode(errors="replace") for line in lines if not line.startswith(b"submitit ")]
-        if text:
-            sys.stdout.write("\n".join(text) + "\n")
-            sys.stdout.flush()
-
-
 # ---- in each task --------------------------------------------------------------------------
 @dataclass
 class RankJob:
@@ -395,14 +357,12 @@ class RankJob:
         env = submitit.JobEnvironment()
         env.paths.result_pickle.unlink(missing_ok=True)  # an earlier attempt's, before a requeue
         started_path(env.paths.folder, env.job_id, env.global_rank).touch()
-        per_node = env.num_tasks // env.num_nodes
-        os.environ.update(
-            RANK=str(env.global_rank), LOCAL_RANK=str(env.local_rank), WORLD_SIZE=str(env.num_tasks),
-            LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1" if self.local else env.hostnames[0],
-            MASTER_PORT=str(self.master_port or os.environ.get("MASTER_PORT")
-                            or random.Random(env.job_id).randint(20000, 60000)),
-            TORCHELASTIC_RESTART_COUNT=str(self.restarts),  # what the ranks read after a restart
-        )
+        os.environ.update(rank_variables(
+            env.global_rank, env.local_rank, env.num_tasks, env.num_tasks // env.num_nodes,
+            master_addr="127.0.0.1" if self.local else env.hostnames[0],
+            master_port=self.master_port or os.environ.get("MASTER_PORT")
+            or random.Random(env.job_id).randint(20000, 60000),
+            restarts=self.restarts))
         cpus = os.environ.get("SLURM_CPUS_PER_TASK")
         if cpus and "OMP_NUM_THREADS" not in os.environ:
             import torch
@@ -423,10 +383,6 @@ class RankJob:
         return DelayedSubmission(self.restarted())
 
     def restarted(self) -> RankJob:
-        """The next attempt: from the latest checkpoint in checkpoint.dir, if there is one."""
-        cfg = copy.deepcopy(self.cfg)
-        root = cfg.checkpoint.dir
-        newest = latest(Path(root)) if root else None
-        if newest is not None:
-            cfg.resume = str(newest)
-        return dataclasses.replace(self, cfg=cfg, restarts=self.restarts + 1)
+        """The next attempt, which resumes from the latest checkpoint in checkpoint.dir
+        (`fsdp_exp.checkpoint.resume.resume_point`)."""
+        return dataclasses.replace(self, restarts=self.restarts + 1)

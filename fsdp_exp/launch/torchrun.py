@@ -13,16 +13,17 @@ ranks' logs and a summary.json of the same figures.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch import RunFailed
-from fsdp_exp.launch.local import LocalLauncher, elastic_run, threads_per_rank
+from fsdp_exp.launch.core import RunFailed, threads_per_rank
+from fsdp_exp.launch.local import LocalLauncher, elastic_run
 
 
 def parse_nnodes(nnodes: Any) -> tuple[int, int]:

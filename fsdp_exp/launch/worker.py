@@ -1,4 +1,5 @@
-"""What every rank runs first, whichever launcher started it: logging, threads, then the task."""
+"""What every rank runs first, whichever launcher started it: its variables, logging, the
+time limit, then the task; and the one way a rank knows that the launcher restarted it."""
 
 from __future__ import annotations
 
@@ -7,12 +8,41 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fsdp_exp.distributed import DEVICE_VARIABLE
+
 log = logging.getLogger("fsdp_exp")
+
+RESTARTS_VARIABLE = "FSDP_EXP_RESTARTS"  # how often the launcher has restarted the ranks
+RESTORED_VARIABLE = "FSDP_EXP_RESTORED"  # the checkpoint a launcher that keeps its own copies (Ray) restored
+
+
+def rank_variables(rank: int, local_rank: int, world_size: int, local_world_size: int, *,
+                   master_addr: str | None = None, master_port: int | str | None = None,
+                   device: str | None = None, restarts: int = 0, restored: str | None = None) -> dict[str, str]:
+    """What a rank reads from its environment, for a launcher other than torch's elastic
+    one (which sets RANK to MASTER_PORT and TORCHELASTIC_RESTART_COUNT itself). `device`:
+    the rank's GPU, where the launcher knows it (see `fsdp_exp.distributed.gpu_index`)."""
+    variables = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+                 "LOCAL_WORLD_SIZE": str(local_world_size), RESTARTS_VARIABLE: str(restarts)}
+    optional = {"MASTER_ADDR": master_addr, "MASTER_PORT": master_port, DEVICE_VARIABLE: device,
+                RESTORED_VARIABLE: restored}
+    variables.update({name: str(value) for name, value in optional.items() if value is not None})
+    return variables
+
+
+def restarts() -> tuple[int, str | None]:
+    """On a rank: how often the launcher has restarted the ranks, and the checkpoint it
+    restored for them, if it keeps its own copies. torch's elastic agent (launcher=local,
+    launcher=torchrun, an external torchrun) counts restarts in TORCHELASTIC_RESTART_COUNT;
+    the other launchers set RESTARTS_VARIABLE."""
+    count = os.environ.get(RESTARTS_VARIABLE) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+    return int(count), os.environ.get(RESTORED_VARIABLE) or None
 
 
 def rank_log_path(run_dir: Path, rank: int) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch import RunFailed
+from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import device_memory_gb
 from fsdp_exp.metrics.environment import (
     DEVICE_RECORD,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.checkpoint import NoCheckpoint
-from fsdp_exp.launch import RunFailed
+from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.sinks import WandbMode, write_summary
 from fsdp_exp.profile import NoProfile
 from fsdp_exp.tasks.batch_search import Outcome

@@ -11,6 +11,7 @@ from fsdp_exp import distributed
 from fsdp_exp.build import build_experiment
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import resolve_resume, restart_count, resume_point
+from fsdp_exp.launch import worker
 from fsdp_exp.memory import (
     OutOfMemory,
     allocation_failure,
@@ -68,8 +69,9 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
         apply_limit(limit_gb, ranks.device)
         if ranks.is_main:
             log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
-        restarts = restart_count(ranks.device)
-        resume = resume_point(cfg, restarts)
+        mine, restored = worker.restarts()
+        restarts = restart_count(ranks.device, mine)
+        resume = resume_point(cfg, restarts, restored)
         if restarts and ranks.is_main:
             log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
         exp = build_experiment(cfg, ranks, run_dir, resume)

@@ -1,0 +1,233 @@
+"""What every launcher shares, on the driver: the launcher's questions, the rank count, the
+rank outcome and the one explanation of a failed launch, the console echo and the watchdog.
+
+A launcher only starts ranks its own way and turns its native results (torch elastic's
+ProcessFailure, submitit's result pickles, Ray Train's worker errors) into `RankOutcome`s;
+`explain` then names the rank whose failure explains the run, the same way for each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.launch.tail import NewLines
+from fsdp_exp.launch.worker import rank_log_path
+
+CPU_RANKS = 2  # what `auto` ranks per node means on a machine without GPUs
+POLL_S = 0.2  # how often the driver echoes rank 0's lines and looks at the ranks
+STOP_GRACE_S = 30  # after the time limit, how long the ranks' own alarm has before the driver stops them
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # a rank left in a collective
+
+
+class Launcher(Protocol):
+    """conf/launcher/*: how the ranks of one run are started; the driver asks it:
+
+    - `world_size(gpus) -> int`: the world size it will start (and its own checks);
+    - `gpus(local_gpus) -> int`: the GPUs its ranks will have;
+    - `runs_here`: whether its ranks run on this machine;
+    - `restarts`: how often it restarts failed ranks (set by `restarts_key`);
+    - `starts_all_ranks`: whether this one command starts every rank of the run;
+    - `launch(task, cfg, run_dir, nproc, time_limit_s=None)`: start `nproc` fresh ranks,
+      each running `fsdp_exp.launch.worker.run_rank(task, cfg, run_dir, time_limit_s)` with
+      the variables of `fsdp_exp.launch.worker.rank_variables` set, and return rank 0's
+      result (the tasks return the same figures on every rank). When a rank fails it raises
+      `explain`'s RunFailed, so task=max_batch can use any launcher: every probe is one launch.
+    """
+
+    restarts: int
+    restarts_key: str
+    runs_here: bool
+    starts_all_ranks: bool
+
+    def world_size(self, gpus: int) -> int: ...
+    def gpus(self, local_gpus: int) -> int: ...
+    def launch(self, task: Callable[[Any, Path], Any], cfg: Any, run_dir: Path, nproc: int,
+               time_limit_s: float | None = None) -> Any: ...
+
+
+class RunFailed(Exception):
+    """A rank of the run failed; the message names the rank, its error and its log.
+
+    `out_of_memory`: some rank ran out of memory (the others then fail or are stopped).
+    `timed_out`: the ranks ran past the launch's time limit.
+    `killed_by`: the signal that ended the rank, when a signal did (e.g. "SIGKILL"; "signal"
+    when the launcher cannot tell which).
+    """
+
+    def __init__(self, message: str, out_of_memory: bool = False, timed_out: bool = False,
+                 killed_by: str | None = None):
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
+        self.timed_out = timed_out
+        self.killed_by = killed_by
+
+
+def check_nproc(nproc_per_node: Any) -> None:
+    """`launcher.nproc_per_node`: "auto" or a whole number of ranks."""
+    nproc = nproc_per_node
+    if nproc != "auto" and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+        raise ConfigError(f"launcher.nproc_per_node={nproc}: must be auto or an integer >= 1")
+
+
+def ranks_per_node(nproc_per_node: Any, gpus: int) -> int:
+    """`nproc_per_node`, where `auto` is one rank per GPU, or CPU_RANKS without GPUs."""
+    return int(nproc_per_node) if nproc_per_node != "auto" else gpus or CPU_RANKS
+
+
+def missing_extra(launcher: str, what: str, extra: str) -> ConfigError:
+    return ConfigError(f"launcher={launcher}: needs {what}, which is not installed; "
+                       f"install the extra: pip install -e .[{extra}]")
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of a launch ended, whichever launcher started it. A rank that neither
+    raised nor was ended by a signal succeeded."""
+
+    rank: int
+    error: str | None = None  # the exception it raised, as one line "Type: message"
+    signal: str | None = None  # what ended it without an error: "SIGKILL", or "signal" when the launcher cannot tell
+    ended: float | None = None  # when it failed (time.time()), when the launcher knows
+    started: float | None = None  # when it started, when the launcher knows
+    how: str = ""  # for a rank ended by a signal, what the launcher saw, in words
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or self.signal is not None
+
+
+def explain(outcomes: Sequence[RankOutcome], run_dir: Path, time_limit_s: float | None = None,
+            now: float | None = None, stopped_for_time: bool = False) -> RunFailed:
+    """The failure that explains the launch, from its ranks' outcomes. Its cause comes first:
+
+    1. an out-of-memory on any rank (the others then fail too, or are stopped);
+    2. the earliest error a rank raised itself, before any rank ran past the time limit;
+    3. a rank that ran past the time limit: ended by its own SIGALRM, or ended without an
+       error after running that long (or `stopped_for_time`: the driver stopped it);
+    4. a rank ended by a signal (killed from outside, or its node lost);
+    5. an error a rank got because a peer was gone (it was left in a collective with it).
+    """
+    failed = [o for o in outcomes if o.failed]
+    assert failed, "explain() needs a failed rank"
+    now = time.time() if now is None else now
+
+    def earliest(some: list[RankOutcome]) -> RankOutcome:
+        return min(some, key=lambda o: (o.ended if o.ended is not None else now, o.rank))
+
+    def where(o: RankOutcome) -> str:
+        return f"(log: {rank_log_path(run_dir, o.rank)})"
+
+    oom = [o for o in failed if o.error and "OutOfMemory:" in o.error]
+    if oom:
+        o = earliest(oom)
+        return RunFailed(f"rank {o.rank} failed: {o.error} {where(o)}", out_of_memory=True)
+    errors = [o for o in failed if o.error is not None]
+    own = [o for o in errors if not any(text in o.error for text in PEER_GONE)]
+    died = [o for o in failed if o.error is None]
+    late = [o for o in died if time_limit_s and (
+        o.signal == "SIGALRM" or stopped_for_time
+        or (o.started is not None and (o.ended or now) - o.started >= time_limit_s))]
+    deadline = min((o.started + time_limit_s for o in late if o.started is not None), default=now) if late else now
+    early = [o for o in own if (o.ended if o.ended is not None else now) < deadline] if late else own
+    if early:
+        o = earliest(early)
+        return RunFailed(f"rank {o.rank} failed: {o.error} {where(o)}")
+    if late:
+        o = earliest(late)
+        stopped = " and did not end; the driver stopped it" if stopped_for_time else ""
+        killed_by = o.signal if o.signal not in (None, "signal") else "SIGALRM"
+        return RunFailed(f"rank {o.rank} ran past the time limit of {time_limit_s:g} s{stopped} {where(o)}",
+                         timed_out=True, killed_by=killed_by)
+    if died:
+        o = earliest(died)
+        how = o.how or f"was ended by {o.signal}"
+        return RunFailed(f"rank {o.rank} {how} {where(o)}", killed_by=o.signal)
+    o = earliest(errors)
+    return RunFailed(f"rank {o.rank} failed: {o.error} {where(o)}")
+
+
+def failure_line(message: Any) -> str:
+    """The error of a failed rank as one line. torch elastic's @record stores
+    {"message": "Type: text", ...}; other launchers give the text itself."""
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    return " ".join(str(message).split())
+
+
+class Echo:
+    """Rank 0's console lines onto the driver's stdout, as launcher=local shows them, from a
+    file rank 0 writes (its task's stdout, or its log): without submitit's own lines, and
+    without the records that go only to the rank's log (its pid line, its traceback)."""
+
+    HEADER = re.compile(rb"^\[[^\]]*\]\[rank\d+\]\[[A-Z]+\] ")
+    FILE_ONLY = (b"rank 0 is pid ", b"this rank failed")
+
+    def __init__(self, path: Path, offset: int = 0):
+        self.new_lines = NewLines(path, offset)
+        self.showing = True  # whether the record the next continuation line belongs to is shown
+
+    def poll(self, final: bool = False) -> None:
+        shown = []
+        for line in self.new_lines.read(final):
+            if line.startswith(b"submitit "):
+                continue
+            header = self.HEADER.match(line)
+            if header:
+                self.showing = not line[header.end():].startswith(self.FILE_ONLY)
+            if self.showing:
+                shown.append(line.decode(errors="replace"))
+        if shown:
+            sys.stdout.write("\n".join(shown) + "\n")
+            sys.stdout.flush()
+
+
+def watch(done: Callable[[], bool], echo: Echo, first_start: Callable[[], float | None],
+          stop: Callable[[], None], time_limit_s: float | None) -> bool:
+    """Echo rank 0's lines until `done()`. The ranks' own alarm ends them at the time limit
+    (worker.run_rank); should it not, `stop()` ends them STOP_GRACE_S later, and watch
+    returns True. Ctrl-C on the driver stops them too: no rank outlives the driver."""
+    try:
+        while not done():
+            echo.poll()
+            start = first_start()
+            if time_limit_s and start is not None and time.time() - start > time_limit_s + STOP_GRACE_S:
+                stop()
+                return True
+            time.sleep(POLL_S)
+    except BaseException:
+        stop()
+        raise
+    finally:
+        echo.poll(final=True)
+    return False
+
+
+@contextlib.contextmanager
+def scoped_env(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment (and the ranks') for the block, unless
+    the user set it."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        del os.environ[name]
+
+
+@contextlib.contextmanager
+def threads_per_rank(nproc: int) -> Iterator[None]:
+    """Split the cores between the ranks through OMP_NUM_THREADS, as torchrun does, but
+    in the environment the ranks start with (the elastic launcher leaves it unset)."""
+    with scoped_env("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))):
+        yield

@@ -24,6 +24,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
+from hydra.core.utils import JobStatus
 from hydra.errors import HydraException, MissingConfigException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -48,9 +49,6 @@ EXIT_BAD_CONFIG = 2
 EXIT_RUN_FAILED = 1
 
 config.register()
-failed_runs: list[str] = []
-runs_started = 0
-ran_elsewhere = False  # a launcher plugin ran the runs; their own lines went to its logs
 
 
 def main() -> None:
@@ -63,60 +61,71 @@ def main() -> None:
     except ConfigError as err:
         print(f"fsdp_exp: {err}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
-    hydra_main()
-    if failed_runs and (runs_started > 1 or ran_elsewhere):  # a single run here has already said why
-        print(f"fsdp_exp: {len(failed_runs)} of {runs_started} runs failed:", file=sys.stderr)
-        for line in failed_runs:
-            print(f"  {line}", file=sys.stderr)
-    if failed_runs:
-        sys.exit(EXIT_RUN_FAILED)
+    hydra_main()  # RunOutcomes ends the process with EXIT_RUN_FAILED when a run failed
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def hydra_main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from fsdp_exp.run import run_experiment
 
-    global runs_started
-    runs_started += 1
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
-    summary = run_experiment(
+    return run_experiment(
         cfg,
         run_dir=Path(hc.runtime.output_dir),
         overrides=list(hc.overrides.task),
         choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")},
         group=Path(hc.sweep.dir).as_posix().replace("/", "_") if sweep else None,
     )
-    if summary["status"] != "ok":
-        failed_runs.append(f"{hc.runtime.output_dir}: {summary.get('error', summary['status'])}")
 
 
-class SweepOutcome(Callback):
-    """Counts a sweep's runs and failures when Hydra's launcher plugin ran them in other
-    processes (hydra/launcher=submitit_local, submitit_slurm), where hydra_main's count is
-    not seen: from the summary.json each run wrote. conf/config.yaml sets it."""
+class RunOutcomes(Callback):
+    """The outcome of the command (conf/config.yaml sets this callback): it exits with
+    EXIT_RUN_FAILED when a run failed, and after a sweep lists the runs that failed.
+
+    The runs Hydra ran in this process report their summaries as they end (`on_job_end`).
+    A sweep that Hydra's launcher plugin ran in other processes (hydra/launcher=
+    submitit_local, submitit_slurm) is read from the summary.json each of its runs wrote."""
+
+    def __init__(self) -> None:
+        self.ended: list[tuple[str, dict]] = []  # (run directory, summary) of the runs that ran here
+        self.start = time.time()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.start = time.time() - 1  # file times may be whole seconds
 
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if job_return.status == JobStatus.COMPLETED:
+            self.ended.append((config.hydra.runtime.output_dir, job_return.return_value))
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if any(summary["status"] != "ok" for _, summary in self.ended):  # the run has said why
+            sys.exit(EXIT_RUN_FAILED)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        global runs_started, ran_elsewhere
-        if runs_started:  # the runs ran in this process, and hydra_main counted them
-            return
-        sweep = Path(config.hydra.sweep.dir).absolute()
+        ended = self.ended or self.ended_elsewhere(Path(config.hydra.sweep.dir).absolute())
+        failed = [f"{run_dir}: {summary.get('error', summary['status'])}"
+                  for run_dir, summary in ended if summary["status"] != "ok"]
+        if failed and (len(ended) > 1 or not self.ended):  # a single run here has already said why
+            print(f"fsdp_exp: {len(failed)} of {len(ended)} runs failed:", file=sys.stderr)
+            for line in failed:
+                print(f"  {line}", file=sys.stderr)
+        if failed:
+            sys.exit(EXIT_RUN_FAILED)
+
+    def ended_elsewhere(self, sweep: Path) -> list[tuple[str, dict]]:
         made = [p.parent for p in [*sweep.glob("*/.hydra"), *sweep.glob("*/*/.hydra")] if p.stat().st_mtime >= self.start]
+        ended = []
         for run_dir in sorted(made, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]):
-            runs_started += 1
-            ran_elsewhere = True
-            if not (run_dir / "summary.json").is_file():
-                failed_runs.append(f"{run_dir}: no summary.json: the run did not finish (see the launcher's logs)")
-                continue
-            summary = json.loads((run_dir / "summary.json").read_text())
-            if summary["status"] != "ok":
-                failed_runs.append(f"{run_dir}: {summary.get('error', summary['status'])}")
+            if (run_dir / "summary.json").is_file():
+                ended.append((str(run_dir), json.loads((run_dir / "summary.json").read_text())))
+            else:
+                ended.append((str(run_dir), {"status": "failed", "error": "no summary.json: the run did not "
+                                             "finish (see the launcher's logs)"}))
+        return ended
 
 
 def precheck(argv: list[str]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +141,9 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         tokens_per_sample=data.tokens_per_sample,
         peak_tflops=peak.tflops,
     )
+    cfg.startup["built"] = time.time()
     figures.update(count_flops(trainer, batches, cfg, micro_batch))
+    cfg.startup["flops_counted"] = time.time()
     trainer.flops_per_step = figures["flops_per_step"]
     trainer.hardware_flops_per_step = figures["hardware_flops_per_step"]
 

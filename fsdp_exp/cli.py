@@ -8,6 +8,7 @@ and WORLD_SIZE (started by an external torchrun) acts as one worker instead.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -20,7 +21,6 @@ from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config
 from fsdp_exp.errors import ConfigError
+from fsdp_exp.metrics.startup import process_started
 
 
 def find_conf_dir() -> str:
@@ -45,6 +46,7 @@ def find_conf_dir() -> str:
 
 
 CONF_DIR = find_conf_dir()
+IMPORTED = time.time()  # the start-up's first mark after the command's (fsdp_exp.metrics.startup)
 EXIT_BAD_CONFIG = 2
 EXIT_RUN_FAILED = 1
 
@@ -66,20 +68,21 @@ def main() -> None:
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> dict:
+    import torch
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from fsdp_exp.plan import prepare
     from fsdp_exp.run import run_experiment
 
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
-    return run_experiment(
-        cfg,
-        run_dir=Path(hc.runtime.output_dir),
-        overrides=list(hc.overrides.task),
-        choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")},
-        group=Path(hc.sweep.dir).as_posix().replace("/", "_") if sweep else None,
-    )
+    choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")}
+    group = Path(hc.sweep.dir).as_posix().replace("/", "_") if sweep else None
+    overrides = list(hc.overrides.task)
+    plan = prepare(cfg, torch.cuda.device_count(), overrides, group, job_type=choices.get("task", "train"))
+    plan.exp.startup.update(command=process_started(), imported=IMPORTED, composed=time.time())
+    return run_experiment(plan, Path(hc.runtime.output_dir), overrides, choices, group)
 
 
 class RunOutcomes(Callback):
@@ -130,12 +133,12 @@ class RunOutcomes(Callback):
 
 def precheck(argv: list[str]) -> None:
     """Compose and check every run the command line asks for; raise ConfigError on the first bad one."""
-    args = get_args_parser().parse_args(argv)
+    args = get_args_parser().parse_args(argv)  # Hydra's own parser: no public API gives it
     if args.help or args.hydra_help or args.shell_completion or args.info:
         return
     config_name = args.config_name or "config"
     parsed = [parse_override(text) for text in args.overrides]
-    runs = BasicSweeper.split_arguments(parsed, None)[0] if args.multirun else [args.overrides]
+    runs = sweep_runs(parsed) if args.multirun else [args.overrides]
     for overrides in runs:
         check_launcher_plugin(compose_checked(list(overrides), config_name))
 
@@ -152,6 +155,22 @@ def check_launcher_plugin(cfg: DictConfig) -> None:
     if plugin.endswith(".SlurmLauncher") and shutil.which("srun") is None:  # else a traceback from submitit
         raise ConfigError("hydra/launcher=submitit_slurm: no SLURM here (srun not found); "
                           "use hydra/launcher=submitit_local to try it on this machine")
+
+
+def sweep_runs(overrides: list[Override]) -> list[list[str]]:
+    """The runs of a -m sweep, in the order Hydra's basic sweeper runs them: every
+    combination of the listed values, a later override of a key in place of an earlier one."""
+    values: dict[str, list[str]] = {}
+    for override in overrides:
+        key = override.get_key_element()
+        if override.is_sweep_override() and not override.is_discrete_sweep():
+            raise ConfigError(f"{override.input_line}: a range sweep needs a sweeper plugin; list the values "
+                              "instead (key=a,b,c)")
+        if override.is_sweep_override():
+            values[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            values[key] = [f"{key}={override.get_value_element_as_str()}"]
+    return [list(run) for run in itertools.product(*values.values())]
 
 
 def parse_override(text: str) -> Override:

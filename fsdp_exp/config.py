@@ -118,6 +118,7 @@ class Experiment:
         if not isinstance(self.data, TrainData):  # the user's own `_target_` (fsdp_exp.data.custom)
             self.data = CustomData.from_config(self.data)
         self.environment: dict = {}  # set by the driver: versions, host, overrides
+        self.startup: dict[str, float] = {}  # when each part of the start-up ended (fsdp_exp.metrics.startup)
 
 
 # Each group's options, by schema name: conf/<group>/<option>.yaml extends one of these.

@@ -1,4 +1,4 @@
-"""One run on the driver: resolve the config, start the task's ranks, write summary.json.
+"""One run on the driver: its planned experiment's task, which starts the ranks; summary.json.
 
 The driver is the only writer of summary.json, so a run whose ranks died still gets one,
 with status "failed" and the error; rank 0 streams metrics.jsonl as it trains. Its
@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
 from fsdp_exp.config import Experiment
 from fsdp_exp.errors import ConfigError
@@ -24,23 +23,27 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
 )
 from fsdp_exp.metrics.sinks import summary_table, write_summary
-from fsdp_exp.plan import prepare
+from fsdp_exp.plan import RunPlan
 
 log = logging.getLogger("fsdp_exp")
 
 
 def run_experiment(
-    cfg: DictConfig,
+    plan: RunPlan,
     run_dir: Path,
     overrides: list[str],
     choices: dict[str, str],
     group: str | None = None,
+    writes_files: bool = True,
 ) -> dict:
-    plan = prepare(cfg, torch.cuda.device_count(), overrides, group, job_type=choices.get("task", "train"))
+    """Run the planned experiment: its task's driver side, which launches the ranks; the
+    run's summary (written to summary.json unless `writes_files` is off: under an external
+    torchrun only rank 0 writes)."""
     exp, nproc = plan.exp, plan.nproc
     exp.environment = environment(nproc, overrides)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / DEVICE_RECORD).unlink(missing_ok=True)  # an earlier run's, in a reused directory
+    if writes_files:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / DEVICE_RECORD).unlink(missing_ok=True)  # an earlier run's, in a reused directory
 
     def record() -> dict:
         return {"overrides": overrides, "choices": choices, "device": str(exp.device),
@@ -58,12 +61,14 @@ def run_experiment(
         log.error("%s", err)
         summary = {"status": "failed", "error": str(err), "world_size": nproc}
     except KeyboardInterrupt:
-        write_summary(run_dir, {"status": "interrupted", "world_size": nproc, **record()})
+        if writes_files:
+            write_summary(run_dir, {"status": "interrupted", "world_size": nproc, **record()})
         raise
     summary.update(record(), wall_s=time.perf_counter() - start)
-    write_summary(run_dir, summary)
-    if summary["status"] == "ok":
-        log.info("%s\n%s", run_dir / "summary.json", summary_table(summary))
+    if writes_files:
+        write_summary(run_dir, summary)
+        if summary["status"] == "ok":
+            log.info("%s\n%s", run_dir / "summary.json", summary_table(summary))
     return summary
 
 

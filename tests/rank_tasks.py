@@ -31,3 +31,22 @@ def train_then_rank1_dies_once(cfg: dict, run_dir: Path) -> dict:
     if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         os._exit(1)
     return summary
+
+
+def anon_mb() -> float:
+    """This process's anonymous resident memory (what memory.limit_gb counts), in MB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
+
+
+def report_process(cfg: dict, run_dir: Path) -> dict:
+    """Where this rank came from and what it holds as it starts; with cfg["hold_mb"], it
+    then fills that much memory before it returns."""
+    import torch
+
+    start = {"parent": os.getppid(), "anon_mb": anon_mb(), "threads": torch.get_num_threads()}
+    if cfg.get("hold_mb"):
+        held = torch.ones(cfg["hold_mb"] * 2**18)  # 4-byte floats
+        start["anon_mb_holding"] = anon_mb()
+        del held
+    return start

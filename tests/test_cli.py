@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_exp.cli import parse_override, sweep_runs
+from fsdp_exp.errors import ConfigError
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
 
 
@@ -94,3 +96,17 @@ def test_a_failed_run_under_hydras_submitit_launcher_fails_the_command(tmp_path:
     assert lines[1].startswith(f"  {sweep / '0'}: rank 0 failed: OutOfMemory: ran out of memory under memory.limit_gb=0.5")
     assert read_json(sweep / "0" / "summary.json")["status"] == "oom"
     assert read_json(sweep / "1" / "summary.json")["status"] == "ok"
+
+
+def test_a_sweep_runs_every_combination_in_hydras_order() -> None:
+    def runs(*texts: str) -> list[list[str]]:
+        return sweep_runs([parse_override(text) for text in texts])
+
+    assert runs("sharding=ddp,full", "precision=fp32,bf16", "train.steps=3") == [
+        ["sharding=ddp", "precision=fp32", "train.steps=3"], ["sharding=ddp", "precision=bf16", "train.steps=3"],
+        ["sharding=full", "precision=fp32", "train.steps=3"], ["sharding=full", "precision=bf16", "train.steps=3"]]
+    assert runs("train.lr=0.1", "train.lr=0.2,0.3") == [["train.lr=0.2"], ["train.lr=0.3"]]  # the later one
+    assert runs("train.batch_size=range(8,25,8)") == [["train.batch_size=8"], ["train.batch_size=16"],
+                                                      ["train.batch_size=24"]]
+    with pytest.raises(ConfigError, match=r"^train.lr=interval\(0,1\): a range sweep needs a sweeper plugin"):
+        runs("train.lr=interval(0,1)")

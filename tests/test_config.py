@@ -45,6 +45,7 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["train.lr=0"], "train.lr=0.0: must be greater than 0"),
         (["launcher.nproc_per_node=zero"], "launcher.nproc_per_node=zero: must be auto or an integer >= 1"),
         (["launcher.nproc_per_node=0"], "launcher.nproc_per_node=0: must be auto or an integer >= 1"),
+        (["launcher.start_method=fork"], "launcher.start_method=fork: choose one of: forkserver, spawn"),
         (["offload=true", "sharding=none"], "offload=true: needs a sharded model"),
         (["offload=true", "sharding=ddp"], "offload=true: sharding=ddp keeps a full replica on every rank"),
         (["sharding=hybrid", "sharding.replicate=3"], "sharding.replicate=3: must divide the world size (2 ranks)"),

@@ -26,6 +26,7 @@ from fsdp_exp.data.tokens import SyntheticTokens
 from fsdp_exp.metrics.flops import count_step_flops, flops_per_token
 from fsdp_exp.models import ModelSpec, build_model
 from fsdp_exp.models.hf import build_hf, transformers_state_dict
+from fsdp_exp.plan import prepare
 from fsdp_exp.run import run_experiment
 from fsdp_exp.sharding.wrap import select_units
 from fsdp_exp.tasks.export import plain_model
@@ -48,7 +49,7 @@ TOLERANCE = 1e-5
 def train(out: Path, *overrides: str) -> list[float]:
     """One run through the driver; its loss at every step (a resumed run: the steps it trained)."""
     args = [*COMMON, *overrides]
-    summary = run_experiment(compose_config(args), out, args, {})
+    summary = run_experiment(prepare(compose_config(args), torch.cuda.device_count(), args), out, args, {})
     assert summary["status"] == "ok", summary.get("error")
     return [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launch.core import RunFailed, rank_threads
 from fsdp_exp.launch.local import LocalLauncher
 from tests import rank_tasks
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
@@ -42,6 +42,14 @@ def test_under_external_torchrun_each_process_is_one_rank(tmp_path: Path) -> Non
     assert (out / ".hydra" / "config.yaml").exists()
     assert (out / "rank0.log").exists() and (out / "rank1.log").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["run"], "both ranks must write one run directory"
+    # The same driver code as a run the launcher starts: the same records in summary.json.
+    ours = tmp_path / "ours"
+    result = run_cli(*SMALL_VIT, "train.steps=3", "train.log_every=1", f"hydra.run.dir={ours}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    launched = read_json(ours / "summary.json")
+    assert set(summary) == set(launched) and set(summary["environment"]) == set(launched["environment"])
+    assert summary["environment"]["device_seen_by"] == "rank 0" and summary["wall_s"] > 0
+    assert summary["final_loss"] == pytest.approx(launched["final_loss"], abs=1e-6)
 
 
 def test_a_failing_run_exits_nonzero_with_one_error_line(tmp_path: Path) -> None:
@@ -55,3 +63,21 @@ def test_a_failing_run_exits_nonzero_with_one_error_line(tmp_path: Path) -> None
     summary = read_json(out / "summary.json")
     assert summary["status"] == "failed" and "lower it or use more data" in summary["error"]
     assert "Traceback" in (out / "rank0.log").read_text(), "the rank's log keeps the traceback"
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_start_from_the_rank_server_or_fresh_and_never_inherit_a_launch(tmp_path: Path, method: str) -> None:
+    """Forked ranks come from the rank server, which imported torch once and never trains:
+    a launch after one whose ranks filled memory starts as small as the first. Each rank
+    gets its share of the cores either way."""
+    import multiprocessing.forkserver
+    import os
+
+    launcher = LocalLauncher(start_method=method)
+    first = launcher.launch(rank_tasks.report_process, {"hold_mb": 300}, tmp_path / "a", nproc=2)
+    second = launcher.launch(rank_tasks.report_process, {}, tmp_path / "b", nproc=2)
+    assert first["anon_mb_holding"] > first["anon_mb"] + 250  # the first launch really held it
+    assert abs(second["anon_mb"] - first["anon_mb"]) < 50, (first, second)
+    parent = multiprocessing.forkserver._forkserver._forkserver_pid if method == "forkserver" else os.getpid()
+    assert first["parent"] == second["parent"] == parent
+    assert first["threads"] == second["threads"] == rank_threads(2)

@@ -225,9 +225,15 @@ def scoped_env(name: str, value: str) -> Iterator[None]:
         del os.environ[name]
 
 
+def rank_threads(nproc: int) -> int:
+    """The threads of each of `nproc` ranks on this machine: OMP_NUM_THREADS when the user
+    set it, else the cores split between the ranks, as torchrun does."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // nproc))
+
+
 @contextlib.contextmanager
 def threads_per_rank(nproc: int) -> Iterator[None]:
-    """Split the cores between the ranks through OMP_NUM_THREADS, as torchrun does, but
-    in the environment the ranks start with (the elastic launcher leaves it unset)."""
-    with scoped_env("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))):
+    """`rank_threads` through OMP_NUM_THREADS, for ranks that start with this process's
+    environment (submitit's local executor)."""
+    with scoped_env("OMP_NUM_THREADS", str(rank_threads(nproc))):
         yield

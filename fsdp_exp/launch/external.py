@@ -1,7 +1,10 @@
 """Under an external `torchrun --nproc_per_node=N -m fsdp_exp ...`: this process is one rank.
 
-Every rank composes the same config; rank 0 picks the run directory and shares it, so the
-ranks of one run write into one directory, as with the built-in launcher.
+Every rank composes the same config and goes through the driver's own code
+(`fsdp_exp.run.run_experiment`), with `ExternalLauncher` in place of the configured
+launcher: torchrun has already started the ranks, so a launch runs the task in this
+process. Rank 0 picks the run directory and shares it, so the ranks of one run write into
+one directory, and rank 0 writes its summary.json, with the same records as any run.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,11 +24,39 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fsdp_exp import distributed
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.worker import setup_rank
-from fsdp_exp.metrics.environment import environment
-from fsdp_exp.metrics.sinks import write_summary
+from fsdp_exp.launch.core import RunFailed, failure_line
+from fsdp_exp.launch.worker import rank_log_path, run_rank
 from fsdp_exp.plan import prepare
-from fsdp_exp.tasks.train import Train, train_rank
+from fsdp_exp.run import run_experiment
+from fsdp_exp.tasks.train import Train
+
+
+@dataclass
+class ExternalLauncher:
+    """The ranks a torchrun the user started; this process is `rank` of them."""
+
+    rank: int
+    world: int
+    restarts = 0  # torchrun's own --max-restarts restart the ranks; they resume as after any restart
+    restarts_key = "torchrun --max-restarts"
+    runs_here = True
+    starts_all_ranks = False  # each process is one rank; torchrun started the others
+
+    def world_size(self, gpus: int) -> int:
+        return self.world
+
+    def gpus(self, local_gpus: int) -> int:
+        return local_gpus
+
+    def launch(self, task: Callable[[Any, Path], Any], cfg: Any, run_dir: Path, nproc: int,
+               time_limit_s: float | None = None) -> Any:
+        """This rank's task, here; a failure as RunFailed naming this rank."""
+        try:
+            return run_rank(task, cfg, str(run_dir), None)
+        except Exception as err:  # noqa: BLE001 - the run's summary records it, the exit code says it
+            line = failure_line(f"{type(err).__name__}: {err}")
+            raise RunFailed(f"rank {self.rank} failed: {line} (log: {rank_log_path(run_dir, self.rank)})",
+                            out_of_memory=line.startswith("OutOfMemory:")) from err
 
 
 def refuse(rank: int, reason: str) -> int:
@@ -37,14 +70,14 @@ def refuse(rank: int, reason: str) -> int:
 
 
 def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -> int:
-    rank = int(os.environ["RANK"])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if any(arg in ("-m", "--multirun") for arg in argv):
         return refuse(rank, "-m (--multirun) does not run under torchrun; sweep without torchrun")
     setup_globals()  # Hydra's ${now:...} resolver, used by hydra.run.dir
-    world_size = int(os.environ["WORLD_SIZE"])
     try:
         cfg = compose(argv)
         run_dir_text = str(OmegaConf.select(cfg, "hydra.run.dir"))  # resolves ${now:...}
+        choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
         with open_dict(cfg):
             del cfg["hydra"]  # the rest of it only resolves inside Hydra's own runtime
         plan = prepare(cfg, torch.cuda.device_count(), argv, world_size=world_size)
@@ -55,30 +88,14 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
                               "torchrun; run it as python -m fsdp_exp task=max_batch ...")
     except ConfigError as err:
         return refuse(rank, str(err))
-    exp = plan.exp
-    exp.environment = environment(world_size, argv)
+    plan.exp.launcher = ExternalLauncher(rank, world_size)
 
-    distributed.init(exp.device)
-    shared = [run_dir_text]
-    dist.broadcast_object_list(shared, src=0)
-    run_dir = Path(shared[0])
+    distributed.init(plan.exp.device)
+    run_dir = Path(distributed.from_main(run_dir_text))
     if rank == 0:
         (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
         OmegaConf.save(OmegaConf.create(argv), run_dir / ".hydra" / "overrides.yaml")
     dist.barrier()
-    setup_rank(run_dir, rank)
-    try:
-        plan.task.settle(exp, run_dir)
-    except ConfigError as err:
-        return refuse(rank, str(err))
-
-    try:
-        figures = train_rank(exp, run_dir)
-    except Exception as err:
-        if rank == 0:
-            write_summary(run_dir, {"status": "failed", "error": f"{type(err).__name__}: {err}"})
-        raise
-    if rank == 0:
-        write_summary(run_dir, {"status": "ok", **figures, "overrides": argv, "device": str(exp.device)})
-    return 0
+    summary = run_experiment(plan, run_dir, argv, choices, writes_files=rank == 0)
+    return 0 if summary["status"] == "ok" else 1

@@ -23,17 +23,23 @@ from fsdp_exp.launch.core import (
     check_nproc,
     explain,
     failure_line,
+    rank_threads,
     ranks_per_node,
     scoped_env,
-    threads_per_rank,
 )
-from fsdp_exp.launch.worker import run_rank
+from fsdp_exp.launch.rank_server import start_rank_server
+from fsdp_exp.launch.worker import rank_error, run_rank
+
+START_METHODS = ("forkserver", "spawn")
 
 
 @dataclass
 class LocalLauncher:
     nproc_per_node: Any = "auto"  # auto: one rank per GPU, or 2 on a CPU-only machine
     max_restarts: int = 0  # restarts of all ranks after one fails (they resume from the latest checkpoint)
+    # forkserver: the ranks are forked from a process that imported torch once (fsdp_exp.launch.rank_server);
+    # spawn: each rank starts a fresh interpreter and imports torch itself, as a bare torchrun does
+    start_method: str = "forkserver"
     runs_here = True
     starts_all_ranks = True
     restarts_key = "launcher.max_restarts"
@@ -41,6 +47,8 @@ class LocalLauncher:
     def __post_init__(self) -> None:
         check_nproc(self.nproc_per_node)
         at_least("launcher.max_restarts", self.max_restarts, 0)
+        if self.start_method not in START_METHODS:
+            raise ConfigError(f"launcher.start_method={self.start_method}: choose one of: {', '.join(START_METHODS)}")
 
     @property
     def restarts(self) -> int:
@@ -66,37 +74,49 @@ class LocalLauncher:
         Ranks still running after `time_limit_s` are killed (the kernel's SIGALRM).
         """
         options = dict(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                       rdzv_endpoint="localhost:0", max_restarts=self.max_restarts)
-        with threads_per_rank(nproc):
-            results = elastic_run(task, cfg, run_dir, options, time_limit_s)
-        return results[0]
+                       rdzv_endpoint="localhost:0", max_restarts=self.max_restarts, start_method=self.start_method)
+        return elastic_run(task, cfg, run_dir, options, time_limit_s)[0]
 
 
 def elastic_run(task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, options: dict,
                 time_limit_s: float | None) -> dict[int, Any]:
     """torch's elastic launcher (torchrun's machinery) with c10d rendezvous: each local
-    rank's return value, by global rank; RunFailed when a rank failed."""
-    options = dict(rdzv_backend="c10d", monitor_interval=0.1, start_method="spawn", **options)
+    rank's return value, by global rank; RunFailed when a rank failed. Forked ranks
+    (`start_method` forkserver) come from `start_rank_server`'s process and do not see what
+    this process sets in its environment, so each is told its share of the cores (`rank_threads`)."""
+    if options["start_method"] == "forkserver":
+        start_rank_server()
+    options = dict(rdzv_backend="c10d", monitor_interval=0.1, **options)
     if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:  # torch >= 2.12
         options["shutdown_timeout"] = 5
     quiet_elastic()
     alarm_s = math.ceil(time_limit_s) if time_limit_s else None
     try:
         with fresh_store_per_restart(options["max_restarts"]):
-            return elastic_launch(LaunchConfig(**options), run_rank)(task, cfg, str(run_dir), alarm_s)
+            return elastic_launch(LaunchConfig(**options), run_rank)(
+                task, cfg, str(run_dir), alarm_s, rank_threads(options["nproc_per_node"]))
     except ChildFailedError as err:
-        raise explain(outcomes(err.failures), run_dir, time_limit_s) from None
+        raise explain(outcomes(err.failures, run_dir, options["nproc_per_node"]), run_dir, time_limit_s) from None
 
 
-def outcomes(failures: dict[int, ProcessFailure]) -> list[RankOutcome]:
+def outcomes(failures: dict[int, ProcessFailure], run_dir: Path, nproc: int) -> list[RankOutcome]:
     """torch elastic's failures as rank outcomes: an error the rank raised (@record keeps
-    it), or the signal that ended it."""
+    it), or the signal that ended it. A rank the agent stopped once another had failed is
+    not among them, but when it had raised an error of its own first, that error is its
+    outcome (`worker.rank_error`)."""
     def outcome(rank: int, failure: ProcessFailure) -> RankOutcome:
         line = failure_line(failure.message)
         if failure.exitcode < 0:
             return RankOutcome(rank, signal=failure.signal_name(), ended=failure.timestamp, how=f"failed: {line}")
         return RankOutcome(rank, error=line, ended=failure.timestamp)
-    return [outcome(rank, failure) for rank, failure in failures.items()]
+
+    ranks = {rank: outcome(rank, failure) for rank, failure in failures.items()}
+    first = min(failures, default=0) // nproc * nproc  # this node's ranks
+    for rank in range(first, first + nproc):
+        raised = rank_error(run_dir, rank)
+        if raised is not None and (rank not in ranks or ranks[rank].error is None):
+            ranks[rank] = RankOutcome(rank, error=raised[0], ended=raised[1])
+    return list(ranks.values())
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import RunFailed, threads_per_rank
+from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.launch.local import LocalLauncher, elastic_run
 
 
@@ -74,10 +74,9 @@ class TorchrunLauncher(LocalLauncher):
         options = dict(min_nodes=self.min_nodes, max_nodes=self.max_nodes, nproc_per_node=per_node,
                        run_id=self.rdzv_id, rdzv_endpoint=self.rdzv_endpoint,
                        rdzv_configs={"join_timeout": self.rdzv_timeout, "timeout": self.rdzv_timeout},
-                       max_restarts=self.max_restarts)
+                       max_restarts=self.max_restarts, start_method=self.start_method)
         try:
-            with threads_per_rank(per_node):
-                results = elastic_run(task, cfg, run_dir, options, time_limit_s)
+            results = elastic_run(task, cfg, run_dir, options, time_limit_s)
         except RendezvousError as err:
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise RunFailed(

@@ -3,15 +3,19 @@ time limit, then the task; and the one way a rank knows that the launcher restar
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_exp.distributed import DEVICE_VARIABLE
@@ -49,6 +53,21 @@ def rank_log_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}.log"
 
 
+def rank_error_path(run_dir: Path, rank: int) -> Path:
+    """The error a rank raised, as one line and when: written before its process ends, so
+    the launcher can tell it even when it stopped that rank before seeing it fail (its
+    peers, left in a collective, failed first)."""
+    return Path(run_dir) / f"rank{rank}.error.json"
+
+
+def rank_error(run_dir: Path, rank: int) -> tuple[str, float] | None:
+    try:
+        record = json.loads(rank_error_path(run_dir, rank).read_text())
+        return str(record["error"]), float(record["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def setup_rank(run_dir: Path, rank: int) -> None:
     """Every rank logs to rank<N>.log; only rank 0 also speaks on the console.
 
@@ -83,19 +102,30 @@ def setup_rank(run_dir: Path, rank: int) -> None:
 
 
 @record
-def run_rank(task: Callable[[dict, Path], Any], cfg: dict, run_dir: str, time_limit_s: int | None = None) -> Any:
+def run_rank(task: Callable[[dict, Path], Any], cfg: dict, run_dir: str, time_limit_s: int | None = None,
+             threads: int | None = None) -> Any:
     """The elastic launcher's entry point: `task(cfg, run_dir)` on this rank.
 
     `time_limit_s`: the kernel ends this process with SIGALRM after that long, even when
     it is stuck inside a collective or a C++ call that never returns to Python.
+    `threads`: this rank's share of the cores, from a launcher whose ranks do not start
+    with its environment (forked from a server started before it knew).
     """
-    setup_rank(Path(run_dir), int(os.environ["RANK"]))
+    rank = int(os.environ["RANK"])
+    setup_rank(Path(run_dir), rank)
+    rank_error_path(Path(run_dir), rank).unlink(missing_ok=True)  # an earlier attempt's
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
     if time_limit_s:
         signal.alarm(time_limit_s)
     try:
         return task(cfg, Path(run_dir))
-    except Exception:
+    except Exception as err:
         logging.getLogger("fsdp_exp.rank_file").exception("this rank failed")
+        line = " ".join(f"{type(err).__name__}: {err}".split())
+        with contextlib.suppress(OSError):  # the error itself is what must get out
+            rank_error_path(Path(run_dir), rank).write_text(json.dumps({"error": line, "time": time.time()}))
         raise
     finally:
         signal.alarm(0)

@@ -46,6 +46,7 @@ class Probe:
     within_noise: bool = False  # trained, with less room than the noise band: counted as not fitting
     for_fastest: bool = False  # spent to place the fastest batch, not by the search
     wall_s: float = 0.0
+    startup_s: float | None = None  # from the launch to the first step's start: forked ranks, process group, build
     dir: str = ""
     killed: bool = False  # stopped by a signal from outside, not by its own error
 
@@ -111,6 +112,13 @@ def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+def startup_s(figures: dict, launched: float) -> float | None:
+    """From the launch to the first step's start, by rank 0's marks (none from a launcher
+    whose ranks do not report them)."""
+    ready = figures.get("startup", {}).get("ready")
+    return None if ready is None else ready - launched
+
+
 def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Any, world_size: int,
               steps: int, timeout_s: float, limit_gb: Any = "same") -> Probe:
     """Train `steps` steps at `batch_size` on fresh ranks; the outcome, never an exception
@@ -118,6 +126,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Any, 
     probe_dir.mkdir(parents=True, exist_ok=True)
     run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb)
     start = time.perf_counter()
+    run_cfg.startup = {"launched": time.time()}
     try:
         figures = launcher.launch(train_rank, run_cfg, probe_dir, world_size, time_limit_s=timeout_s)
         probe = Probe(
@@ -132,6 +141,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Any, 
             held_mem_gb=figures["held_mem_gb"],
             alloc_retries=figures.get("alloc_retries"),
             samples_per_s=figures["samples_per_s"],
+            startup_s=startup_s(figures, run_cfg.startup["launched"]),
         )
         summary = {"status": "ok", **figures}
     except RunFailed as err:

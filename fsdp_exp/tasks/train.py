@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from fsdp_exp.memory import (
     peak_under_limit_gb,
 )
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
+from fsdp_exp.metrics.startup import in_order, process_started
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 
 if TYPE_CHECKING:
@@ -47,12 +49,15 @@ class Train:
 
     def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
         self.settle(exp, run_dir)
+        exp.startup["launched"] = time.time()
         return launcher.launch(train_rank, exp, run_dir, nproc)
 
 
 def train_rank(cfg: Experiment, run_dir: Path) -> dict:
     """One rank's whole training run; returns the run's figures (the same on every rank)."""
+    cfg.startup.update(rank_started=process_started(), rank_ready=time.time())
     ranks = distributed.init(cfg.device)
+    cfg.startup["process_group"] = time.time()
     if cfg.memory.records_history:
         record_allocation_history(ranks.device)
     if ranks.is_main:  # the run's device is rank 0's, not the driver's
@@ -75,8 +80,9 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
         if restarts and ranks.is_main:
             log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
         exp = build_experiment(cfg, ranks, run_dir, resume)
+        cfg.startup["ready"] = time.time()
         try:
-            summary = exp.trainer.fit() | exp.figures
+            summary = exp.trainer.fit() | exp.figures | {"startup": in_order(cfg.startup)}
             under_limit = peak_under_limit_gb()
             if under_limit is not None:
                 per_rank = distributed.gather(under_limit, ranks.device)

@@ -32,7 +32,7 @@ import torch
 from machine import header
 
 from fsdp_exp.cli import compose_checked
-from fsdp_exp.plan import prepare
+from fsdp_exp.driver.plan import prepare
 from fsdp_exp.tasks.max_batch import Sweep
 from fsdp_exp.tasks.probe import Probe, run_probe
 

@@ -72,8 +72,8 @@ def hydra_main(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from fsdp_exp.plan import prepare
-    from fsdp_exp.run import run_experiment
+    from fsdp_exp.driver.plan import prepare
+    from fsdp_exp.driver.run import run_experiment
 
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
@@ -184,7 +184,7 @@ def compose_checked(overrides: list[str], config_name: str = "config") -> DictCo
     """The composed config for these overrides, with the hydra node, after every check."""
     import torch
 
-    from fsdp_exp.plan import prepare
+    from fsdp_exp.driver.plan import prepare
 
     cfg = compose_config(overrides, config_name)
     prepare(cfg, torch.cuda.device_count(), overrides)

@@ -5,7 +5,7 @@ Every option's schema is its component's own dataclass (`FullyShard`, `Precision
 `<group>/schema_<name>`; a YAML option extends it with only what differs from its
 defaults. OmegaConf refuses unknown keys and wrong types while composing, and
 `OmegaConf.to_object` builds the dataclasses, whose `__post_init__` checks their own
-values. Checks that span groups live in `fsdp_exp.plan`.
+values. Checks that span groups live in `fsdp_exp.driver.plan`.
 
 The model group is open: its own keys are typed by `fsdp_exp.models.ModelSpec`, the rest
 go to the user's builder.

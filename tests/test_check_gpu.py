@@ -38,7 +38,7 @@ from fsdp_exp.check_gpu_checks import (
     under_limit,
 )
 from fsdp_exp.cli import compose_config
-from fsdp_exp.plan import prepare
+from fsdp_exp.driver.plan import prepare
 from tests.conftest import run_cli
 
 GPU = setup_for("cuda", gpus=2)

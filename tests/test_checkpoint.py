@@ -30,7 +30,7 @@ from fsdp_exp.cli import compose_checked, precheck
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.local import LocalLauncher
 from fsdp_exp.models import build_model
-from fsdp_exp.plan import prepare
+from fsdp_exp.driver.plan import prepare
 from tests import rank_tasks
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 from tests.test_data import make_dataset
@@ -176,7 +176,7 @@ TWO_SAVES = """
 import os, sys, torch
 from torch import nn
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=sys.argv[3])
-from fsdp_exp import distributed
+from fsdp_exp.rank import distributed
 from fsdp_exp.checkpoint import DCPCheckpoint, TrainState
 from fsdp_exp.checkpoint.files import latest
 ranks = distributed.init("cpu")

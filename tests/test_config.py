@@ -82,7 +82,7 @@ def test_bad_override_names_the_key_and_what_is_allowed(overrides: list[str], ex
 
 
 def test_more_ranks_than_gpus_is_refused() -> None:
-    from fsdp_exp.plan import prepare
+    from fsdp_exp.driver.plan import prepare
 
     cfg = compose_checked(["device=auto", "launcher.nproc_per_node=3"])  # fine on CPU
     with pytest.raises(ConfigError, match="launcher.nproc_per_node=3: only 2 GPU"):
@@ -97,7 +97,7 @@ def test_compile_is_refused_where_it_cannot_work(monkeypatch: pytest.MonkeyPatch
 
 
 def test_sharding_none_stands_in_for_the_ranks_it_replaces() -> None:
-    from fsdp_exp.plan import prepare
+    from fsdp_exp.driver.plan import prepare
 
     plan = prepare(compose_checked(["sharding=none", "launcher.nproc_per_node=3"]), 0, [])
     assert plan.nproc == 1 and plan.exp.train.batch_size == 3 * 32

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from fsdp_exp import config
 from fsdp_exp.cli import CONF_DIR, compose_config
-from fsdp_exp.plan import prepare
+from fsdp_exp.driver.plan import prepare
 
 OPTIONS = sorted((group.name, option.stem) for group in __import__("pathlib").Path(CONF_DIR).iterdir()
                  if group.is_dir() for option in group.glob("*.yaml"))

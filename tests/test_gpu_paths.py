@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdp_exp import distributed, profile
+from fsdp_exp import profile
+from fsdp_exp.rank import distributed
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.config import Device
 from fsdp_exp.errors import ConfigError
@@ -22,9 +23,9 @@ from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import MemorySettings, allocation_failure, is_out_of_memory
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.memory import GB, MemoryMonitor
-from fsdp_exp.plan import prepare
+from fsdp_exp.driver.plan import prepare
 from fsdp_exp.tasks.probe import probe_config
-from fsdp_exp.trainer import Trainer
+from fsdp_exp.rank.trainer import Trainer
 
 # ---- out of memory outside the caching allocator ------------------------------------------
 
@@ -320,7 +321,7 @@ def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch:
 
 
 def test_the_summarys_environment_is_what_rank_0_saw(tmp_path: Path) -> None:
-    from fsdp_exp.run import device_seen
+    from fsdp_exp.driver.run import device_seen
 
     exp = prepare(compose_checked([]), 0, []).exp
     exp.launcher = ClusterLauncher()

@@ -26,8 +26,8 @@ from fsdp_exp.data.tokens import SyntheticTokens
 from fsdp_exp.metrics.flops import count_step_flops, flops_per_token
 from fsdp_exp.models import ModelSpec, build_model
 from fsdp_exp.models.hf import build_hf, transformers_state_dict
-from fsdp_exp.plan import prepare
-from fsdp_exp.run import run_experiment
+from fsdp_exp.driver.plan import prepare
+from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.sharding.wrap import select_units
 from fsdp_exp.tasks.export import plain_model
 from tests.conftest import REPO, read_json, read_jsonl, run_cli

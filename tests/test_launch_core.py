@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.launch import worker
+from fsdp_exp.rank import worker
 from fsdp_exp.launch.core import (
     CPU_RANKS,
     Echo,

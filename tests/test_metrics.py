@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp_exp.data.images import SyntheticImages
-from fsdp_exp.distributed import Ranks
+from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.metrics.sinks import Progress, summary_table
 from fsdp_exp.models.vit import build_vit
-from fsdp_exp.trainer import Trainer
+from fsdp_exp.rank.trainer import Trainer
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
 
 
@@ -188,7 +188,7 @@ def test_wandb_settings_the_config_leaves_open_come_from_the_environment(
         overrides: list[str], env: dict, expected: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver resolves them once (prepare), and every rank gets the result."""
     from fsdp_exp.cli import compose_config
-    from fsdp_exp.plan import prepare
+    from fsdp_exp.driver.plan import prepare
 
     monkeypatch.setenv("NETRC", str(tmp_path / "no.netrc"))
     for name in WANDB_ENV:

@@ -11,7 +11,7 @@ import torch
 
 from fsdp_exp.cli import precheck
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.plan import prepare
+from fsdp_exp.driver.plan import prepare
 from tests.conftest import REPO, read_json, read_jsonl, run_cli
 
 EXAMPLE = REPO / "examples" / "my_project"

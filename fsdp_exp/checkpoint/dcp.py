@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from fsdp_exp import distributed
+from fsdp_exp.rank import distributed
 from fsdp_exp.checkpoint.files import mark_latest, prune, step_name
 from fsdp_exp.checkpoint.state import TrainState
 from fsdp_exp.errors import ConfigError

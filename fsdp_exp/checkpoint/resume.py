@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsdp_exp import distributed
+from fsdp_exp.rank import distributed
 from fsdp_exp.checkpoint.files import (
     Checkpoint,
     CheckpointError,
@@ -77,7 +77,7 @@ def resolve_resume(cfg: Experiment) -> str | None:
 
 def restart_count(device: torch.device, mine: int) -> int:
     """On a rank: how many times the launcher has restarted the ranks, from this rank's
-    count (`fsdp_exp.launch.worker.restarts`). The largest count over the ranks: under a
+    count (`fsdp_exp.rank.worker.restarts`). The largest count over the ranks: under a
     multi-node torchrun only the agent whose rank failed counts a restart, and the other
     nodes' ranks just join its new round."""
     return int(max(distributed.gather(float(mine), device)))

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.tail import NewLines
-from fsdp_exp.launch.worker import rank_log_path
+from fsdp_exp.rank.worker import rank_log_path
 
 CPU_RANKS = 2  # what `auto` ranks per node means on a machine without GPUs
 POLL_S = 0.2  # how often the driver echoes rank 0's lines and looks at the ranks
@@ -37,8 +37,8 @@ class Launcher(Protocol):
     - `restarts`: how often it restarts failed ranks (set by `restarts_key`);
     - `starts_all_ranks`: whether this one command starts every rank of the run;
     - `launch(task, cfg, run_dir, nproc, time_limit_s=None)`: start `nproc` fresh ranks,
-      each running `fsdp_exp.launch.worker.run_rank(task, cfg, run_dir, time_limit_s)` with
-      the variables of `fsdp_exp.launch.worker.rank_variables` set, and return rank 0's
+      each running `fsdp_exp.rank.worker.run_rank(task, cfg, run_dir, time_limit_s)` with
+      the variables of `fsdp_exp.rank.worker.rank_variables` set, and return rank 0's
       result (the tasks return the same figures on every rank). When a rank fails it raises
       `explain`'s RunFailed, so task=max_batch can use any launcher: every probe is one launch.
     """

@@ -1,7 +1,7 @@
 """Under an external `torchrun --nproc_per_node=N -m fsdp_exp ...`: this process is one rank.
 
 Every rank composes the same config and goes through the driver's own code
-(`fsdp_exp.run.run_experiment`), with `ExternalLauncher` in place of the configured
+(`fsdp_exp.driver.run.run_experiment`), with `ExternalLauncher` in place of the configured
 launcher: torchrun has already started the ranks, so a launch runs the task in this
 process. Rank 0 picks the run directory and shares it, so the ranks of one run write into
 one directory, and rank 0 writes its summary.json, with the same records as any run.
@@ -22,12 +22,12 @@ import torch.distributed as dist
 from hydra.core.utils import setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from fsdp_exp import distributed
+from fsdp_exp.rank import distributed
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed, failure_line
-from fsdp_exp.launch.worker import rank_log_path, run_rank
-from fsdp_exp.plan import prepare
-from fsdp_exp.run import run_experiment
+from fsdp_exp.rank.worker import rank_log_path, run_rank
+from fsdp_exp.driver.plan import prepare
+from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.tasks.train import Train
 
 

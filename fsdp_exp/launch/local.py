@@ -28,7 +28,7 @@ from fsdp_exp.launch.core import (
     scoped_env,
 )
 from fsdp_exp.launch.rank_server import start_rank_server
-from fsdp_exp.launch.worker import rank_error, run_rank
+from fsdp_exp.rank.worker import rank_error, run_rank
 
 START_METHODS = ("forkserver", "spawn")
 

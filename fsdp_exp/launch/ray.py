@@ -7,10 +7,10 @@ Design:
 
 - **One Ray Train run per launch.** The driver (the Hydra process) runs a `TorchTrainer`
   with `num_workers = nproc` workers; Ray Train's TorchConfig makes the process group
-  (gloo on CPU, nccl with `use_gpu`), which `fsdp_exp.distributed.init` then finds made.
-  Each worker runs `fsdp_exp.launch.worker.run_rank` with RANK, LOCAL_RANK and WORLD_SIZE
+  (gloo on CPU, nccl with `use_gpu`), which `fsdp_exp.rank.distributed.init` then finds made.
+  Each worker runs `fsdp_exp.rank.worker.run_rank` with RANK, LOCAL_RANK and WORLD_SIZE
   from Ray's train context and, on GPUs, its device from `ray.train.torch.get_device()`
-  (FSDP_EXP_DEVICE, which `fsdp_exp.distributed.init` takes): Ray shows every worker of a
+  (FSDP_EXP_DEVICE, which `fsdp_exp.rank.distributed.init` takes): Ray shows every worker of a
   node all of the node's GPUs, in an order (GPU ids sorted as strings) that need not follow
   the local ranks, so LOCAL_RANK does not name a worker's GPU. The launch returns rank 0's
   return value (`Result.return_value`). Each run has a fresh name under `storage_path` (default
@@ -45,7 +45,7 @@ Design:
 - **Restarts.** `max_failures` is Ray's FailureConfig: after a worker fails, Ray Train
   restarts the whole worker group, up to that many times. Each worker then tells its rank
   the restart count and `ray.train.get_checkpoint()` (Ray's copy of the latest reported
-  checkpoint) through `fsdp_exp.launch.worker.rank_variables`, and the ranks resume from
+  checkpoint) through `fsdp_exp.rank.worker.rank_variables`, and the ranks resume from
   it as after any launcher's restart (`fsdp_exp.checkpoint.resume.resume_point`); rank 0
   logs "restart N of the ranks". Before Ray holds a checkpoint, the latest in
   checkpoint.dir is used, as with launcher=local.
@@ -68,7 +68,7 @@ Design:
 - Ctrl-C on the driver ends the run: the fit runs in a thread of the driver (so Ray does
   not replace the process's SIGINT handler), and on KeyboardInterrupt the driver
   disconnects from Ray, which ends the run's actors.
-- ray is an optional extra. Without it, `world_size()` (called by `fsdp_exp.plan.prepare`
+- ray is an optional extra. Without it, `world_size()` (called by `fsdp_exp.driver.plan.prepare`
   during the checks) raises one ConfigError line naming `pip install -e .[ray]`. Not the
   constructor: Hydra's `instantiate` wraps whatever a constructor raises in an
   InstantiationException, which the CLI does not turn into a line.
@@ -112,14 +112,14 @@ from fsdp_exp.launch.core import (
     watch,
 )
 from fsdp_exp.launch.tail import NewLines
-from fsdp_exp.launch.worker import rank_log_path, rank_variables, run_rank
+from fsdp_exp.rank.worker import rank_log_path, rank_variables, run_rank
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
-PROCESS_GROUP_TIMEOUT_S = 600  # as fsdp_exp.distributed.init's
+PROCESS_GROUP_TIMEOUT_S = 600  # as fsdp_exp.rank.distributed.init's
 UPLOAD_DIR = ".ray_upload"  # in checkpoint.dir: the hard-linked snapshot Ray uploads, removed after
 ATTEMPTS_FILE = "fsdp_exp_attempts"  # in Ray's directory of the run: one line per start of rank 0
 TRAIN_EXTRA = ("pandas", "pyarrow", "fsspec")  # what ray[train] adds to ray, found without importing

@@ -9,7 +9,7 @@ Design:
 
 - **One task per rank, started by srun** (`tasks_per_node = nproc_per_node`), not one task
   per node running torch's elastic launcher. Each task runs
-  `fsdp_exp.launch.worker.run_rank` itself, with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
+  `fsdp_exp.rank.worker.run_rank` itself, with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
   and MASTER_PORT taken from submitit's JobEnvironment (SLURM_PROCID, SLURM_LOCALID,
   SLURM_NTASKS, the job's first node). Why: submitit's preemption handling (its USR2
   handler, `checkpoint`, the requeue) lives in the task processes, and SLURM signals every
@@ -28,7 +28,7 @@ Design:
   in `checkpoint.dir` (`fsdp_exp.checkpoint.files.latest`), and submitit requeues it (on
   SLURM `scontrol requeue`, same job id; locally the controller restarts the tasks). The
   ranks then resume exactly as after a restart of launcher=local (the requeue count is the
-  ranks' restart count, `fsdp_exp.launch.worker.restarts`, so `resume_point` takes the latest
+  ranks' restart count, `fsdp_exp.rank.worker.restarts`, so `resume_point` takes the latest
   checkpoint and rank 0 logs the restart). Requeues are counted in the callable; past `launcher.max_restarts` its
   `checkpoint()` raises, so the run fails with that reason instead of being requeued
   (submitit alone would requeue preemptions without limit). A job that fails is
@@ -87,7 +87,7 @@ from fsdp_exp.launch.core import (
     threads_per_rank,
     watch,
 )
-from fsdp_exp.launch.worker import rank_variables, run_rank
+from fsdp_exp.rank.worker import rank_variables, run_rank
 
 log = logging.getLogger("fsdp_exp")
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_exp import distributed
-from fsdp_exp.build import build_experiment
+from fsdp_exp.rank import distributed
+from fsdp_exp.rank.build import build_experiment
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import resolve_resume, restart_count, resume_point
-from fsdp_exp.launch import worker
+from fsdp_exp.rank import worker
 from fsdp_exp.memory import (
     OutOfMemory,
     allocation_failure,

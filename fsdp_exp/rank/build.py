@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks
 from fsdp_exp.checkpoint import TrainState
-from fsdp_exp.distributed import Ranks
+from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.metrics.flops import (
     count_step_flops,
     device_peak,
@@ -41,7 +41,7 @@ from fsdp_exp.models.contract import check_logits
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes
-from fsdp_exp.trainer import Trainer
+from fsdp_exp.rank.trainer import Trainer
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

@@ -23,7 +23,7 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
 )
 from fsdp_exp.metrics.sinks import summary_table, write_summary
-from fsdp_exp.plan import RunPlan
+from fsdp_exp.driver.plan import RunPlan
 
 log = logging.getLogger("fsdp_exp")
 

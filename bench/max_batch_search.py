@@ -155,7 +155,7 @@ class SharedProbes:
 def bench(setup: Setup, up_to: int) -> dict:
     overrides = ["task=max_batch", f"memory.limit_gb={setup.limit_gb}", f"max_batch.search_up_to={up_to}",
                  "wandb.mode=disabled", *setup.overrides]
-    plan = prepare(compose_checked(overrides), torch.cuda.device_count(), overrides)
+    plan = prepare(compose_checked(overrides), torch.cuda.device_count())
     print(f"\n{setup.name}: {' '.join(overrides)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()

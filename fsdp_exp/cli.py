@@ -1,21 +1,24 @@
-"""`python -m fsdp_exp`: check the overrides, compose with Hydra, start the ranks.
+"""`python -m fsdp_exp`: the command line. Compose and check every run, then hand each
+run's plan to Hydra's run (or sweep), which makes its output directory and runs it.
 
 Every override (each combination of a -m sweep) is composed and checked before Hydra makes
-an output directory, so bad input leaves nothing behind. A process that already has RANK
-and WORLD_SIZE (started by an external torchrun) acts as one worker instead.
+an output directory, so bad input leaves nothing behind; the plan made by that check is
+the one the run uses. A process that already has RANK and WORLD_SIZE (started by an
+external torchrun) acts as one worker instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
 import os
 import re
 import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +27,14 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from hydra.core.utils import JobStatus
 from hydra.errors import HydraException, MissingConfigException
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config
+from fsdp_exp.driver.plan import RunPlan, prepare
+from fsdp_exp.driver.run import run_experiment
+from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.metrics.startup import process_started
 
@@ -48,7 +52,6 @@ def find_conf_dir() -> str:
 CONF_DIR = find_conf_dir()
 IMPORTED = time.time()  # the start-up's first mark after the command's (fsdp_exp.metrics.startup)
 EXIT_BAD_CONFIG = 2
-EXIT_RUN_FAILED = 1
 
 config.register()
 
@@ -59,88 +62,83 @@ def main() -> None:
 
         sys.exit(run_as_worker(sys.argv[1:], compose_config))
     try:
-        precheck(sys.argv[1:])
+        plans = precheck(sys.argv[1:])
     except ConfigError as err:
         print(f"fsdp_exp: {err}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
-    hydra_main()  # RunOutcomes ends the process with EXIT_RUN_FAILED when a run failed
+    side_by_side = SideBySide()
+    try:
+        # RunOutcomes (conf/config.yaml) ends the process with EXIT_RUN_FAILED when a run failed
+        hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run_function(plans, side_by_side))()
+    finally:
+        side_by_side.close()  # runs still in flight (Ctrl-C) stop their jobs before the command ends
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def hydra_main(cfg: DictConfig) -> dict:
-    import torch
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+def run_function(plans: dict[tuple[str, ...], RunPlan], side_by_side: SideBySide) -> Callable[[DictConfig], Any]:
+    """Hydra's task function: one run, from the plan the check made of it (`plans`, by its
+    overrides); composed and checked again only where the check did not see the run (a run
+    that Hydra's launcher plugin starts in another process). A sweep's run on a launcher
+    with `max_parallel` > 1 starts beside the others (fsdp_exp.driver.sweep): its future
+    summary is what it returns."""
+    swept = swept_keys(list(plans))
 
-    from fsdp_exp.driver.plan import prepare
-    from fsdp_exp.driver.run import run_experiment
+    def run(cfg: DictConfig) -> dict | Future:
+        import torch
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
-    hc = HydraConfig.get()
-    sweep = hc.mode == RunMode.MULTIRUN
-    choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")}
-    group = Path(hc.sweep.dir).as_posix().replace("/", "_") if sweep else None
-    overrides = list(hc.overrides.task)
-    plan = prepare(cfg, torch.cuda.device_count(), overrides, group, job_type=choices.get("task", "train"))
-    plan.exp.startup.update(command=process_started(), imported=IMPORTED, composed=time.time())
-    return run_experiment(plan, Path(hc.runtime.output_dir), overrides, choices, group)
+        hc = HydraConfig.get()
+        sweep = hc.mode == RunMode.MULTIRUN
+        choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")}
+        group = Path(hc.sweep.dir).as_posix().replace("/", "_") if sweep else None
+        overrides = list(hc.overrides.task)
+        plan = plans.pop(run_key(overrides), None) or prepare(cfg, torch.cuda.device_count())
+        plan.exp.startup.update(command=process_started(), imported=IMPORTED, composed=time.time())
+        run_dir = Path(hc.runtime.output_dir)
+        launcher = plan.launcher
+        if not (sweep and launcher.max_parallel > 1 and str(hc.launcher._target_).endswith(".BasicLauncher")):
+            return run_experiment(plan, run_dir, overrides, choices, group)
+        launcher.connect(plan.nproc, launcher.max_parallel)
+        shown = [o for o in overrides if o.partition("=")[0] in swept]
+        name = f"run {hc.job.num} ({' '.join(shown)})" if shown else f"run {hc.job.num}"
+        return side_by_side.start(name, run_dir, launcher.max_parallel,
+                                  lambda: run_experiment(plan, run_dir, overrides, choices, group))
 
-
-class RunOutcomes(Callback):
-    """The outcome of the command (conf/config.yaml sets this callback): it exits with
-    EXIT_RUN_FAILED when a run failed, and after a sweep lists the runs that failed.
-
-    The runs Hydra ran in this process report their summaries as they end (`on_job_end`).
-    A sweep that Hydra's launcher plugin ran in other processes (hydra/launcher=
-    submitit_local, submitit_slurm) is read from the summary.json each of its runs wrote."""
-
-    def __init__(self) -> None:
-        self.ended: list[tuple[str, dict]] = []  # (run directory, summary) of the runs that ran here
-        self.start = time.time()
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.start = time.time() - 1  # file times may be whole seconds
-
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if job_return.status == JobStatus.COMPLETED:
-            self.ended.append((config.hydra.runtime.output_dir, job_return.return_value))
-
-    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if any(summary["status"] != "ok" for _, summary in self.ended):  # the run has said why
-            sys.exit(EXIT_RUN_FAILED)
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        ended = self.ended or self.ended_elsewhere(Path(config.hydra.sweep.dir).absolute())
-        failed = [f"{run_dir}: {summary.get('error', summary['status'])}"
-                  for run_dir, summary in ended if summary["status"] != "ok"]
-        if failed and (len(ended) > 1 or not self.ended):  # a single run here has already said why
-            print(f"fsdp_exp: {len(failed)} of {len(ended)} runs failed:", file=sys.stderr)
-            for line in failed:
-                print(f"  {line}", file=sys.stderr)
-        if failed:
-            sys.exit(EXIT_RUN_FAILED)
-
-    def ended_elsewhere(self, sweep: Path) -> list[tuple[str, dict]]:
-        made = [p.parent for p in [*sweep.glob("*/.hydra"), *sweep.glob("*/*/.hydra")] if p.stat().st_mtime >= self.start]
-        ended = []
-        for run_dir in sorted(made, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]):
-            if (run_dir / "summary.json").is_file():
-                ended.append((str(run_dir), json.loads((run_dir / "summary.json").read_text())))
-            else:
-                ended.append((str(run_dir), {"status": "failed", "error": "no summary.json: the run did not "
-                                             "finish (see the launcher's logs)"}))
-        return ended
+    return run
 
 
-def precheck(argv: list[str]) -> None:
-    """Compose and check every run the command line asks for; raise ConfigError on the first bad one."""
+def swept_keys(runs: list[tuple[str, ...]]) -> set[str]:
+    """The keys whose values differ between the runs: what names a run of a sweep."""
+    values: dict[str, set[str]] = {}
+    for run in runs:
+        for override in run:
+            key, _, value = override.partition("=")
+            values.setdefault(key, set()).add(value)
+    return {key for key, seen in values.items() if len(seen) > 1}
+
+
+def run_key(overrides: list[str]) -> tuple[str, ...]:
+    """A run's overrides less Hydra's own (`hydra.*`, `hydra/...`), which Hydra keeps apart."""
+    return tuple(o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/")))
+
+
+def precheck(argv: list[str]) -> dict[tuple[str, ...], RunPlan]:
+    """Compose and check every run the command line asks for; raise ConfigError on the
+    first bad one. The plan of each run, by its overrides (`run_key`)."""
     args = get_args_parser().parse_args(argv)  # Hydra's own parser: no public API gives it
     if args.help or args.hydra_help or args.shell_completion or args.info:
-        return
+        return {}
+    import torch
+
     config_name = args.config_name or "config"
     parsed = [parse_override(text) for text in args.overrides]
     runs = sweep_runs(parsed) if args.multirun else [args.overrides]
+    plans = {}
     for overrides in runs:
-        check_launcher_plugin(compose_checked(list(overrides), config_name))
+        cfg = compose_config(list(overrides), config_name)
+        plans[run_key(list(overrides))] = prepare(cfg, torch.cuda.device_count())
+        check_launcher_plugin(cfg)
+    return plans
 
 
 def check_launcher_plugin(cfg: DictConfig) -> None:
@@ -184,10 +182,8 @@ def compose_checked(overrides: list[str], config_name: str = "config") -> DictCo
     """The composed config for these overrides, with the hydra node, after every check."""
     import torch
 
-    from fsdp_exp.driver.plan import prepare
-
     cfg = compose_config(overrides, config_name)
-    prepare(cfg, torch.cuda.device_count(), overrides)
+    prepare(cfg, torch.cuda.device_count())
     return cfg
 
 

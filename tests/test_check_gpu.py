@@ -80,7 +80,7 @@ def test_every_run_composes_and_passes_the_plan(setup, tmp_path: Path, monkeypat
     for name, overrides in runs(setup, tmp_path).items():
         line = command(overrides, tmp_path / name)
         assert line[1:3] == ["-m", "fsdp_exp"] and line[-1] == f"hydra.run.dir={tmp_path / name}"
-        plan = prepare(compose_config(line[3:]), gpus, overrides)
+        plan = prepare(compose_config(line[3:]), gpus)
         assert plan.exp.device.value == setup.device, name
         assert plan.exp.wandb.mode.value == "disabled", name
         assert plan.nproc == (1 if name == "none" else setup.ranks), name

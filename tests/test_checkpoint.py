@@ -157,7 +157,7 @@ def test_a_restart_after_the_final_checkpoint_trains_nothing_and_keeps_the_loss_
     Both attempts log to one wandb run id (offline: one run directory each)."""
     overrides = [*COMMON, "train.steps=4", "checkpoint.every=2", "checkpoint=dcp", "train.batch_size=8",
                  "launcher.max_restarts=1", "wandb.mode=offline"]
-    plan = prepare(compose_checked(overrides), 0, overrides)
+    plan = prepare(compose_checked(overrides), 0)
     out = tmp_path / "run"
     plan.task.settle(plan.exp, out)
     summary = LocalLauncher(max_restarts=1).launch(rank_tasks.train_then_rank1_dies_once, plan.exp, out, plan.nproc)
@@ -346,7 +346,7 @@ def test_bad_checkpoint_input_is_refused_before_a_run(tmp_path: Path, reference:
 
 def test_resume_auto_picks_the_latest_in_checkpoint_dir_and_nothing_in_an_empty_one(
         tmp_path: Path, reference: Path) -> None:
-    exp = prepare(compose_checked([*BAD, "checkpoint=dcp", "train.steps=30", "resume=auto"]), 0, []).exp
+    exp = prepare(compose_checked([*BAD, "checkpoint=dcp", "train.steps=30", "resume=auto"]), 0).exp
     exp.checkpoint.dir = str(reference / "checkpoints")
     assert resolve_resume(exp) == str(step_dir(reference, 24))
     exp.checkpoint.dir = str(tmp_path / "empty")

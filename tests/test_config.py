@@ -86,7 +86,7 @@ def test_more_ranks_than_gpus_is_refused() -> None:
 
     cfg = compose_checked(["device=auto", "launcher.nproc_per_node=3"])  # fine on CPU
     with pytest.raises(ConfigError, match="launcher.nproc_per_node=3: only 2 GPU"):
-        prepare(cfg, 2, [])
+        prepare(cfg, 2)
 
 
 def test_compile_is_refused_where_it_cannot_work(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -99,7 +99,7 @@ def test_compile_is_refused_where_it_cannot_work(monkeypatch: pytest.MonkeyPatch
 def test_sharding_none_stands_in_for_the_ranks_it_replaces() -> None:
     from fsdp_exp.driver.plan import prepare
 
-    plan = prepare(compose_checked(["sharding=none", "launcher.nproc_per_node=3"]), 0, [])
+    plan = prepare(compose_checked(["sharding=none", "launcher.nproc_per_node=3"]), 0)
     assert plan.nproc == 1 and plan.exp.train.batch_size == 3 * 32
 
 

@@ -41,5 +41,5 @@ def test_the_defaults_of_a_dataclass_are_the_options_defaults() -> None:
 
 
 def test_the_default_experiment_plans_on_this_machine() -> None:
-    plan = prepare(compose_config([]), 0, [])
+    plan = prepare(compose_config([]), 0)
     assert plan.nproc == 2 and plan.exp.device == "cpu"

@@ -227,7 +227,7 @@ def test_a_snapshot_that_cannot_be_written_does_not_hide_the_failure(monkeypatch
 def test_history_is_recorded_under_a_limit_and_in_every_probe() -> None:
     assert not MemorySettings().records_history
     assert MemorySettings(limit_gb=20).records_history
-    exp = prepare(compose_checked([]), 0, []).exp
+    exp = prepare(compose_checked([]), 0).exp
     assert not exp.memory.records_history
     probe = probe_config(exp, batch_size=4, steps=2, world_size=2, limit_gb=None)
     assert probe.memory.records_history and not exp.memory.records_history
@@ -307,7 +307,7 @@ def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch:
         raise AssertionError("the driver has no GPU")
 
     monkeypatch.setattr(max_batch, "device_memory_gb", login_node)
-    exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0, []).exp
+    exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0).exp
     exp.device, exp.memory.limit_gb = Device.cuda, None
     launcher = ClusterLauncher()
     figures = max_batch.Sweep(exp, tmp_path, launcher, 2).run()
@@ -323,7 +323,7 @@ def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch:
 def test_the_summarys_environment_is_what_rank_0_saw(tmp_path: Path) -> None:
     from fsdp_exp.driver.run import device_seen
 
-    exp = prepare(compose_checked([]), 0, []).exp
+    exp = prepare(compose_checked([]), 0).exp
     exp.launcher = ClusterLauncher()
     assert device_seen(exp, tmp_path) == {"device_seen_by": None}  # rank 0 never got that far
     (tmp_path / DEVICE_RECORD).write_text(json.dumps(H200))

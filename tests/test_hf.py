@@ -49,7 +49,7 @@ TOLERANCE = 1e-5
 def train(out: Path, *overrides: str) -> list[float]:
     """One run through the driver; its loss at every step (a resumed run: the steps it trained)."""
     args = [*COMMON, *overrides]
-    summary = run_experiment(prepare(compose_config(args), torch.cuda.device_count(), args), out, args, {})
+    summary = run_experiment(prepare(compose_config(args), torch.cuda.device_count()), out, args, {})
     assert summary["status"] == "ok", summary.get("error")
     return [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
 

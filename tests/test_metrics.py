@@ -195,7 +195,7 @@ def test_wandb_settings_the_config_leaves_open_come_from_the_environment(
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    wandb = prepare(compose_config(overrides), 0, overrides).exp.wandb
+    wandb = prepare(compose_config(overrides), 0).exp.wandb
     assert (wandb.mode, wandb.project, wandb.entity) == expected
 
 

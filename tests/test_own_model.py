@@ -54,7 +54,7 @@ def test_the_example_project_trains_as_its_readme_shows(project: Path) -> None:
 def test_the_users_model_composes_with_every_option(project: Path, options: list[str]) -> None:
     from fsdp_exp.cli import compose_checked
 
-    plan = prepare(compose_checked(["model=mynet", "data=squares", SEARCHPATH, *options]), 0, [])
+    plan = prepare(compose_checked(["model=mynet", "data=squares", SEARCHPATH, *options]), 0)
     assert plan.exp.model.target == "mypkg.model.Net" and plan.exp.model.kwargs == {
         "width": 64, "depth": 4, "num_classes": 4}
 
@@ -74,7 +74,7 @@ def test_a_model_from_the_command_line_gets_only_its_own_arguments(project: Path
 
     cfg = compose_checked(["model=custom", "model._target_=mypkg.model.Net", "+model.width=32",
                            "+model.num_classes=4", "model.blocks=[mypkg.model.Block]", "data=squares", SEARCHPATH])
-    exp = prepare(cfg, 0, []).exp
+    exp = prepare(cfg, 0).exp
     assert exp.model.kwargs == {"width": 32, "num_classes": 4}
     model, blocks = exp.model.build()
     assert model.head.out_features == 4 and blocks == (sys.modules["mypkg.model"].Block,)
@@ -110,7 +110,7 @@ def test_num_classes_larger_than_the_data_is_fine(project: Path) -> None:
 def test_the_users_data_holds_out_samples_for_eval(project: Path) -> None:
     from fsdp_exp.cli import compose_checked
 
-    exp = prepare(compose_checked(["model=mynet", "data=squares", SEARCHPATH]), 0, []).exp
+    exp = prepare(compose_checked(["model=mynet", "data=squares", SEARCHPATH]), 0).exp
     train, held_out = exp.data.dataset(), exp.data.eval_dataset()
     assert len(train) == len(held_out) == 2048
     assert not torch.equal(train[0][0], held_out[0][0])

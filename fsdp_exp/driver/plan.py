@@ -38,8 +38,7 @@ class RunPlan:
         return self.exp.task
 
 
-def prepare(cfg: DictConfig, local_gpus: int, overrides: list[str], group: str | None = None,
-            world_size: int | None = None, job_type: str = "train") -> RunPlan:
+def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> RunPlan:
     """Build the experiment and check everything that can be checked before a rank starts.
 
     `sharding=none` runs one process on the global batch of the ranks it stands in for,
@@ -69,5 +68,5 @@ def prepare(cfg: DictConfig, local_gpus: int, overrides: list[str], group: str |
     exp.task.check(exp)
     if not exp.sharding.distributed:
         exp.train = replace(exp.train, batch_size=exp.train.batch_size * world)
-    exp.wandb = exp.wandb.for_run(overrides, group, job_type)
+    exp.wandb = exp.wandb.resolved()
     return RunPlan(exp, nproc)

@@ -41,6 +41,7 @@ def run_experiment(
     torchrun only rank 0 writes)."""
     exp, nproc = plan.exp, plan.nproc
     exp.environment = environment(nproc, overrides)
+    exp.wandb = exp.wandb.for_run(overrides, group, job_type=choices.get("task", "train"))
     if writes_files:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / DEVICE_RECORD).unlink(missing_ok=True)  # an earlier run's, in a reused directory

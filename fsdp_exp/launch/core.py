@@ -9,11 +9,14 @@ ProcessFailure, submitit's result pickles, Ray Train's worker errors) into `Rank
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
 import time
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +24,8 @@ from typing import Any, Protocol
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.tail import NewLines
 from fsdp_exp.rank.worker import rank_log_path
+
+log = logging.getLogger("fsdp_exp")
 
 CPU_RANKS = 2  # what `auto` ranks per node means on a machine without GPUs
 POLL_S = 0.2  # how often the driver echoes rank 0's lines and looks at the ranks
@@ -36,6 +41,10 @@ class Launcher(Protocol):
     - `runs_here`: whether its ranks run on this machine;
     - `restarts`: how often it restarts failed ranks (set by `restarts_key`);
     - `starts_all_ranks`: whether this one command starts every rank of the run;
+    - `max_parallel`: how many runs of a sweep it runs side by side (1: one after another);
+    - `connect(nproc, at_once)`: on the command's main thread, before a sweep's run starts
+      beside others: get ready for `at_once` runs of `nproc` ranks (Ray starts or joins
+      its cluster here, since a local Ray cannot start from another thread);
     - `launch(task, cfg, run_dir, nproc, time_limit_s=None)`: start `nproc` fresh ranks,
       each running `fsdp_exp.rank.worker.run_rank(task, cfg, run_dir, time_limit_s)` with
       the variables of `fsdp_exp.rank.worker.rank_variables` set, and return rank 0's
@@ -47,11 +56,26 @@ class Launcher(Protocol):
     restarts_key: str
     runs_here: bool
     starts_all_ranks: bool
+    max_parallel: int
 
     def world_size(self, gpus: int) -> int: ...
     def gpus(self, local_gpus: int) -> int: ...
+    def connect(self, nproc: int, at_once: int) -> None: ...
     def launch(self, task: Callable[[Any, Path], Any], cfg: Any, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Alongside:
+    """A run of a sweep that runs beside others (fsdp_exp.driver.sweep): its name on the
+    console, and the event that stops it (Ctrl-C on the command)."""
+
+    name: str
+    stop: threading.Event
+
+
+# Set in the thread of a run that runs beside others; None for a run on its own.
+alongside: ContextVar[Alongside | None] = ContextVar("alongside", default=None)
 
 
 class RunFailed(Exception):
@@ -191,14 +215,28 @@ class Echo:
 
 
 def watch(done: Callable[[], bool], echo: Echo, first_start: Callable[[], float | None],
-          stop: Callable[[], None], time_limit_s: float | None) -> bool:
+          stop: Callable[[], None], time_limit_s: float | None, state: Callable[[], str] | None = None) -> bool:
     """Echo rank 0's lines until `done()`. The ranks' own alarm ends them at the time limit
     (worker.run_rank); should it not, `stop()` ends them STOP_GRACE_S later, and watch
-    returns True. Ctrl-C on the driver stops them too: no rank outlives the driver."""
+    returns True. Ctrl-C on the driver stops them too: no rank outlives the driver.
+
+    A run beside others (`alongside`) echoes no rank lines: it logs its job's `state`
+    (by default whether its ranks have started) each time it changes, and stops when the
+    sweep is stopped."""
+    run = alongside.get()
+    shown = None
     try:
         while not done():
-            echo.poll()
             start = first_start()
+            if run is None:
+                echo.poll()
+            else:
+                now = state() if state is not None else ("running" if start is not None else "starting")
+                if now != shown:
+                    log.info("%s", now)
+                    shown = now
+                if run.stop.is_set():
+                    raise KeyboardInterrupt
             if time_limit_s and start is not None and time.time() - start > time_limit_s + STOP_GRACE_S:
                 stop()
                 return True
@@ -207,7 +245,8 @@ def watch(done: Callable[[], bool], echo: Echo, first_start: Callable[[], float 
         stop()
         raise
     finally:
-        echo.poll(final=True)
+        if run is None:
+            echo.poll(final=True)
     return False
 
 

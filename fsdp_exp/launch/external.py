@@ -41,12 +41,16 @@ class ExternalLauncher:
     restarts_key = "torchrun --max-restarts"
     runs_here = True
     starts_all_ranks = False  # each process is one rank; torchrun started the others
+    max_parallel = 1
 
     def world_size(self, gpus: int) -> int:
         return self.world
 
     def gpus(self, local_gpus: int) -> int:
         return local_gpus
+
+    def connect(self, nproc: int, at_once: int) -> None:
+        """torchrun has started the ranks."""
 
     def launch(self, task: Callable[[Any, Path], Any], cfg: Any, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any:
@@ -80,7 +84,7 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
         choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
         with open_dict(cfg):
             del cfg["hydra"]  # the rest of it only resolves inside Hydra's own runtime
-        plan = prepare(cfg, torch.cuda.device_count(), argv, world_size=world_size)
+        plan = prepare(cfg, torch.cuda.device_count(), world_size=world_size)
         if plan.nproc == 1 and world_size > 1:
             raise ConfigError("sharding=none: runs one process; start it without torchrun")
         if not isinstance(plan.task, Train):

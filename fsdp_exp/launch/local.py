@@ -42,6 +42,7 @@ class LocalLauncher:
     start_method: str = "forkserver"
     runs_here = True
     starts_all_ranks = True
+    max_parallel = 1  # a sweep's runs share this machine: one after another, so none slows another's figures
     restarts_key = "launcher.max_restarts"
 
     def __post_init__(self) -> None:
@@ -64,6 +65,9 @@ class LocalLauncher:
 
     def gpus(self, local_gpus: int) -> int:
         return local_gpus
+
+    def connect(self, nproc: int, at_once: int) -> None:
+        """Nothing to connect to: the ranks start here."""
 
     def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any:

@@ -103,6 +103,7 @@ from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.launch.core import (
     POLL_S,
+    alongside,
     Echo,
     RankOutcome,
     RunFailed,
@@ -136,12 +137,14 @@ class RayLauncher:
     storage_path: str | None = None  # Ray's storage (its copies of the checkpoints), a path or a URI; None: <run_dir>/ray
     max_failures: int = 0  # after a worker fails, Ray restarts all workers this many times (from the latest checkpoint)
     start_timeout: int = 60  # seconds to join the cluster at `address` before a clear error
+    max_parallel: int = 4  # a sweep's runs on the cluster at once, each with its own workers (1: one after another)
     starts_all_ranks = True
     restarts_key = "launcher.max_failures"
 
     def __post_init__(self) -> None:
         at_least("launcher.num_workers", self.num_workers, 1)
         at_least("launcher.max_failures", self.max_failures, 0)
+        at_least("launcher.max_parallel", self.max_parallel, 1)
         if self.start_timeout < 1:
             raise ConfigError(f"launcher.start_timeout={self.start_timeout}: must be at least 1 (seconds)")
         for name, amount in dict(self.resources_per_worker or {}).items():
@@ -158,6 +161,14 @@ class RayLauncher:
 
     def gpus(self, local_gpus: int) -> int:
         return self.num_workers if self.use_gpu else 0
+
+    def connect(self, nproc: int, at_once: int) -> None:
+        """Start or join Ray for `at_once` runs of `nproc` workers, from this (the main)
+        thread. A local Ray is sized for all of them; one that is running is kept, since
+        runs may be in flight on it."""
+        self.check()
+        cpus = float(dict(self.resources_per_worker or {}).get("CPU", 1.0))
+        connect(self.address, self.start_timeout, at_once * nproc * cpus, keep=True)
 
     def world_size(self, gpus: int) -> int:
         """`num_workers`. Also the checks of what this machine must have, since the
@@ -205,7 +216,8 @@ class RayLauncher:
 
         run_dir = Path(run_dir).resolve()
         resources = {str(k): float(v) for k, v in dict(self.resources_per_worker or {}).items()}
-        connect(self.address, self.start_timeout, nproc * resources.get("CPU", 1.0))
+        if alongside.get() is None:  # beside others, `connect` made the session on the main thread
+            connect(self.address, self.start_timeout, nproc * resources.get("CPU", 1.0))
         storage = self.storage(run_dir)
         name = f"fsdp_exp-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         ckpt = cfg.checkpoint
@@ -255,16 +267,17 @@ def _exit_before_ray_teardown() -> None:
     os._exit(1)
 
 
-def connect(address: str | None, start_timeout: float, cpus: float) -> None:
+def connect(address: str | None, start_timeout: float, cpus: float, keep: bool = False) -> None:
     """Start a local Ray (address None) or join a cluster, unless this process already is
-    connected as asked; at most `start_timeout` seconds to join."""
+    connected as asked; at most `start_timeout` seconds to join. `keep`: a session at the
+    same address is kept even when it has fewer CPUs than asked for."""
     import ray
 
     if ray.is_initialized():
         if not _session:
             return  # connected by someone else in this process (e.g. a notebook): use that
         if _session["address"] == address and (
-                address is not None or ray.cluster_resources().get("CPU", 0) >= cpus):
+                keep or address is not None or ray.cluster_resources().get("CPU", 0) >= cpus):
             return
         ray.shutdown()
         _session.clear()
@@ -326,7 +339,8 @@ def fit(trainer: Any, starts: Starts, time_limit_s: float | None) -> tuple[Any, 
         starts.poll()
         return not runner.is_alive()
 
-    stopped = watch(done, Echo(starts.logs[0], starts.sizes[0]), starts.first, disconnect, time_limit_s)
+    stopped = watch(done, Echo(starts.logs[0], starts.sizes[0]), starts.first, disconnect, time_limit_s,
+                    state=lambda: "running" if starts.first() is not None else "starting its workers")
     return box.get("result"), box.get("error"), stopped
 
 

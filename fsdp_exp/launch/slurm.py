@@ -68,6 +68,7 @@ import random
 import re
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,6 +94,7 @@ log = logging.getLogger("fsdp_exp")
 
 CLUSTERS = ("slurm", "local")
 FORCE_STATE_S = 30  # on a cluster, how often it also asks sacct (submitit alone may wait 10 minutes)
+LOCAL_SUBMIT = threading.Lock()  # launcher.cluster=local: submissions of runs side by side, one at a time
 RESULT_WAIT_S = 15  # on a cluster, how long result files may take to appear on the shared file system
 
 
@@ -122,6 +124,7 @@ class SlurmLauncher:
     constraint: str | None = None
     setup: list[str] = field(default_factory=list)  # shell lines run before the ranks start
     folder: str | None = None  # submitit's job files and logs; None: slurm/ in the run directory
+    max_parallel: int = 16  # a sweep's runs: jobs in flight at once (1: one after another)
     starts_all_ranks = True
     restarts_key = "launcher.max_restarts"
 
@@ -130,7 +133,7 @@ class SlurmLauncher:
             raise ConfigError(f"launcher.cluster={self.cluster}: choose one of: {', '.join(CLUSTERS)}")
         check_nproc(self.nproc_per_node)
         for key, low in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("timeout_min", 1),
-                         ("max_restarts", 0)):
+                         ("max_restarts", 0), ("max_parallel", 1)):
             at_least(f"launcher.{key}", getattr(self, key), low)
         if self.mem_gb is not None and self.mem_gb <= 0:
             raise ConfigError(f"launcher.mem_gb={self.mem_gb}: must be greater than 0, or null")
@@ -148,6 +151,9 @@ class SlurmLauncher:
 
     def gpus(self, local_gpus: int) -> int:
         return self.gpus_per_node
+
+    def connect(self, nproc: int, at_once: int) -> None:
+        """Nothing to connect to: each launch submits its own job."""
 
     def world_size(self, gpus: int) -> int:
         """`nodes` x `nproc_per_node` (auto: gpus_per_node, or 2 without GPUs). Also the
@@ -221,7 +227,8 @@ class SlurmLauncher:
         executor = self.executor(folder, nodes, tasks_per_node)
         if self.cluster == "local":
             job_fn = dataclasses.replace(job_fn, master_port=free_port())
-            with threads_per_rank(nodes * tasks_per_node):  # the local tasks inherit it
+            # the local tasks inherit this process's environment: one run's setting at a time
+            with LOCAL_SUBMIT, threads_per_rank(nodes * tasks_per_node):
                 job = executor.submit(job_fn)
         else:
             job = executor.submit(job_fn)
@@ -243,7 +250,7 @@ class SlurmLauncher:
             return min((s for s in started(job, nproc) if s is not None), default=None)
 
         stopped = watch(done, Echo(job.task(0).paths.stdout), first_start, lambda: job.cancel(check=False),
-                        time_limit_s)
+                        time_limit_s, state=lambda: f"job {job.job_id} {job.state}")
         while not job.done():  # cancelled: the tasks end within seconds
             time.sleep(POLL_S)
         ended = time.time()

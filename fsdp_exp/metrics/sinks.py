@@ -106,15 +106,18 @@ class WandbSettings:
         if self.id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(self.id)):
             raise ConfigError(f"wandb.id={self.id}: at most 64 letters, digits, '-' or '_'")
 
-    def for_run(self, overrides: list[str], group: str | None, job_type: str) -> WandbSettings:
+    def resolved(self) -> WandbSettings:
         """What every attempt of one run logs with, fixed once on the driver: ranks restarted
         or requeued from this run log to the same wandb run, in the same place. The id is
         drawn here. Where the config leaves a setting open, wandb's own variables decide,
         as in wandb itself: WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY."""
-        settings = replace(
+        return replace(
             self, mode=WandbMode(resolve_wandb_mode(self.mode)), project=self.project or wandb_project(),
-            entity=self.entity or os.environ.get("WANDB_ENTITY") or None, tags=[*self.tags, *overrides],
-            group=self.group or group, id=self.id or uuid.uuid4().hex[:16])
+            entity=self.entity or os.environ.get("WANDB_ENTITY") or None, id=self.id or uuid.uuid4().hex[:16])
+
+    def for_run(self, overrides: list[str], group: str | None, job_type: str) -> WandbSettings:
+        """The run's tags (its overrides), its group (the sweep) and its job type (the task)."""
+        settings = replace(self, tags=[*self.tags, *overrides], group=self.group or group)
         settings.job_type = job_type
         return settings
 

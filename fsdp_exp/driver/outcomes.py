@@ -1,0 +1,76 @@
+"""How the command ends: the exit code, and after a sweep the runs that failed."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+EXIT_RUN_FAILED = 1
+
+
+class RunOutcomes(Callback):
+    """The outcome of the command (conf/config.yaml sets this callback): it exits with
+    EXIT_RUN_FAILED when a run failed, and after a sweep lists the runs that failed.
+
+    The runs Hydra ran in this process report their summaries as they end (`on_job_end`),
+    or, for runs side by side (fsdp_exp.driver.sweep), the futures of their summaries, which
+    the end of the sweep waits for.
+    A sweep that Hydra's launcher plugin ran in other processes (hydra/launcher=
+    submitit_local, submitit_slurm) is read from the summary.json each of its runs wrote."""
+
+    def __init__(self) -> None:
+        self.ended: list[tuple[str, dict | Future]] = []  # (run directory, summary) of the runs that ran here
+        self.start = time.time()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.start = time.time() - 1  # file times may be whole seconds
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if job_return.status == JobStatus.COMPLETED:
+            self.ended.append((config.hydra.runtime.output_dir, job_return.return_value))
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if any(summary["status"] != "ok" for _, summary in self.ended):  # the run has said why
+            sys.exit(EXIT_RUN_FAILED)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        ended = [(run_dir, outcome(summary)) for run_dir, summary in self.ended] or \
+            self.ended_elsewhere(Path(config.hydra.sweep.dir).absolute())
+        failed = [f"{run_dir}: {summary.get('error', summary['status'])}"
+                  for run_dir, summary in ended if summary["status"] != "ok"]
+        if failed and (len(ended) > 1 or not self.ended):  # a single run here has already said why
+            print(f"fsdp_exp: {len(failed)} of {len(ended)} runs failed:", file=sys.stderr)
+            for line in failed:
+                print(f"  {line}", file=sys.stderr)
+        if failed:
+            sys.exit(EXIT_RUN_FAILED)
+
+    def ended_elsewhere(self, sweep: Path) -> list[tuple[str, dict]]:
+        made = [p.parent for p in [*sweep.glob("*/.hydra"), *sweep.glob("*/*/.hydra")] if p.stat().st_mtime >= self.start]
+        ended = []
+        for run_dir in sorted(made, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]):
+            if (run_dir / "summary.json").is_file():
+                ended.append((str(run_dir), json.loads((run_dir / "summary.json").read_text())))
+            else:
+                ended.append((str(run_dir), {"status": "failed", "error": "no summary.json: the run did not "
+                                             "finish (see the launcher's logs)"}))
+        return ended
+
+
+def outcome(summary: dict | Future) -> dict:
+    """A run's summary; for a run side by side, once it has ended."""
+    if not isinstance(summary, Future):
+        return summary
+    try:
+        return summary.result()
+    except Exception as err:  # noqa: BLE001 - a run that failed outside its launch is a failed run
+        return {"status": "failed", "error": f"{type(err).__name__}: {err}"}

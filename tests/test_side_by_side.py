@@ -1,0 +1,73 @@
+"""A sweep on a cluster launcher submits its runs side by side (fsdp_exp.driver.sweep):
+real jobs through submitit's local executor, and Ray Train runs on a local Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdp_exp.cli import precheck, run_key
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
+
+ONE_RANK = ["sharding=none", *SMALL_VIT, "train.steps=6", "data.num_samples=64"]
+
+
+def span(run_dir: Path) -> tuple[float, float]:
+    """From the start of the run's rank to its last step."""
+    started = read_json(run_dir / "summary.json")["startup"]["rank_started"]
+    return started, read_jsonl(run_dir / "metrics.jsonl")[-1]["time"]
+
+
+def overlap(a: Path, b: Path) -> bool:
+    (start_a, end_a), (start_b, end_b) = span(a), span(b)
+    return max(start_a, start_b) < min(end_a, end_b)
+
+
+def test_a_slurm_sweep_submits_every_run_first_and_lists_the_failed_one(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["-m", "launcher=slurm", "launcher.cluster=local", "launcher.nproc_per_node=1", *ONE_RANK,
+            "train.batch_size=4,8,128", f"hydra.sweep.dir={sweep}"]
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    runs = [sweep / str(n) for n in range(3)]
+    assert [read_json(r / "summary.json")["status"] for r in runs] == ["ok", "ok", "failed"]
+    assert overlap(runs[0], runs[1]), "the two runs that trained did so at the same time"
+    # The failed run is listed at the end, with its reason.
+    assert f"fsdp_exp: 1 of 3 runs failed:\n  {runs[2]}: rank 0 failed: ConfigError: train.batch_size=128" \
+        in result.stderr
+    # The console names each run by what it sweeps and shows its job's state, not rank 0's lines.
+    assert "run 0 (train.batch_size=4): job " in result.stdout and " RUNNING" in result.stdout
+    assert "[rank0][INFO] step" not in result.stdout
+    # Each run keeps its own driver lines in its own log file.
+    own = (runs[1] / "fsdp_exp.log").read_text()
+    assert "run 1 (train.batch_size=8): job " in own and "run 0 (" not in own
+    # Each run ran the plan the command checked before it made any directory.
+    plans = precheck(args)
+    for run in runs:
+        overrides = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
+        assert run_key(overrides) in plans
+
+
+@pytest.mark.slow
+def test_max_parallel_1_runs_a_slurm_sweep_one_after_another(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", "launcher=slurm", "launcher.cluster=local", "launcher.nproc_per_node=1",
+                     "launcher.max_parallel=1", *ONE_RANK, "train.batch_size=4,8", f"hydra.sweep.dir={sweep}",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not overlap(sweep / "0", sweep / "1")
+    assert "[rank0][INFO] step 6/6" in result.stdout  # rank 0's lines, as for a run on its own
+
+
+@pytest.mark.slow
+def test_a_ray_sweep_runs_side_by_side_on_one_local_ray(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", "launcher=ray", "launcher.num_workers=1", *ONE_RANK, "train.steps=20",
+                     "train.batch_size=4,8", f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [sweep / "0", sweep / "1"]
+    assert [read_json(r / "summary.json")["status"] for r in runs] == ["ok", "ok"]
+    assert overlap(*runs), "each run had its own worker, at the same time"
+    assert "run 1 (train.batch_size=8): running" in result.stdout

@@ -52,6 +52,7 @@ def find_conf_dir() -> str:
 CONF_DIR = find_conf_dir()
 IMPORTED = time.time()  # the start-up's first mark after the command's (fsdp_exp.metrics.startup)
 EXIT_BAD_CONFIG = 2
+EXIT_INTERRUPTED = 130  # as the shell's 128 + SIGINT
 
 config.register()
 
@@ -70,6 +71,9 @@ def main() -> None:
     try:
         # RunOutcomes (conf/config.yaml) ends the process with EXIT_RUN_FAILED when a run failed
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run_function(plans, side_by_side))()
+    except KeyboardInterrupt:
+        print("fsdp_exp: interrupted; each run's summary.json says where it stopped", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     finally:
         side_by_side.close()  # runs still in flight (Ctrl-C) stop their jobs before the command ends
 

@@ -3,13 +3,18 @@ real jobs through submitit's local executor, and Ray Train runs on a local Ray."
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from fsdp_exp.cli import precheck, run_key
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
+from tests.conftest import SMALL_VIT, rank_pid, read_json, read_jsonl, run_cli
 
 ONE_RANK = ["sharding=none", *SMALL_VIT, "train.steps=6", "data.num_samples=64"]
 
@@ -71,3 +76,27 @@ def test_a_ray_sweep_runs_side_by_side_on_one_local_ray(tmp_path: Path) -> None:
     assert [read_json(r / "summary.json")["status"] for r in runs] == ["ok", "ok"]
     assert overlap(*runs), "each run had its own worker, at the same time"
     assert "run 1 (train.batch_size=8): running" in result.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_run_in_flight(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_exp", "-m", "launcher=slurm", "launcher.cluster=local",
+         "launcher.nproc_per_node=1", *ONE_RANK, "train.steps=100000", "train.batch_size=4,8",
+         f"hydra.sweep.dir={sweep}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = [sweep / "0" / "rank0.log", sweep / "1" / "rank0.log"]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not all(rank_pid(log) for log in logs):
+        time.sleep(0.2)
+    pids = [rank_pid(log) for log in logs]
+    assert all(pids), "both runs started"
+    driver.send_signal(signal.SIGINT)
+    _, err = driver.communicate(timeout=120)
+    assert driver.returncode == 130
+    assert "fsdp_exp: interrupted; each run's summary.json says where it stopped" in err.splitlines()
+    assert [read_json(sweep / n / "summary.json")["status"] for n in ("0", "1")] == ["interrupted", "interrupted"]
+    time.sleep(2)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # no rank outlives the command

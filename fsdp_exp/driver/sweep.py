@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-from fsdp_exp.launch.core import Alongside, alongside
+from fsdp_exp.launch.core import POLL_S, Alongside, alongside
 
 log = logging.getLogger("fsdp_exp")
 
@@ -96,7 +97,7 @@ class SideBySide:
         """Until `ready()`; Ctrl-C stops every run in flight first."""
         try:
             while not ready():
-                threading.Event().wait(0.2)
+                time.sleep(POLL_S)
         except BaseException:
             self.close()
             raise

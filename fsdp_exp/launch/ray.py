@@ -41,7 +41,12 @@ Design:
   delete files during an upload. Not every logged record is reported: Ray Train takes
   one report per poll of its controller (every 2 s), so reports at every record would
   fall behind and delay the checkpoints a restart needs; the records stay in
-  metrics.jsonl (and wandb).
+  metrics.jsonl (and wandb). Why a thread that reads the run's files, and not a Trainer
+  sink with a checkpoint hook: the report is a barrier every worker must reach equally
+  often, so it needs a thread of its own beside training either way; a sink and a hook
+  would add a Ray branch to the build and a commit callback to the checkpointer to feed
+  that same thread, while the files (metrics.jsonl, `latest`) already say, in order,
+  what was logged and what was committed.
 - **Restarts.** `max_failures` is Ray's FailureConfig: after a worker fails, Ray Train
   restarts the whole worker group, up to that many times. Each worker then tells its rank
   the restart count and `ray.train.get_checkpoint()` (Ray's copy of the latest reported

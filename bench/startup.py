@@ -39,9 +39,8 @@ PARTS = [
     ("start the ranks", "launched", "rank_ready"),
     ("process group", "rank_ready", "process_group"),
     ("build", "process_group", "built"),
-    ("FLOP count", "built", "flops_counted"),
-    ("sinks", "flops_counted", "ready"),
-    ("first step", "ready", "first_step"),
+    ("sinks, checkpoint", "built", "ready"),
+    ("first step (its FLOPs counted as it runs)", "ready", "first_step"),
 ]
 
 

@@ -175,24 +175,41 @@ def _count_recompute(model: nn.Module, formulas: dict) -> Iterator[list[FlopCoun
             wrapper.checkpoint_fn = checkpoint_fn
 
 
-def count_step_flops(model: nn.Module, loss_of: Callable[[], torch.Tensor],
-                     formulas: dict = ATTENTION_FORMULAS) -> StepFlops:
-    """FLOPs of one forward and backward on this rank, counted by FlopCounterMode: the
-    model's own and, with activation checkpointing, the hardware's (with the recompute).
+class FlopCount:
+    """What `counting_flops` counted, once its block has ended."""
 
-    Every rank must call this together (the sharded forward gathers parameters). The
-    gradients it leaves are cleared; the weights are not touched. Under torch.compile
-    the count runs eagerly: Dynamo skips frames while a dispatch mode is active.
-    """
+    step: StepFlops | None = None
+
+
+@contextlib.contextmanager
+def counting_flops(model: nn.Module, formulas: dict = ATTENTION_FORMULAS) -> Iterator[FlopCount]:
+    """Counts the FLOPs of the forward and backward run inside the block on this rank, by
+    FlopCounterMode: the model's own and, with activation checkpointing, the hardware's
+    (with the recompute). The count is in the yielded `FlopCount` once the block ends.
+
+    Every rank must run the block together (the sharded forward gathers parameters).
+    Under torch.compile the block runs eagerly: Dynamo skips frames while a dispatch mode
+    is active."""
     counter = FlopCounterMode(display=False, custom_mapping=formulas)
     uncounted = _UncountedAttention(counter.flop_registry)
+    count = FlopCount()
     with _count_recompute(model, formulas) as recomputed, uncounted, counter:
+        yield count
+    hardware = counter.get_total_flops()
+    model_flops = hardware - sum(c.get_total_flops() for c in recomputed)
+    count.step = StepFlops(model=model_flops, hardware=hardware, uncounted=sorted(uncounted.ops))
+
+
+def count_step_flops(model: nn.Module, loss_of: Callable[[], torch.Tensor],
+                     formulas: dict = ATTENTION_FORMULAS) -> StepFlops:
+    """`counting_flops` of one forward and backward, `loss_of().backward()`, outside
+    training: the gradients it leaves are cleared; the weights are not touched."""
+    with counting_flops(model, formulas) as count:
         loss_of().backward()
     for p in model.parameters():
         p.grad = None
-    hardware = counter.get_total_flops()
-    model_flops = hardware - sum(c.get_total_flops() for c in recomputed)
-    return StepFlops(model=model_flops, hardware=hardware, uncounted=sorted(uncounted.ops))
+    assert count.step is not None
+    return count.step
 
 
 def step_flops_figures(counted: StepFlops, analytic: int | None, micro_batches: int = 1) -> dict:

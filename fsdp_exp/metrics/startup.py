@@ -5,9 +5,10 @@ The driver marks its part (`command`: the process started; `imported`; `composed
 run composed and checked; `launched`: the ranks asked for) in the experiment it hands to
 the ranks; each rank adds its own (`rank_started`: its process started, forked or spawned;
 `rank_ready`: it runs the task; `process_group`; `built`: the model sharded, the data and
-optimizer made; `flops_counted`: one step's FLOPs counted; `ready`: the sinks made, the
-checkpoint restored), and rank 0's marks are the summary's `startup`. The first step ends
-at the `time` of its record in metrics.jsonl. `bench/startup.py` turns them into durations.
+optimizer made; `ready`: the sinks made, the checkpoint restored), and rank 0's marks are
+the summary's `startup`. The first step, whose first micro-batch also counts the FLOPs,
+ends at the `time` of its record in metrics.jsonl. `bench/startup.py` turns them into
+durations.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import time
 
 MARKS = ("command", "imported", "composed", "launched", "rank_started", "rank_ready", "process_group", "built",
-         "flops_counted", "ready")
+         "ready")
 
 
 def process_started() -> float | None:

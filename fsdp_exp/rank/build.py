@@ -12,7 +12,7 @@ import contextlib
 import copy
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,7 +30,7 @@ from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks
 from fsdp_exp.checkpoint import TrainState
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.metrics.flops import (
-    count_step_flops,
+    counting_flops,
     device_peak,
     flops_per_token,
     peak_column,
@@ -142,13 +142,9 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         peak_tflops=peak.tflops,
     )
     cfg.startup["built"] = time.time()
-    figures.update(count_flops(trainer, batches, cfg, micro_batch))
-    cfg.startup["flops_counted"] = time.time()
-    trainer.flops_per_step = figures["flops_per_step"]
-    trainer.hardware_flops_per_step = figures["hardware_flops_per_step"]
+    trainer.first_micro_batch = CountedFirstMicroBatch(trainer, figures, cfg.model.name,
+                                                       analytic_flops(trainer, micro_batch))
 
-    # After the FLOP count, whose forward pass draws dropout masks: the restored RNG
-    # state is then the one the saved run had at its next step.
     # The experiment stays settings (a requeue copies it): the live objects are copies.
     checkpoint = copy.deepcopy(cfg.checkpoint)
     state = TrainState(model, optimizer, ranks, cfg.model.as_dict(), batches, schedule, grad_scaler)
@@ -166,7 +162,6 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
     if ranks.is_main:
         if fsdp_units:
             log.info("FSDP units: %s", ", ".join(f"{u['module']} ({u['params']:,})" for u in fsdp_units))
-        log_flops(figures)
         if peak.warning:
             log.warning(peak.warning)
         jsonl = JsonLines(run_dir / "metrics.jsonl")
@@ -201,22 +196,35 @@ def log_flops(figures: dict) -> None:
                     abs(counted / analytic - 1) * 100, source)
 
 
-def count_flops(trainer: Trainer, batches: Any, cfg: Experiment, micro_batch: int) -> dict:
-    """This rank's FLOPs per optimizer step, counted once on a batch shaped like the real
-    ones (so the data order is untouched); for a language model, also the analytic 6N count."""
-    inputs, targets = batches.dataset[0]
-    shaped = (inputs.expand(micro_batch, *inputs.shape).contiguous(),
-              targets.expand(micro_batch, *targets.shape).contiguous())
-    def loss() -> torch.Tensor:  # the model contract, checked once on real tensors
-        logits = trainer.model(shaped[0].to(trainer.ranks.device))
-        check_logits(logits, shaped[1], cfg.model.name)
-        return trainer.loss_of(logits, shaped[1])
+def analytic_flops(trainer: Trainer, micro_batch: int) -> int | None:
+    """For a language model, the 6N count of one micro-batch on this rank."""
+    if not trainer.tokens_per_sample:
+        return None
+    per_token = flops_per_token(unwrap(trainer.model), trainer.tokens_per_sample)
+    return None if per_token is None else per_token * trainer.tokens_per_sample * micro_batch
 
-    counted = count_step_flops(trainer.model, loss)
-    analytic = None
-    if trainer.tokens_per_sample:
-        seq_len = trainer.tokens_per_sample
-        per_token = flops_per_token(unwrap(trainer.model), seq_len)
-        if per_token is not None:
-            analytic = per_token * seq_len * micro_batch
-    return step_flops_figures(counted, analytic, trainer.grad_accum)
+
+@dataclass
+class CountedFirstMicroBatch:
+    """The first micro-batch of training is counted (FlopCounterMode) and its logits checked
+    against the model contract: this rank's FLOPs per step need no forward and backward of
+    their own. Rank 0 logs them; the figures go into the run's."""
+
+    trainer: Trainer
+    figures: dict
+    model_name: str
+    analytic: int | None
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with counting_flops(self.trainer.model) as count:
+            yield
+        assert count.step is not None
+        self.figures.update(step_flops_figures(count.step, self.analytic, self.trainer.grad_accum))
+        self.trainer.flops_per_step = self.figures["flops_per_step"]
+        self.trainer.hardware_flops_per_step = self.figures["hardware_flops_per_step"]
+        if self.trainer.ranks.is_main:
+            log_flops(self.figures)
+
+    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        check_logits(logits, targets, self.model_name)

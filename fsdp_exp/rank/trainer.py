@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -39,6 +40,14 @@ class StepHooks(Protocol):
 
     def before_step(self, step: int) -> None: ...
     def after_step(self, step: int) -> None: ...
+
+
+class FirstMicroBatch(Protocol):
+    """What the first micro-batch of training also does, so that it costs no forward and
+    backward of its own (fsdp_exp.rank.build: the FLOP count and the model contract)."""
+
+    def running(self) -> contextlib.AbstractContextManager: ...  # around its forward and backward
+    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None: ...
 
 
 class Trainer:
@@ -99,15 +108,12 @@ class Trainer:
         self.checkpoint = checkpoint
         self.start_step = start_step
         self.start_loss = start_loss
+        self.first_micro_batch: FirstMicroBatch | None = None
         self.memory = MemoryMonitor(ranks.device)
         self.host_data_wait_s = 0.0
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy over classes (images) or over every position's next token (LMs)."""
-        inputs = inputs.to(self.ranks.device, non_blocking=True)
-        return self.loss_of(self.model(inputs), targets)
-
     def loss_of(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy over classes (images) or over every position's next token (LMs)."""
         targets = targets.to(self.ranks.device, non_blocking=True)
         logits = logits.float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -125,9 +131,15 @@ class Trainer:
         ranks only after the last. Returns the step's mean loss on this rank."""
         total = torch.zeros((), device=self.ranks.device)
         for micro in range(self.grad_accum):
-            with gradient_sync(self.model, enabled=micro == self.grad_accum - 1):
+            first, self.first_micro_batch = self.first_micro_batch, None
+            with gradient_sync(self.model, enabled=micro == self.grad_accum - 1), \
+                    first.running() if first is not None else contextlib.nullcontext():
                 self.memory.start_phase("forward")
-                loss = self.loss(*self._next(batches)) / self.grad_accum
+                inputs, targets = self._next(batches)
+                logits = self.model(inputs.to(self.ranks.device, non_blocking=True))
+                if first is not None:
+                    first.check(logits, targets)
+                loss = self.loss_of(logits, targets) / self.grad_accum
                 self.memory.start_phase("backward")
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             total += loss.detach()
@@ -153,7 +165,7 @@ class Trainer:
         self.model.train()
         batches = iter(self.batches)
         first, warmup_end = self.start_step + 1, self.start_step + self.warmup_steps
-        # Work still queued from before training (the FLOP count, a checkpoint load) must
+        # Work still queued from before training (a checkpoint load) must
         # not fall into the first window's time.
         distributed.synchronize(self.ranks.device)
         self.memory.start_run()

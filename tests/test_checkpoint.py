@@ -27,10 +27,10 @@ from safetensors.torch import load_file
 from fsdp_exp.checkpoint.files import latest, open_checkpoint
 from fsdp_exp.checkpoint.resume import resolve_resume
 from fsdp_exp.cli import compose_checked, precheck
+from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.local import LocalLauncher
 from fsdp_exp.models import build_model
-from fsdp_exp.driver.plan import prepare
 from tests import rank_tasks
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 from tests.test_data import make_dataset

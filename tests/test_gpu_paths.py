@@ -15,17 +15,17 @@ import pytest
 import torch
 
 from fsdp_exp import profile
-from fsdp_exp.rank import distributed
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.config import Device
+from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import MemorySettings, allocation_failure, is_out_of_memory
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.memory import GB, MemoryMonitor
-from fsdp_exp.driver.plan import prepare
-from fsdp_exp.tasks.probe import probe_config
+from fsdp_exp.rank import distributed
 from fsdp_exp.rank.trainer import Trainer
+from fsdp_exp.tasks.probe import probe_config
 
 # ---- out of memory outside the caching allocator ------------------------------------------
 

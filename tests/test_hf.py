@@ -23,11 +23,11 @@ from fsdp_exp.checkpoint.export import load_weights
 from fsdp_exp.cli import compose_checked, compose_config, precheck
 from fsdp_exp.config import ConfigError
 from fsdp_exp.data.tokens import SyntheticTokens
+from fsdp_exp.driver.plan import prepare
+from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.metrics.flops import count_step_flops, flops_per_token
 from fsdp_exp.models import ModelSpec, build_model
 from fsdp_exp.models.hf import build_hf, transformers_state_dict
-from fsdp_exp.driver.plan import prepare
-from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.sharding.wrap import select_units
 from fsdp_exp.tasks.export import plain_model
 from tests.conftest import REPO, read_json, read_jsonl, run_cli

@@ -5,20 +5,24 @@ they turn their native results into."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from fsdp_exp.rank import worker
 from fsdp_exp.launch.core import (
     CPU_RANKS,
+    Alongside,
     Echo,
     RankOutcome,
+    alongside,
     explain,
     ranks_per_node,
     watch,
 )
+from fsdp_exp.rank import worker
 
 RUN = Path("/runs/one")
 OOM = "OutOfMemory: ran out of memory under memory.limit_gb=0.6: DefaultCPUAllocator: can't allocate memory"
@@ -104,17 +108,41 @@ def test_the_watchdog_stops_ranks_past_the_limit_and_on_ctrl_c(tmp_path: Path) -
     stops: list[str] = []
     echo = Echo(tmp_path / "rank0.log")
     # started long ago, past limit and grace: stopped at once
-    assert watch(lambda: False, echo, lambda: time.time() - 100, lambda: stops.append("time"), time_limit_s=1)
+    assert watch(lambda: False, echo, lambda: time.time() - 100, lambda: stops.append("time"), time_limit_s=1,
+                 state=str)
     # still within the limit: watched until done
     polls = iter([False, False, True])
-    assert not watch(lambda: next(polls), echo, lambda: time.time(), lambda: stops.append("never"), time_limit_s=60)
+    assert not watch(lambda: next(polls), echo, lambda: time.time(), lambda: stops.append("never"), time_limit_s=60,
+                     state=str)
 
     def interrupted() -> bool:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        watch(interrupted, echo, lambda: None, lambda: stops.append("ctrl-c"), time_limit_s=None)
+        watch(interrupted, echo, lambda: None, lambda: stops.append("ctrl-c"), time_limit_s=None, state=str)
     assert stops == ["time", "ctrl-c"]
+
+
+def test_a_run_beside_others_logs_its_state_changes_and_stops_with_the_sweep(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture) -> None:
+    log = tmp_path / "rank0.log"
+    log.write_text("[10:00:01][rank0][INFO] step 1 loss 2.3\n")
+    run = Alongside("run 1 (sharding=full)", threading.Event())
+    states = iter(["job 7 PENDING", "job 7 PENDING", "job 7 RUNNING", "job 7 RUNNING"])
+    polls = iter([False, False, False, True])
+    token = alongside.set(run)
+    try:
+        with caplog.at_level(logging.INFO, logger="fsdp_exp"):
+            assert not watch(lambda: next(polls), Echo(log), lambda: None, lambda: None, None, lambda: next(states))
+        assert [r.getMessage() for r in caplog.records] == ["job 7 PENDING", "job 7 RUNNING"]
+        assert capsys.readouterr().out == "", "no rank lines: they would interleave with the other runs'"
+        stops: list[str] = []
+        run.stop.set()  # Ctrl-C on the command
+        with pytest.raises(KeyboardInterrupt):
+            watch(lambda: False, Echo(log), lambda: None, lambda: stops.append("stopped"), None, lambda: "running")
+        assert stops == ["stopped"]
+    finally:
+        alongside.reset(token)
 
 
 def test_auto_is_one_rank_per_gpu_or_two_on_cpu() -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fsdp_exp.cli import precheck
-from fsdp_exp.errors import ConfigError
 from fsdp_exp.driver.plan import prepare
+from fsdp_exp.errors import ConfigError
 from tests.conftest import REPO, read_json, read_jsonl, run_cli
 
 EXAMPLE = REPO / "examples" / "my_project"

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from fsdp_exp.rank import distributed
 from fsdp_exp.checkpoint.files import mark_latest, prune, step_name
 from fsdp_exp.checkpoint.state import TrainState
 from fsdp_exp.errors import ConfigError
+from fsdp_exp.rank import distributed
 
 log = logging.getLogger("fsdp_exp")
 MODES = ("sync", "async", "async_pinned")

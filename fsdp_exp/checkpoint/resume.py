@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsdp_exp.rank import distributed
 from fsdp_exp.checkpoint.files import (
     Checkpoint,
     CheckpointError,
@@ -19,6 +18,7 @@ from fsdp_exp.checkpoint.files import (
 )
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.models import ModelSpec
+from fsdp_exp.rank import distributed
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from fsdp_exp.config import Experiment
+from fsdp_exp.driver.plan import RunPlan
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.environment import (
@@ -23,7 +24,6 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
 )
 from fsdp_exp.metrics.sinks import summary_table, write_summary
-from fsdp_exp.driver.plan import RunPlan
 
 log = logging.getLogger("fsdp_exp")
 

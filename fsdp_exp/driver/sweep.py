@@ -55,24 +55,21 @@ class SideBySide:
     """The runs of this command that run beside each other, in flight or ended."""
 
     def __init__(self) -> None:
-        self.runs: list[tuple[Alongside, threading.Thread, Future]] = []
+        self.runs: list[tuple[threading.Thread, Future]] = []
         self.stop = threading.Event()  # set by Ctrl-C: every run stops its job
-        self.named = False
+        log.addFilter(RunName())  # does nothing to the lines of a run on its own
 
     def __reduce__(self) -> tuple:
         """A fresh one in another process: Hydra's launcher plugins pickle the run function."""
         return SideBySide, ()
 
     def in_flight(self) -> int:
-        return sum(not future.done() for _, _, future in self.runs)
+        return sum(not future.done() for _, future in self.runs)
 
     def start(self, name: str, run_dir: Path, max_parallel: int, work: Callable[[], dict]) -> Future:
         """`work()` (the run's driver side, which returns its summary) in a thread of its own,
         once fewer than `max_parallel` runs are in flight; the future of its summary."""
         self.wait(lambda: self.in_flight() < max_parallel)
-        if not self.named:
-            log.addFilter(RunName())
-            self.named = True
         run = Alongside(name, self.stop)
         future: Future = Future()
 
@@ -88,7 +85,7 @@ class SideBySide:
                 handler.close()
 
         thread = threading.Thread(target=body, name=f"fsdp_exp-{name}", daemon=True)
-        self.runs.append((run, thread, future))
+        self.runs.append((thread, future))
         log.info("%s: started in %s", name, run_dir)
         thread.start()
         return future
@@ -107,7 +104,7 @@ class SideBySide:
         them to end their jobs."""
         if self.in_flight():
             self.stop.set()
-        for _, thread, _ in self.runs:
+        for thread, _ in self.runs:
             thread.join(JOIN_S)
 
 

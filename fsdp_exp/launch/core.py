@@ -13,8 +13,8 @@ import logging
 import os
 import re
 import sys
-import time
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -215,14 +215,13 @@ class Echo:
 
 
 def watch(done: Callable[[], bool], echo: Echo, first_start: Callable[[], float | None],
-          stop: Callable[[], None], time_limit_s: float | None, state: Callable[[], str] | None = None) -> bool:
+          stop: Callable[[], None], time_limit_s: float | None, state: Callable[[], str]) -> bool:
     """Echo rank 0's lines until `done()`. The ranks' own alarm ends them at the time limit
     (worker.run_rank); should it not, `stop()` ends them STOP_GRACE_S later, and watch
     returns True. Ctrl-C on the driver stops them too: no rank outlives the driver.
 
-    A run beside others (`alongside`) echoes no rank lines: it logs its job's `state`
-    (by default whether its ranks have started) each time it changes, and stops when the
-    sweep is stopped."""
+    A run beside others (`alongside`) echoes no rank lines: it logs its job's `state()`
+    each time it changes, and stops when the sweep is stopped."""
     run = alongside.get()
     shown = None
     try:
@@ -231,7 +230,7 @@ def watch(done: Callable[[], bool], echo: Echo, first_start: Callable[[], float 
             if run is None:
                 echo.poll()
             else:
-                now = state() if state is not None else ("running" if start is not None else "starting")
+                now = state()
                 if now != shown:
                     log.info("%s", now)
                     shown = now

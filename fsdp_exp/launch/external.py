@@ -22,12 +22,12 @@ import torch.distributed as dist
 from hydra.core.utils import setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from fsdp_exp.rank import distributed
-from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import RunFailed, failure_line
-from fsdp_exp.rank.worker import rank_log_path, run_rank
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.driver.run import run_experiment
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.launch.core import RunFailed, failure_line
+from fsdp_exp.rank import distributed
+from fsdp_exp.rank.worker import rank_log_path, run_rank
 from fsdp_exp.tasks.train import Train
 
 

@@ -108,10 +108,10 @@ from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.launch.core import (
     POLL_S,
-    alongside,
     Echo,
     RankOutcome,
     RunFailed,
+    alongside,
     explain,
     failure_line,
     missing_extra,

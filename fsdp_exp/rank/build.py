@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks
 from fsdp_exp.checkpoint import TrainState
-from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.metrics.flops import (
     counting_flops,
     device_peak,
@@ -38,10 +37,11 @@ from fsdp_exp.metrics.flops import (
 )
 from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
 from fsdp_exp.models.contract import check_logits
+from fsdp_exp.rank.distributed import Ranks
+from fsdp_exp.rank.trainer import Trainer
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes
-from fsdp_exp.rank.trainer import Trainer
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

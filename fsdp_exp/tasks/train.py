@@ -8,11 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_exp.rank import distributed
-from fsdp_exp.rank.build import build_experiment
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import resolve_resume, restart_count, resume_point
-from fsdp_exp.rank import worker
 from fsdp_exp.memory import (
     OutOfMemory,
     allocation_failure,
@@ -24,6 +21,8 @@ from fsdp_exp.memory import (
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
 from fsdp_exp.metrics.startup import in_order, process_started
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
+from fsdp_exp.rank import distributed, worker
+from fsdp_exp.rank.build import build_experiment
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

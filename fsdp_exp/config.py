@@ -39,6 +39,7 @@ from fsdp_exp.precision import Precision
 from fsdp_exp.profile import MemoryProfile, NoProfile
 from fsdp_exp.schedule import LrSchedule
 from fsdp_exp.sharding import DDP, FullyShard, HybridShard, NoSharding
+from fsdp_exp.tasks.estimate import Estimate
 from fsdp_exp.tasks.eval import Eval
 from fsdp_exp.tasks.export import Export
 from fsdp_exp.tasks.max_batch import MaxBatch, MaxBatchSettings
@@ -130,7 +131,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "checkpoint": {"none": NoCheckpoint, "dcp": DCPCheckpoint},
     "launcher": {"local": LocalLauncher, "torchrun": TorchrunLauncher, "slurm": SlurmLauncher,
                  "ray": RayLauncher},
-    "task": {"train": Train, "max_batch": MaxBatch, "eval": Eval, "export": Export},
+    "task": {"train": Train, "max_batch": MaxBatch, "eval": Eval, "export": Export, "estimate": Estimate},
     "profile": {"none": NoProfile, "memory": MemoryProfile},
     "wandb": {"wandb": WandbSettings},
 }

@@ -48,10 +48,14 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     exp = config.build(cfg)
     gpus = exp.launcher.gpus(local_gpus)
     if exp.device == Device.cuda and gpus == 0:
-        raise ConfigError("device=cuda: this machine has no GPU; use device=auto or device=cpu")
+        hint = "; task=estimate estimates for a GPU from any machine with task.device=cuda" \
+            if not exp.task.starts_ranks else ""
+        raise ConfigError(f"device=cuda: this machine has no GPU; use device=auto or device=cpu{hint}")
     on_gpu = exp.device == Device.cuda or (exp.device == Device.auto and gpus > 0)
     exp.device = Device.cuda if on_gpu else Device.cpu
     world = world_size or exp.launcher.world_size(gpus if on_gpu else 0)
+    if not exp.task.starts_ranks:  # task=estimate: for any world size, on another machine
+        world = exp.task.world(world)
 
     model = check_model(exp.model)
     exp.sharding.check(world, has_blocks=bool(model.blocks), offload=exp.offload)
@@ -63,7 +67,8 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     nproc = world if exp.sharding.distributed else 1
     if exp.launcher.runs_here:  # on a cluster, the data's files and the memory are the cluster's
         check_model_reads_data(exp.model, model.module, exp.data)
-        check_limit(exp.memory.limit_gb, exp.device, 1 if on_gpu else nproc)
+        if exp.task.starts_ranks:
+            check_limit(exp.memory.limit_gb, exp.device, 1 if on_gpu else nproc)
     exp.checkpoint.check()
     exp.task.check(exp)
     if not exp.sharding.distributed:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks
 from fsdp_exp.checkpoint import TrainState
@@ -72,8 +73,10 @@ def rank0_first(ranks: Ranks, make: Callable[[], T]) -> T:
     return made
 
 
-def build_model_for_training(cfg: Experiment, ranks: Ranks) -> tuple[nn.Module, list[dict]]:
-    """The model with its per-block transforms and sharding applied, and its FSDP units.
+def build_model_for_training(cfg: Experiment, ranks: Ranks,
+                             mesh: DeviceMesh | None = None) -> tuple[nn.Module, list[dict]]:
+    """The model with its per-block transforms and sharding applied, and its FSDP units
+    (`mesh`: the sharding's, made beforehand; by default the sharding makes it).
 
     With `model.init_device=meta` the model is built without memory, sharded, and only
     then given storage: each rank holds just its shards. The weights are those of a plain
@@ -91,9 +94,9 @@ def build_model_for_training(cfg: Experiment, ranks: Ranks) -> tuple[nn.Module, 
         checkpoint_blocks(model, names)
     if train.compile:
         compile_blocks(model, names)
-    if not meta:
+    if not meta and any(p.device != ranks.device for p in model.parameters()):
         model.to(ranks.device)
-    model = sharding.apply(model, units, ranks.device, cfg.precision, offload=cfg.offload)
+    model = sharding.apply(model, units, ranks.device, cfg.precision, offload=cfg.offload, mesh=mesh)
     if meta:
         model.to_empty(device="cpu" if cfg.offload else ranks.device)
         full_state: dict = {}

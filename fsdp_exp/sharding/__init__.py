@@ -2,7 +2,8 @@
 
 Each option is a plan: a dataclass whose fields are its settings (checked as it is
 built), `check(world_size, ...)` for what depends on the other groups, run before any
-rank starts, and `apply(model, units, device, precision, offload)`, run on every rank.
+rank starts, and `apply(model, units, device, precision, offload, mesh)`, run on every
+rank (`mesh`: one made beforehand, as task=estimate does outside its fake tensors).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class FullyShard:
         return select_units(model, blocks, self.wrap, self.min_params)
 
     def apply(self, model: nn.Module, units: list[str], device: torch.device,
-              precision: Precision, offload: bool) -> nn.Module:
-        mesh = self.mesh(device, dist.get_world_size())
+              precision: Precision, offload: bool, mesh: DeviceMesh | None = None) -> nn.Module:
+        mesh = mesh or self.mesh(device, dist.get_world_size())
         # pin_memory needs a GPU; on a CPU-only mesh it fails inside fully_shard.
         offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
         for name in units:
@@ -131,7 +132,7 @@ class DDP:
         return []
 
     def apply(self, model: nn.Module, units: list[str], device: torch.device,
-              precision: Precision, offload: bool) -> nn.Module:
+              precision: Precision, offload: bool, mesh: DeviceMesh | None = None) -> nn.Module:
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         return Autocast(ddp, precision, device.type) if precision.param_dtype != "float32" else ddp
 
@@ -148,7 +149,7 @@ class NoSharding(DDP):
             raise ConfigError("offload=true: needs a sharded model (sharding=full, grad_op or hybrid), not sharding=none")
 
     def apply(self, model: nn.Module, units: list[str], device: torch.device,
-              precision: Precision, offload: bool) -> nn.Module:
+              precision: Precision, offload: bool, mesh: DeviceMesh | None = None) -> nn.Module:
         return Autocast(model, precision, device.type) if precision.param_dtype != "float32" else model
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,8 @@ log = logging.getLogger("fsdp_exp")
 
 @dataclass
 class Eval:
+    starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
+
     weights: str | None = None  # model.safetensors, model.pt, a DCP step_* directory or a checkpoint.dir
     batch_size: int = 256
     show: int = 8  # predictions printed next to their labels

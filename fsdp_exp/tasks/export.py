@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -30,6 +30,8 @@ def plain_model(spec: ModelSpec) -> torch.nn.Module:
 
 @dataclass
 class Export:
+    starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
+
     checkpoint: str | None = None  # a step_* directory, or a checkpoint.dir (its latest)
     format: str = "safetensors"  # safetensors -> model.safetensors | pt -> model.pt
 

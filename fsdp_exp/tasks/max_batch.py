@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
@@ -77,6 +77,8 @@ class MaxBatchSettings:
 
 @dataclass
 class MaxBatch:
+    starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
+
     def check(self, exp: Experiment) -> None:
         """Refuse what the search cannot do, before any probe starts."""
         if exp.device == "cpu" and exp.memory.limit_gb is None:

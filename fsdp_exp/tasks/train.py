@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import resolve_resume, restart_count, resume_point
@@ -32,6 +32,8 @@ log = logging.getLogger("fsdp_exp")
 
 @dataclass
 class Train:
+    starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
+
     def check(self, exp: Experiment) -> None:
         """The checkpoint to resume from, when one is named, must be usable."""
         resolve_resume(exp)

@@ -1,0 +1,330 @@
+"""Training steps of one rank on fake tensors, at any world size, with every byte counted.
+
+The fake process group (`torch.testing._internal.distributed.fake_pg`) stands in for the
+other ranks: collectives return at once and move no data. Under `FakeTensorMode` every
+tensor has its shape, dtype and storage size but no memory. The model is built, sharded
+and trained by the same code training uses (`build_model_for_training`,
+`Trainer.train_step`), and torch's memory trackers (`torch.distributed._tools`) count the
+live storages by what they hold: FSDP's sharded and unsharded parameters and gradients,
+its all-gather and reduce-scatter buffers, activations, temporaries, optimizer state.
+
+By symmetry one rank stands for all: FSDP2 pads every shard to the same size, and every
+rank trains a batch of the same shape.
+
+Three things differ from the run itself, and none changes what a step holds:
+- the model is built on the CPU (`model.init_device=meta` only changes the build, counted
+  apart), and `train.compile` is left out;
+- `sharding=ddp` traces the model DDP wraps; DDP's reducer (C++, it checks real values
+  across ranks) is added as what it holds: its buckets, one flat copy of every gradient;
+- dynamic loss scaling is left out: its scale is one number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+from torch.distributed.fsdp import FSDPModule
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fsdp_exp.rank.build import build_model_for_training
+from fsdp_exp.rank.distributed import Ranks
+from fsdp_exp.rank.trainer import Trainer
+from fsdp_exp.sharding import DDP, NoSharding
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
+
+# The tracker's categories (FSDPMemTracker's, then MemTracker's), by the estimate's.
+CATEGORIES = {
+    "parameters": ("Sharded Param", "Parameter"),
+    "gradients": ("Sharded Grad", "Gradient"),
+    "optimizer_state": ("OptState", "Optstate"),
+    "activations": ("Activation", "Inputs"),
+    "temporaries": ("Temp",),
+    "unsharded_and_buffers": ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Buffer"),
+}
+# With offload=true these live in host memory: on a GPU they leave the device.
+OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
+
+# The CUDA caching allocator: every block a multiple of 512 bytes; blocks up to 1 MiB come
+# from 2 MiB segments, larger ones from segments rounded up to 2 MiB.
+CUDA_BLOCK = 512
+CUDA_SMALL = 2**20
+CUDA_SEGMENT = 2 * 2**20
+
+
+def cuda_block(nbytes: int) -> int:
+    return max(CUDA_BLOCK, math.ceil(nbytes / CUDA_BLOCK) * CUDA_BLOCK) if nbytes else 0
+
+
+def cuda_segment(nbytes: int) -> int:
+    """The reserved memory a live block of this size takes when it does not share a segment."""
+    block = cuda_block(nbytes)
+    return block if block <= CUDA_SMALL else math.ceil(block / CUDA_SEGMENT) * CUDA_SEGMENT
+
+
+@dataclass
+class Peak:
+    """The largest total of one count over a traced stretch, and its categories then."""
+
+    bytes: int = 0
+    categories: dict[str, int] = field(default_factory=dict)
+    phase: str = ""
+
+    def see(self, total: int, categories: dict[str, int], phase: str) -> None:
+        if total > self.bytes:
+            self.bytes, self.categories, self.phase = total, dict(categories), phase
+
+
+class Counts:
+    """Live bytes by tracker category, three ways: as stored (the CPU), in the CUDA
+    allocator's 512-byte blocks, and in its segments; and the peaks of each.
+
+    `on_device`: the categories that count towards the device's memory (with offload on a
+    GPU, all but the offloaded ones); the CPU peak counts every category."""
+
+    def __init__(self, offloaded: tuple[str, ...]):
+        self.offloaded = offloaded
+        self.now: dict[str, dict[str, int]] = {"stored": {}, "blocks": {}, "segments": {}}
+        self.peaks = {"cpu": Peak(), "device": Peak(), "blocks": Peak(), "segments": Peak()}
+        self.phase = ""
+
+    def change(self, category: str, nbytes: int, sign: int) -> None:
+        for kind, size in (("stored", nbytes), ("blocks", cuda_block(nbytes)), ("segments", cuda_segment(nbytes))):
+            bucket = self.now[kind]
+            bucket[category] = bucket.get(category, 0) + sign * size
+
+    def see(self) -> None:
+        stored = self.now["stored"]
+        self.peaks["cpu"].see(sum(stored.values()), stored, self.phase)
+        on_device = {k: v for k, v in stored.items() if k not in self.offloaded}
+        self.peaks["device"].see(sum(on_device.values()), on_device, self.phase)
+        for kind in ("blocks", "segments"):
+            on_device = {k: v for k, v in self.now[kind].items() if k not in self.offloaded}
+            self.peaks[kind].see(sum(on_device.values()), on_device, self.phase)
+
+
+class Counting:
+    """Mixed into torch's trackers: every change of the live storages goes to `counts`,
+    and every op's result is seen against the peaks (the trackers keep one peak, of all
+    categories together)."""
+
+    counts: Counts
+    attention: list[tuple[int, ...]]  # the query shape of every attention call
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:  # noqa: ANN001
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)  # type: ignore[misc]
+        category = str(winfo.reftype.value)
+        if u_type == _UpdateType.ADD:
+            self.counts.change(category, winfo.mem_consumed, +1)
+        elif u_type == _UpdateType.DEL:
+            self.counts.change(category, winfo.mem_consumed, -1)
+        elif u_type == _UpdateType.REF:
+            self.counts.change(str(old_reftype.value), winfo.mem_consumed, -1)
+            self.counts.change(category, winfo.mem_consumed, +1)
+        elif u_type == _UpdateType.SIZE:
+            self.counts.change(category, old_mem_consumed, -1)
+            self.counts.change(category, winfo.mem_consumed, +1)
+
+    def _update_peak_stats(self, peak_state) -> None:  # noqa: ANN001
+        super()._update_peak_stats(peak_state)  # type: ignore[misc]
+        self.counts.see()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        result = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
+        if result is not NotImplemented and "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
+            self.attention.append(tuple(args[0].shape))
+        return result
+
+
+class ShardedTracker(Counting, FSDPMemTracker):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, counts: Counts):
+        FSDPMemTracker.__init__(self, model, optimizer)
+        self.counts, self.attention = counts, []
+
+
+class PlainTracker(Counting, MemTracker):
+    def __init__(self, counts: Counts):
+        MemTracker.__init__(self)
+        self.counts, self.attention = counts, []
+
+
+def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, counts: Counts) -> MemTracker:
+    inner = model.module if hasattr(model, "precision") else model  # sharding=none/ddp's Autocast
+    if isinstance(inner, FSDPModule):
+        return ShardedTracker(inner, optimizer, counts)
+    made = PlainTracker(counts)
+    made.track_external(model, optimizer)
+    return made
+
+
+@dataclass
+class StepTrace:
+    """One batch size's trace: the peaks of its training steps, and what it ran."""
+
+    batch_size: int
+    peaks: dict[str, Peak]
+    optimizer_state_bytes: int  # what the optimizer keeps between steps
+    ddp_buckets_bytes: int  # sharding=ddp: the reducer's flat copy of the gradients
+    attention: list[tuple[int, ...]]  # query shapes, (batch, heads, tokens, head dim)
+
+
+@dataclass
+class Trace:
+    world_size: int
+    steps: list[StepTrace]
+    build: Peak  # building and sharding the model (init_device=cpu: the whole model first)
+    params: int  # the model's parameter count
+    shard_count: int  # how many ranks share each parameter
+    baseline_bytes: int  # what this process held before tracing, as a rank holds before its model
+    seconds: float
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A process group of `world_size` ranks in which this process is rank 0, and nothing moves."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def for_tracing(exp: Experiment, on_gpu: bool) -> Experiment:
+    """The run's experiment as the trace builds it (see the module's docstring)."""
+    traced = copy.deepcopy(exp)
+    traced.model = replace(traced.model, init_device="cpu")
+    traced.train = replace(traced.train, compile=False)
+    traced.precision = replace(traced.precision, loss_scaling=False)
+    if isinstance(traced.sharding, DDP) and not isinstance(traced.sharding, NoSharding):
+        traced.sharding = NoSharding()
+    if on_gpu:
+        traced.optimizer = foreach(traced.optimizer)
+    return traced
+
+
+def foreach(optimizer: Any) -> Any:
+    """On a GPU torch's optimizers default to their foreach kernels, which hold a list of
+    temporaries the size of the parameters during the step; on the CPU to the per-tensor
+    loop. The trace runs on the CPU, so it asks for foreach when the user did not choose."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create(optimizer) if isinstance(optimizer, dict) else optimizer.copy()
+    if "foreach" in node or "fused" in node:
+        return node
+    target = instantiate({"_target_": "hydra.utils.get_class", "path": node["_target_"]})
+    import inspect
+
+    if "foreach" in inspect.signature(target.__init__).parameters:
+        node["foreach"] = True
+    return node
+
+
+def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool) -> Trace:
+    """Build, shard and train one rank of `world_size` on fake tensors: two steps at the
+    first batch size (the first makes the optimizer state), then one at each other size."""
+    import time
+
+    start = time.perf_counter()
+    baseline = anonymous_bytes()
+    traced = for_tracing(exp, on_gpu)
+    ranks = Ranks(rank=0, local_rank=0, world_size=world_size, device=torch.device("cpu"))
+    offloaded = OFFLOADED if exp.offload else ()  # off a GPU; the CPU peak counts them all the same
+    with fake_world(world_size):
+        sharding = traced.sharding
+        mesh = sharding.mesh(ranks.device, world_size) if hasattr(sharding, "mesh") else None
+        sample, target = exp.data.dataset()[0]  # real: its shape and dtype
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            build_counts = Counts(())
+            with tracker_for_build(build_counts):
+                model, _ = build_model_for_training(traced, ranks, mesh)
+                optimizer = instantiate(traced.optimizer)(model.parameters())
+            trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
+                              batch_size=batch_sizes[0], log_every=1, grad_accum=traced.train.grad_accum)
+            phases = Phases()
+            trainer.memory = phases  # type: ignore[assignment]
+            steps = []
+            for index, batch_size in enumerate(batch_sizes):
+                counts = phases.counts = Counts(offloaded)
+                micro = batch_size // traced.train.grad_accum
+                batches = fake_batches(sample, target, micro)
+                mem = tracker(model, optimizer, counts)
+                with mem:
+                    for repeat in range(2 if index == 0 else 1):
+                        trainer.train_step(batches)
+                        mem.reset_mod_stats()
+                steps.append(StepTrace(batch_size, counts.peaks, state_bytes(optimizer),
+                                       ddp_buckets(model) if isinstance(exp.sharding, DDP)
+                                       and not isinstance(exp.sharding, NoSharding) else 0,
+                                       mem.attention))  # type: ignore[attr-defined]
+        params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole parameter's
+        shard_count = sharding.shard_size(world_size) if hasattr(sharding, "shard_size") else 1
+    return Trace(world_size, steps, build_counts.peaks["cpu"], params, shard_count, baseline,
+                 time.perf_counter() - start)
+
+
+class Phases:
+    """In the trainer's memory monitor's place: names the phase of the step (forward,
+    backward, optimizer_step) the counts are in."""
+
+    counts: Counts | None = None
+
+    def start_phase(self, name: str) -> None:
+        if self.counts is not None:
+            self.counts.phase = name
+
+    def end_phase(self) -> None:
+        self.start_phase("")
+
+
+@contextlib.contextmanager
+def tracker_for_build(counts: Counts) -> Iterator[None]:
+    with PlainTracker(counts):
+        yield
+
+
+def fake_batches(sample: torch.Tensor, target: torch.Tensor, micro: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless micro-batches shaped like the data's (their values are never read)."""
+    while True:
+        yield (torch.zeros((micro, *sample.shape), dtype=sample.dtype),
+               torch.zeros((micro, *torch.as_tensor(target).shape), dtype=torch.as_tensor(target).dtype))
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.untyped_storage().nbytes()
+    return total
+
+
+def ddp_buckets(model: torch.nn.Module) -> int:
+    """DDP's reducer keeps one flat bucket per ~25 MB of gradients: a copy of them all,
+    in the parameters' dtype."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def anonymous_bytes() -> int:
+    """This process's anonymous resident memory (what memory.limit_gb counts on CPU)."""
+    try:
+        for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,215 @@
+"""task=estimate: each rank's peak memory for this setup at any world size, without a run.
+
+The driver starts one process that traces a rank's training steps on fake tensors
+(`fsdp_exp.estimate.trace`): nothing real is allocated, so `task.world_size=64` runs on a
+laptop. It writes estimate.json, prints a table, and with `task.batch_sizes` answers the
+largest batch predicted to fit under `memory.limit_gb`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fsdp_exp.errors import ConfigError, at_least
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
+
+log = logging.getLogger("fsdp_exp")
+
+RECORD = "estimate.json"
+TIME_LIMIT_S = 900  # a trace past this is stopped: something in it does not run on fake tensors
+
+
+@dataclass
+class Estimate:
+    world_size: int | None = None  # ranks to estimate for; null: what the launcher would start
+    batch_sizes: list[int] = field(default_factory=list)  # per-rank sizes to predict; []: train.batch_size
+    device: str = "auto"  # auto (the run's) | cpu | cuda: the device to estimate for, any machine
+    baseline_gb: float | None = None  # the runtime's own memory beside the tensors; null: measured (CPU), 0.5 (GPU)
+
+    starts_ranks: ClassVar[bool] = False  # the device and memory checks of this machine do not apply
+
+    def __post_init__(self) -> None:
+        if self.world_size is not None:
+            at_least("task.world_size", self.world_size, 1)
+        for size in self.batch_sizes:
+            at_least("task.batch_sizes", size, 1)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"task.device={self.device}: choose one of: auto, cpu, cuda")
+        if self.baseline_gb is not None and self.baseline_gb < 0:
+            raise ConfigError(f"task.baseline_gb={self.baseline_gb}: must be at least 0")
+
+    def world(self, launched: int) -> int:
+        """The world size to estimate for: task.world_size, or what the launcher would start."""
+        return self.world_size or launched
+
+    def check(self, exp: Experiment) -> None:
+        sizes = self.sizes(exp)
+        for size in sizes:
+            if size % exp.train.grad_accum:
+                raise ConfigError(f"task.batch_sizes: {size} is not a multiple of train.grad_accum="
+                                  f"{exp.train.grad_accum}")
+
+    def sizes(self, exp: Experiment) -> list[int]:
+        return sorted(set(self.batch_sizes)) or [exp.train.batch_size]
+
+    def on_gpu(self, exp: Experiment) -> bool:
+        return self.device == "cuda" or (self.device == "auto" and exp.device == "cuda")
+
+    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
+        record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb)
+        record["setup"] = setup_line(exp)
+        write_record(run_dir, record)
+        print(table(record), flush=True)
+        log.info("%s -> %s", answer_line(record), run_dir / RECORD)
+        return {"task": "estimate", **{k: record[k] for k in SUMMARY_KEYS}}
+
+
+SUMMARY_KEYS = ("predicted_peak_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
+                "predicted_max_batch", "wall_s")
+
+
+def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
+             baseline_gb: float | None = None) -> dict:
+    """The estimate record, traced in a fresh process (see `trace_in_child`)."""
+    start = time.perf_counter()
+    from fsdp_exp.estimate.breakdown import CUDA_CONTEXT_GB, GB, estimate_batch
+
+    traced = trace_in_child(exp, world_size, batch_sizes, on_gpu)
+    if baseline_gb is None:
+        baseline_gb = CUDA_CONTEXT_GB if on_gpu else traced.baseline_bytes / GB
+    builds_whole = exp.model.init_device != "meta"
+    batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole) for step in traced.steps]
+    limit = exp.memory.limit_gb
+    fitting = [b for b in batches if limit is not None and b.predicted_peak_gb <= limit]
+    chosen = (fitting[-1] if fitting else batches[0]) if len(batches) > 1 else batches[0]
+    return {
+        "device": "cuda" if on_gpu else "cpu",
+        "world_size": world_size,
+        "shards": traced.shard_count,
+        "params": traced.params,
+        "batch_size": chosen.batch_size,
+        "predicted_peak_gb": chosen.predicted_peak_gb,
+        "step_peak_gb": chosen.step_peak_gb,
+        "phase": chosen.phase,
+        "breakdown_gb": chosen.breakdown_gb,
+        **({"reserved_gb": chosen.reserved_gb} if chosen.reserved_gb is not None else {}),
+        **({"offloaded_gb": chosen.offloaded_gb} if chosen.offloaded_gb is not None else {}),
+        "build_peak_gb": (traced.build.bytes / GB + baseline_gb) if builds_whole else None,
+        "limit_gb": limit,
+        "largest_batch_fitting": fitting[-1].batch_size if fitting else (None if limit is None else 0),
+        "predicted_max_batch": crossing(batches, limit),
+        "batches": [b.to_json() for b in batches],
+        "trace_s": traced.seconds,
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def crossing(batches: list, limit_gb: float | None) -> int | None:
+    """Where the line through the two largest sizes' step peaks reaches the limit: the
+    boundary the estimate predicts, also between or beyond the sizes asked for."""
+    if limit_gb is None or len(batches) < 2:
+        return None
+    a, b = batches[-2], batches[-1]
+    slope = (b.step_peak_gb - a.step_peak_gb) / (b.batch_size - a.batch_size)
+    if any(x.predicted_peak_gb > limit_gb for x in batches[:1]):
+        return 0
+    if slope <= 0:
+        return None
+    return max(0, math.floor(b.batch_size + (limit_gb - b.step_peak_gb) / slope))
+
+
+def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool) -> Any:
+    """The trace, in a fresh process: the fake process group is this process's own, nothing
+    of the driver's (threads, a sweep's other runs) is in the way, and what the process
+    holds before tracing is what a rank holds before building its model (the baseline)."""
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe(duplex=False)
+    process = context.Process(target=_traced, args=(child, exp, world_size, batch_sizes, on_gpu), daemon=True)
+    process.start()
+    child.close()
+    try:
+        if not parent.poll(TIME_LIMIT_S):
+            raise RuntimeError(f"the trace ran past {TIME_LIMIT_S} s")
+        ok, result = parent.recv()
+    except EOFError:
+        ok, result = False, f"the tracing process ended with exit code {process.join(5) or process.exitcode}"
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join()
+    if not ok:
+        raise RuntimeError(f"task=estimate could not trace this setup: {result}")
+    return result
+
+
+def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        from fsdp_exp.estimate.trace import trace
+
+        pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu)))
+    except Exception as err:  # noqa: BLE001 - sent back as one line
+        pipe.send((False, " ".join(f"{type(err).__name__}: {err}".split())[:500]))
+
+
+def write_record(run_dir: Path, record: dict) -> None:
+    path = Path(run_dir) / RECORD
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def setup_line(exp: Experiment) -> str:
+    overrides = [o for o in exp.environment.get("overrides", []) if not o.startswith(("task=", "hydra."))]
+    return " ".join(overrides) or "defaults"
+
+
+def answer_line(record: dict) -> str:
+    where = f"{record['world_size']} ranks on {record['device']}"
+    line = (f"predicted peak per rank at batch {record['batch_size']}: {record['predicted_peak_gb']:.2f} GB "
+            f"({where}, at the {record['phase'] or 'step'})")
+    limit = record["limit_gb"]
+    if limit is not None and len(record["batches"]) > 1:
+        fitting = record["largest_batch_fitting"]
+        line += (f"; largest batch predicted to fit under {limit:g} GB: {fitting}" if fitting
+                 else f"; no batch asked for fits under {limit:g} GB")
+        if record["predicted_max_batch"] is not None:
+            line += f" (the line through the largest two reaches it at {record['predicted_max_batch']})"
+    elif limit is not None:
+        line += "; fits under" if record["predicted_peak_gb"] <= limit else "; does not fit under"
+        line += f" memory.limit_gb={limit:g}"
+    return line
+
+
+def table(record: dict) -> str:
+    """One screen: the peak per batch size and what it is made of, in GB."""
+    from fsdp_exp.estimate.breakdown import PARTS
+
+    columns = [*PARTS, "baseline"]
+    short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
+             "temporaries": "temps", "unsharded_and_buffers": "unshard", "baseline": "runtime"}
+    lines = [f"estimate for {record['setup']}: {record['params']:,} parameters, {record['world_size']} ranks "
+             f"({record['shards']} sharing each parameter), {record['device']}",
+             f"{'batch':>6} {'peak GB':>8} {'phase':<15}" + "".join(f"{short[c]:>8}" for c in columns)
+             + (f" {'fits':>5}" if record["limit_gb"] is not None else "")]
+    for b in record["batches"]:
+        row = f"{b['batch_size']:>6} {b['predicted_peak_gb']:>8.3f} {b['phase'] or 'step':<15}"
+        row += "".join(f"{b['breakdown_gb'][c]:>8.3f}" for c in columns)
+        if record["limit_gb"] is not None:
+            row += f" {'yes' if b['predicted_peak_gb'] <= record['limit_gb'] else 'no':>5}"
+        lines.append(row)
+    if record.get("build_peak_gb") and any(b["phase"] == "model build" for b in record["batches"]):
+        lines.append(f"building the whole model on every rank first peaks at {record['build_peak_gb']:.3f} GB; "
+                     "model.init_device=meta builds only each rank's shards")
+    return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""task=estimate: the breakdown of a model small enough to count by hand, and the task end
+to end for every sharding option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from fsdp_exp.cli import compose_checked
+from fsdp_exp.driver.plan import prepare
+from fsdp_exp.estimate.breakdown import GB, attention_workspace, estimate_batch
+from fsdp_exp.estimate.trace import cuda_block, cuda_segment, trace
+from tests.conftest import REPO, read_json, run_cli
+
+WIDTH, DEPTH, FP32, INT64 = 256, 4, 4, 8
+LAYER = WIDTH * WIDTH * FP32  # one Linear's weight: 262,144 bytes
+
+
+class Vectors(Dataset):
+    """WIDTH features, a class index among WIDTH classes."""
+
+    def __init__(self, num_samples: int = 64):
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(WIDTH), torch.tensor(index % WIDTH)
+
+
+def linear_stack() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(DEPTH)])
+
+
+STACK = ["model=custom", "model._target_=tests.test_estimate.linear_stack", "model.blocks=[torch.nn.Linear]",
+         "data=custom", "data._target_=tests.test_estimate.Vectors", "device=cpu", "wandb.mode=disabled"]
+
+
+def traced(*overrides: str, batch_sizes: list[int]) -> tuple:
+    plan = prepare(compose_checked([*STACK, *overrides]), 0)
+    return plan.exp, trace(plan.exp, 2, batch_sizes, on_gpu=False)
+
+
+def in_bytes(parts: dict[str, float]) -> dict[str, int]:
+    return {k: round(v * GB) for k, v in parts.items() if k != "baseline"}
+
+
+def test_full_sharding_backward_peak_counted_by_hand():
+    """4 Linear(256, 256) units, `full` on 2 fake ranks, batch 64: the peak falls in backward
+    (at batch 16 the first optimizer step's temporaries are larger)."""
+    exp, result = traced("sharding=full", batch_sizes=[64])
+    found = estimate_batch(result.steps[0], result, on_gpu=False, offload=False, baseline_gb=0,
+                           builds_whole_model=True)
+    assert found.phase == "backward"
+    batch_row = 64 * WIDTH * FP32  # one layer's input (or its gradient) for the batch: 65,536 bytes
+    expected = {
+        # each rank keeps half of every weight
+        "parameters": DEPTH * LAYER // 2,  # 524,288
+        # AdamW's two moments of this rank's halves, and a 4-byte step count per parameter
+        "optimizer_state": 2 * DEPTH * LAYER // 2 + DEPTH * 4,  # 1,048,592
+        # backward has reached the second layer: the two layers above it have their sharded gradients
+        "gradients": 2 * LAYER // 2,  # 262,144
+        # the inputs the three lower layers saved for their weight gradients, the targets,
+        # and three scalars (the loss, its gradient, the step's summed loss)
+        "activations": 3 * batch_row + 64 * INT64 + 3 * FP32,  # 197,132
+        # the layer's whole weight gradient, and the gradients of its input and output
+        "temporaries": LAYER + 2 * batch_row,  # 393,216
+        # the layer's gathered weight, the next layer's all-gather buffer (prefetched), and
+        # the whole gradient waiting in its reduce-scatter buffer
+        "unsharded_and_buffers": 3 * LAYER,  # 786,432
+    }
+    assert in_bytes(found.breakdown_gb) == expected
+    assert found.step_peak_gb * GB == pytest.approx(sum(expected.values()))
+
+
+def test_ddp_counts_a_whole_replica_and_its_buckets():
+    exp, result = traced("sharding=ddp", batch_sizes=[16])
+    found = estimate_batch(result.steps[0], result, on_gpu=False, offload=False, baseline_gb=0,
+                           builds_whole_model=True)
+    assert found.phase == "optimizer_step"
+    parts = in_bytes(found.breakdown_gb)
+    assert parts["parameters"] == DEPTH * LAYER  # every rank holds the whole model
+    assert parts["gradients"] == DEPTH * LAYER
+    assert parts["optimizer_state"] == 2 * DEPTH * LAYER + DEPTH * 4
+    # DDP's buckets: a flat copy of every gradient, there from construction on
+    assert parts["unsharded_and_buffers"] == DEPTH * LAYER
+    # AdamW's per-parameter loop on the CPU: at most three weight-sized temporaries at once
+    assert parts["temporaries"] <= 3 * LAYER + 16 * WIDTH * FP32 * 2
+
+
+def test_the_step_grows_with_the_batch_and_the_build_is_the_whole_model():
+    exp, result = traced("sharding=ddp", batch_sizes=[16, 64])
+    small, large = (estimate_batch(s, result, False, False, 0, True) for s in result.steps)
+    assert large.breakdown_gb["parameters"] == small.breakdown_gb["parameters"]
+    assert large.step_peak_gb > small.step_peak_gb
+    assert result.build.bytes == DEPTH * LAYER  # every rank builds the whole model first
+    assert result.params == DEPTH * WIDTH * WIDTH
+
+
+def test_gpu_side_rounds_blocks_offloads_state_and_adds_attention():
+    assert cuda_block(1) == 512 and cuda_block(513) == 1024 and cuda_block(0) == 0
+    assert cuda_segment(2**20) == 2**20  # a small block shares a 2 MiB segment
+    assert cuda_segment(2**20 + 1) == 2 * 2**20 and cuda_segment(5 * 2**20) == 6 * 2**20
+    # batch 2, 12 heads, 128 tokens, 64 per head: an fp32 copy of the query and a row sum
+    assert attention_workspace([(2, 12, 128, 64), (1, 1, 1, 1)]) == 4 * (2 * 12 * 128 * 64 + 2 * 12 * 128)
+    exp, result = traced("sharding=full", "offload=true", batch_sizes=[16])
+    on_gpu = estimate_batch(result.steps[0], result, on_gpu=True, offload=True, baseline_gb=0.5,
+                            builds_whole_model=False)
+    # on the GPU the sharded parameters, gradients and optimizer state are in host memory
+    assert on_gpu.breakdown_gb["parameters"] == on_gpu.breakdown_gb["optimizer_state"] == 0
+    assert on_gpu.offloaded_gb * GB >= DEPTH * LAYER // 2 * 3
+    assert on_gpu.breakdown_gb["baseline"] == 0.5
+    on_cpu = estimate_batch(result.steps[0], result, False, True, 0.5, False)
+    assert on_gpu.step_peak_gb < on_cpu.step_peak_gb
+
+
+SLOW = pytest.mark.slow  # the same path as full and ddp: make test-slow runs them
+
+
+@pytest.mark.parametrize("sharding", [["sharding=full"], pytest.param(["sharding=grad_op"], marks=SLOW),
+                                      ["sharding=ddp"],
+                                      pytest.param(["sharding=hybrid", "sharding.replicate=2"], marks=SLOW),
+                                      pytest.param(["sharding=none"], marks=SLOW),
+                                      pytest.param(["sharding=full", "offload=true"], marks=SLOW)],
+                         ids=["full", "grad_op", "ddp", "hybrid", "none", "full-offload"])
+def test_task_estimate_end_to_end(sharding, tmp_path):
+    """The command a user types, at a world size this machine could not run."""
+    out = tmp_path / "run"
+    result = run_cli("task=estimate", "model=gpt", "data=synthetic_tokens", "task.world_size=4",
+                     "task.batch_sizes=[2,8]", "memory.limit_gb=64", "device=cpu", "wandb.mode=disabled",
+                     *sharding, f"hydra.run.dir={out}", cwd=REPO)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    record = read_json(out / "estimate.json")
+    world = 1 if sharding == ["sharding=none"] else 4
+    assert record["world_size"] == world and record["device"] == "cpu"
+    assert [b["batch_size"] for b in record["batches"]] == [2, 8]
+    small, large = record["batches"]
+    assert 0 < small["predicted_peak_gb"] < large["predicted_peak_gb"]
+    for batch in record["batches"]:
+        assert sum(batch["breakdown_gb"].values()) == pytest.approx(batch["step_peak_gb"])
+    assert record["largest_batch_fitting"] == 8
+    shards = {"full": 4, "grad_op": 4, "ddp": 1, "hybrid": 2, "none": 1}
+    assert record["shards"] == shards[sharding[0].split("=")[1]]
+    assert "predicted peak per rank" in result.stdout
+    assert read_json(out / "summary.json")["predicted_peak_gb"] == record["predicted_peak_gb"]
+
+
+def test_more_ranks_hold_less_per_rank(tmp_path):
+    records = []
+    for world in (2, 8):
+        out = tmp_path / f"w{world}"
+        result = run_cli("task=estimate", "model=gpt", "data=synthetic_tokens", f"task.world_size={world}",
+                         "device=cpu", "wandb.mode=disabled", f"hydra.run.dir={out}", cwd=REPO)
+        assert result.returncode == 0, result.stderr[-2000:]
+        records.append(read_json(out / "estimate.json"))
+    two, eight = (r["batches"][0]["breakdown_gb"] for r in records)
+    assert eight["parameters"] == pytest.approx(two["parameters"] / 4, rel=0.01)
+    assert eight["optimizer_state"] == pytest.approx(two["optimizer_state"] / 4, rel=0.01)
+
+
+def test_bad_estimate_settings_are_one_line(tmp_path):
+    result = run_cli("task=estimate", "task.world_size=0", "wandb.mode=disabled", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "task.world_size=0" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli("task=estimate", "task.device=tpu", "wandb.mode=disabled", cwd=tmp_path)
+    assert result.returncode != 0 and "task.device=tpu: choose one of" in result.stderr
+
+
+def test_estimate_for_a_gpu_on_a_machine_without_one(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("task=estimate", "task.device=cuda", "model=gpt", "data=synthetic_tokens", "precision=bf16",
+                     "memory.limit_gb=80", "wandb.mode=disabled", f"hydra.run.dir={out}", cwd=REPO)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    record = read_json(out / "estimate.json")
+    assert record["device"] == "cuda" and record["breakdown_gb"]["baseline"] == 0.5
+    assert record["reserved_gb"] >= record["step_peak_gb"]
+    result = run_cli("task=estimate", "device=cuda", "wandb.mode=disabled", cwd=tmp_path)
+    assert result.returncode != 0 and "task.device=cuda" in result.stderr

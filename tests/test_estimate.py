@@ -96,7 +96,7 @@ def test_the_step_grows_with_the_batch_and_the_build_is_the_whole_model():
     small, large = (estimate_batch(s, result, False, False, 0, True) for s in result.steps)
     assert large.breakdown_gb["parameters"] == small.breakdown_gb["parameters"]
     assert large.step_peak_gb > small.step_peak_gb
-    assert result.build.bytes == DEPTH * LAYER  # every rank builds the whole model first
+    assert result.build_bytes == DEPTH * LAYER  # every rank builds the whole model first
     assert result.params == DEPTH * WIDTH * WIDTH
 
 

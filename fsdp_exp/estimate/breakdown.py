@@ -84,7 +84,7 @@ def estimate_batch(step: StepTrace, trace: Trace, on_gpu: bool, offload: bool, b
     step_bytes = sum(found.values()) + baseline
     breakdown = {part: found[part] / GB for part in PARTS} | {"baseline": baseline / GB}
     total, phase = step_bytes, peak.phase
-    build_bytes = trace.build.bytes + baseline if builds_whole_model else 0
+    build_bytes = trace.build_bytes + baseline if builds_whole_model else 0
     if build_bytes > step_bytes:
         total, phase = build_bytes, "model build"
     return BatchEstimate(step.batch_size, total / GB, step_bytes / GB, phase, breakdown, reserved, offloaded)

@@ -12,8 +12,9 @@ By symmetry one rank stands for all: FSDP2 pads every shard to the same size, an
 rank trains a batch of the same shape.
 
 Three things differ from the run itself, and none changes what a step holds:
-- the model is built on the CPU (`model.init_device=meta` only changes the build, counted
-  apart), and `train.compile` is left out;
+- the model is built on the meta device and given fake storage, without its
+  initialisation (`model.init_device` only changes the build, counted apart from the
+  steps), and `train.compile` is left out;
 - `sharding=ddp` traces the model DDP wraps; DDP's reducer (C++, it checks real values
   across ranks) is added as what it holds: its buckets, one flat copy of every gradient;
 - dynamic loss scaling is left out: its scale is one number.
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
@@ -186,7 +190,7 @@ class StepTrace:
 class Trace:
     world_size: int
     steps: list[StepTrace]
-    build: Peak  # building and sharding the model (init_device=cpu: the whole model first)
+    build_bytes: int  # building and sharding the model, when each rank builds the whole model first
     params: int  # the model's parameter count
     shard_count: int  # how many ranks share each parameter
     baseline_bytes: int  # what this process held before tracing, as a rank holds before its model
@@ -206,7 +210,7 @@ def fake_world(world_size: int) -> Iterator[None]:
 def for_tracing(exp: Experiment, on_gpu: bool) -> Experiment:
     """The run's experiment as the trace builds it (see the module's docstring)."""
     traced = copy.deepcopy(exp)
-    traced.model = replace(traced.model, init_device="cpu")
+    traced.model = Uninitialised(replace(traced.model, init_device="cpu"))
     traced.train = replace(traced.train, compile=False)
     traced.precision = replace(traced.precision, loss_scaling=False)
     if isinstance(traced.sharding, DDP) and not isinstance(traced.sharding, NoSharding):
@@ -216,28 +220,55 @@ def for_tracing(exp: Experiment, on_gpu: bool) -> Experiment:
     return traced
 
 
+@dataclass
+class Uninitialised:
+    """The model without its initialisation: built on the meta device, then given fake
+    storage. Fake tensors hold no values, and some initialisers read them
+    (`trunc_normal_`); a builder that cannot run on the meta device runs on fake tensors."""
+
+    spec: Any  # fsdp_exp.models.ModelSpec
+    init_device: str = "cpu"
+
+    def build(self) -> tuple[torch.nn.Module, tuple[type[torch.nn.Module], ...]]:
+        try:
+            with torch.device("meta"):
+                model, blocks = self.spec.build()
+        except Exception:  # noqa: BLE001 - the builder needs real tensors: build it on fake ones
+            return self.spec.build()
+        return with_storage(model), blocks
+
+
+def with_storage(model: torch.nn.Module) -> torch.nn.Module:
+    """`model.to_empty(device="cpu")` for fake tensors, which `to_empty` cannot swap in for
+    meta ones: every parameter and buffer replaced, tied ones by one tensor."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in made:
+                made[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad)
+            setattr(module, name, made[id(param)])
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is not None:
+                module.register_buffer(name, torch.empty_like(buffer, device="cpu"),
+                                       persistent=name not in module._non_persistent_buffers_set)
+    return model
+
+
 def foreach(optimizer: Any) -> Any:
     """On a GPU torch's optimizers default to their foreach kernels, which hold a list of
     temporaries the size of the parameters during the step; on the CPU to the per-tensor
     loop. The trace runs on the CPU, so it asks for foreach when the user did not choose."""
-    from omegaconf import OmegaConf
-
     node = OmegaConf.create(optimizer) if isinstance(optimizer, dict) else optimizer.copy()
     if "foreach" in node or "fused" in node:
         return node
-    target = instantiate({"_target_": "hydra.utils.get_class", "path": node["_target_"]})
-    import inspect
-
-    if "foreach" in inspect.signature(target.__init__).parameters:
+    if "foreach" in inspect.signature(get_class(node["_target_"]).__init__).parameters:
         node["foreach"] = True
     return node
 
 
 def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool) -> Trace:
-    """Build, shard and train one rank of `world_size` on fake tensors: two steps at the
-    first batch size (the first makes the optimizer state), then one at each other size."""
-    import time
-
+    """Build, shard and train one rank of `world_size` on fake tensors: one step to make
+    the optimizer state, then one counted step at each batch size."""
     start = time.perf_counter()
     baseline = anonymous_bytes()
     traced = for_tracing(exp, on_gpu)
@@ -248,32 +279,33 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         mesh = sharding.mesh(ranks.device, world_size) if hasattr(sharding, "mesh") else None
         sample, target = exp.data.dataset()[0]  # real: its shape and dtype
         with FakeTensorMode(allow_non_fake_inputs=True):
-            build_counts = Counts(())
-            with tracker_for_build(build_counts):
-                model, _ = build_model_for_training(traced, ranks, mesh)
-                optimizer = instantiate(traced.optimizer)(model.parameters())
+            model, _ = build_model_for_training(traced, ranks, mesh)
+            optimizer = instantiate(traced.optimizer)(model.parameters())
             trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
                               batch_size=batch_sizes[0], log_every=1, grad_accum=traced.train.grad_accum)
             phases = Phases()
             trainer.memory = phases  # type: ignore[assignment]
+            # A step before counting: it makes the optimizer state, which every later step
+            # holds, and warms DTensor's sharding-propagation cache, whose fake tensors the
+            # trackers would otherwise count as the first step's memory.
+            trainer.train_step(fake_batches(sample, target, batch_sizes[0] // traced.train.grad_accum))
             steps = []
-            for index, batch_size in enumerate(batch_sizes):
+            for batch_size in batch_sizes:
                 counts = phases.counts = Counts(offloaded)
-                micro = batch_size // traced.train.grad_accum
-                batches = fake_batches(sample, target, micro)
+                batches = fake_batches(sample, target, batch_size // traced.train.grad_accum)
                 mem = tracker(model, optimizer, counts)
                 with mem:
-                    for repeat in range(2 if index == 0 else 1):
-                        trainer.train_step(batches)
-                        mem.reset_mod_stats()
+                    trainer.train_step(batches)
                 steps.append(StepTrace(batch_size, counts.peaks, state_bytes(optimizer),
                                        ddp_buckets(model) if isinstance(exp.sharding, DDP)
                                        and not isinstance(exp.sharding, NoSharding) else 0,
                                        mem.attention))  # type: ignore[attr-defined]
         params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole parameter's
         shard_count = sharding.shard_size(world_size) if hasattr(sharding, "shard_size") else 1
-    return Trace(world_size, steps, build_counts.peaks["cpu"], params, shard_count, baseline,
-                 time.perf_counter() - start)
+        # Each rank builds the whole model, then sharding copies its shards out of it.
+        whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        build = whole + local_bytes(model) if shard_count > 1 else whole
+    return Trace(world_size, steps, build, params, shard_count, baseline, time.perf_counter() - start)
 
 
 class Phases:
@@ -290,17 +322,20 @@ class Phases:
         self.start_phase("")
 
 
-@contextlib.contextmanager
-def tracker_for_build(counts: Counts) -> Iterator[None]:
-    with PlainTracker(counts):
-        yield
-
-
 def fake_batches(sample: torch.Tensor, target: torch.Tensor, micro: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless micro-batches shaped like the data's (their values are never read)."""
     while True:
         yield (torch.zeros((micro, *sample.shape), dtype=sample.dtype),
                torch.zeros((micro, *torch.as_tensor(target).shape), dtype=torch.as_tensor(target).dtype))
+
+
+def local_bytes(model: torch.nn.Module) -> int:
+    """This rank's bytes of the model's parameters and buffers (its shards, under FSDP)."""
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -103,7 +103,7 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         "breakdown_gb": chosen.breakdown_gb,
         **({"reserved_gb": chosen.reserved_gb} if chosen.reserved_gb is not None else {}),
         **({"offloaded_gb": chosen.offloaded_gb} if chosen.offloaded_gb is not None else {}),
-        "build_peak_gb": (traced.build.bytes / GB + baseline_gb) if builds_whole else None,
+        "build_peak_gb": (traced.build_bytes / GB + baseline_gb) if builds_whole else None,
         "limit_gb": limit,
         "largest_batch_fitting": fitting[-1].batch_size if fitting else (None if limit is None else 0),
         "predicted_max_batch": crossing(batches, limit),

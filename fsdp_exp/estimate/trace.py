@@ -193,7 +193,7 @@ class Trace:
     build_bytes: int  # building and sharding the model, when each rank builds the whole model first
     params: int  # the model's parameter count
     shard_count: int  # how many ranks share each parameter
-    baseline_bytes: int  # what this process held before tracing, as a rank holds before its model
+    baseline_bytes: int  # what this process held before tracing (torch, the data), as a rank before its model
     seconds: float
 
 
@@ -270,6 +270,8 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     """Build, shard and train one rank of `world_size` on fake tensors: one step to make
     the optimizer state, then one counted step at each batch size."""
     start = time.perf_counter()
+    dataset = exp.data.dataset()  # held by every rank, as the runtime is: both in the baseline
+    sample, target = dataset[0]  # real: its shape and dtype
     baseline = anonymous_bytes()
     traced = for_tracing(exp, on_gpu)
     ranks = Ranks(rank=0, local_rank=0, world_size=world_size, device=torch.device("cpu"))
@@ -277,7 +279,6 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     with fake_world(world_size):
         sharding = traced.sharding
         mesh = sharding.mesh(ranks.device, world_size) if hasattr(sharding, "mesh") else None
-        sample, target = exp.data.dataset()[0]  # real: its shape and dtype
         with FakeTensorMode(allow_non_fake_inputs=True):
             model, _ = build_model_for_training(traced, ranks, mesh)
             optimizer = instantiate(traced.optimizer)(model.parameters())

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.tasks.max_batch import setup_line
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -168,11 +169,6 @@ def write_record(run_dir: Path, record: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(path)
-
-
-def setup_line(exp: Experiment) -> str:
-    overrides = [o for o in exp.environment.get("overrides", []) if not o.startswith(("task=", "hydra."))]
-    return " ".join(overrides) or "defaults"
 
 
 def answer_line(record: dict) -> str:

@@ -35,6 +35,17 @@ def linear_stack() -> nn.Module:
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(DEPTH)])
 
 
+class ReadsItsInput(nn.Module):
+    """A forward that branches on a value: fake tensors have none, so it cannot be traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) if x.sum().item() >= 0 else -self.linear(x)
+
+
 STACK = ["model=custom", "model._target_=tests.test_estimate.linear_stack", "model.blocks=[torch.nn.Linear]",
          "data=custom", "data._target_=tests.test_estimate.Vectors", "device=cpu", "wandb.mode=disabled"]
 
@@ -167,6 +178,15 @@ def test_bad_estimate_settings_are_one_line(tmp_path):
     assert "task.world_size=0" in result.stderr and "Traceback" not in result.stderr
     result = run_cli("task=estimate", "task.device=tpu", "wandb.mode=disabled", cwd=tmp_path)
     assert result.returncode != 0 and "task.device=tpu: choose one of" in result.stderr
+
+
+def test_a_model_that_cannot_be_traced_is_one_line(tmp_path):
+    stack = [o.replace("tests.test_estimate.linear_stack", "tests.test_estimate.ReadsItsInput") for o in STACK]
+    result = run_cli("task=estimate", *stack, f"hydra.run.dir={tmp_path / 'run'}", cwd=REPO)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "task=estimate could not trace this setup" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert read_json(tmp_path / "run" / "summary.json")["status"] == "failed"
 
 
 def test_estimate_for_a_gpu_on_a_machine_without_one(tmp_path):

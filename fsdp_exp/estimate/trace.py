@@ -46,7 +46,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from fsdp_exp.rank.build import build_model_for_training
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
-from fsdp_exp.sharding import DDP, NoSharding
+from fsdp_exp.sharding import NoSharding
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -95,15 +95,13 @@ class Peak:
 
 class Counts:
     """Live bytes by tracker category, three ways: as stored (the CPU), in the CUDA
-    allocator's 512-byte blocks, and in its segments; and the peaks of each.
-
-    `on_device`: the categories that count towards the device's memory (with offload on a
-    GPU, all but the offloaded ones); the CPU peak counts every category."""
+    allocator's 512-byte blocks, and in its segments; and the peaks of each. The CPU peak
+    counts every category, the GPU's all but the `offloaded` ones (in host memory there)."""
 
     def __init__(self, offloaded: tuple[str, ...]):
         self.offloaded = offloaded
         self.now: dict[str, dict[str, int]] = {"stored": {}, "blocks": {}, "segments": {}}
-        self.peaks = {"cpu": Peak(), "device": Peak(), "blocks": Peak(), "segments": Peak()}
+        self.peaks = {"cpu": Peak(), "blocks": Peak(), "segments": Peak()}
         self.phase = ""
 
     def change(self, category: str, nbytes: int, sign: int) -> None:
@@ -114,8 +112,6 @@ class Counts:
     def see(self) -> None:
         stored = self.now["stored"]
         self.peaks["cpu"].see(sum(stored.values()), stored, self.phase)
-        on_device = {k: v for k, v in stored.items() if k not in self.offloaded}
-        self.peaks["device"].see(sum(on_device.values()), on_device, self.phase)
         for kind in ("blocks", "segments"):
             on_device = {k: v for k, v in self.now[kind].items() if k not in self.offloaded}
             self.peaks[kind].see(sum(on_device.values()), on_device, self.phase)
@@ -167,9 +163,8 @@ class PlainTracker(Counting, MemTracker):
 
 
 def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, counts: Counts) -> MemTracker:
-    inner = model.module if hasattr(model, "precision") else model  # sharding=none/ddp's Autocast
-    if isinstance(inner, FSDPModule):
-        return ShardedTracker(inner, optimizer, counts)
+    if isinstance(model, FSDPModule):
+        return ShardedTracker(model, optimizer, counts)
     made = PlainTracker(counts)
     made.track_external(model, optimizer)
     return made
@@ -213,7 +208,7 @@ def for_tracing(exp: Experiment, on_gpu: bool) -> Experiment:
     traced.model = Uninitialised(replace(traced.model, init_device="cpu"))
     traced.train = replace(traced.train, compile=False)
     traced.precision = replace(traced.precision, loss_scaling=False)
-    if isinstance(traced.sharding, DDP) and not isinstance(traced.sharding, NoSharding):
+    if replicates(exp.sharding):
         traced.sharding = NoSharding()
     if on_gpu:
         traced.optimizer = foreach(traced.optimizer)
@@ -278,7 +273,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     offloaded = OFFLOADED if exp.offload else ()  # off a GPU; the CPU peak counts them all the same
     with fake_world(world_size):
         sharding = traced.sharding
-        mesh = sharding.mesh(ranks.device, world_size) if hasattr(sharding, "mesh") else None
+        mesh = sharding.mesh(ranks.device, world_size) if sharding.shards_params else None
         with FakeTensorMode(allow_non_fake_inputs=True):
             model, _ = build_model_for_training(traced, ranks, mesh)
             optimizer = instantiate(traced.optimizer)(model.parameters())
@@ -290,6 +285,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             # holds, and warms DTensor's sharding-propagation cache, whose fake tensors the
             # trackers would otherwise count as the first step's memory.
             trainer.train_step(fake_batches(sample, target, batch_sizes[0] // traced.train.grad_accum))
+            buckets = ddp_buckets(model) if replicates(exp.sharding) else 0
             steps = []
             for batch_size in batch_sizes:
                 counts = phases.counts = Counts(offloaded)
@@ -297,12 +293,10 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
                 mem = tracker(model, optimizer, counts)
                 with mem:
                     trainer.train_step(batches)
-                steps.append(StepTrace(batch_size, counts.peaks, state_bytes(optimizer),
-                                       ddp_buckets(model) if isinstance(exp.sharding, DDP)
-                                       and not isinstance(exp.sharding, NoSharding) else 0,
+                steps.append(StepTrace(batch_size, counts.peaks, state_bytes(optimizer), buckets,
                                        mem.attention))  # type: ignore[attr-defined]
         params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole parameter's
-        shard_count = sharding.shard_size(world_size) if hasattr(sharding, "shard_size") else 1
+        shard_count = sharding.shard_size(world_size) if sharding.shards_params else 1
         # Each rank builds the whole model, then sharding copies its shards out of it.
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         build = whole + local_bytes(model) if shard_count > 1 else whole
@@ -347,6 +341,11 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
                 local = value.to_local() if hasattr(value, "to_local") else value
                 total += local.untyped_storage().nbytes()
     return total
+
+
+def replicates(sharding: Any) -> bool:
+    """sharding=ddp: a whole replica on every rank, with DDP's reducer."""
+    return sharding.distributed and not sharding.shards_params
 
 
 def ddp_buckets(model: torch.nn.Module) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fsdp_exp.memory import device_memory_gb
+from fsdp_exp.metrics.sinks import write_json
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 DEVICE_RECORD = "device.json"
@@ -52,10 +53,7 @@ def rank_environment(device: torch.device) -> dict:
 
 
 def write_device_record(run_dir: Path, record: dict) -> None:
-    path = Path(run_dir) / DEVICE_RECORD
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
+    write_json(Path(run_dir) / DEVICE_RECORD, record)
 
 
 def read_device_record(run_dir: Path) -> dict:

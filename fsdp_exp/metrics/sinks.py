@@ -187,11 +187,15 @@ class Wandb:
         self.run.finish()
 
 
-def write_summary(run_dir: Path, summary: dict) -> None:
-    path = Path(run_dir) / "summary.json"
+def write_json(path: Path, record: dict) -> None:
+    """Written whole, then moved into place: a reader never sees half of it."""
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(path)
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    write_json(Path(run_dir) / "summary.json", summary)
 
 
 SETUP_GROUPS = ("task", "model", "data", "sharding", "precision")

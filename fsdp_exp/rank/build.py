@@ -94,6 +94,7 @@ def build_model_for_training(cfg: Experiment, ranks: Ranks,
         checkpoint_blocks(model, names)
     if train.compile:
         compile_blocks(model, names)
+    # Only when it moves: `.to` cannot swap task=estimate's fake tensors, already on the CPU.
     if not meta and any(p.device != ranks.device for p in model.parameters()):
         model.to(ranks.device)
     model = sharding.apply(model, units, ranks.device, cfg.precision, offload=cfg.offload, mesh=mesh)

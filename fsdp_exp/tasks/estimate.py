@@ -8,7 +8,6 @@ largest batch predicted to fit under `memory.limit_gb`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import multiprocessing
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.tasks.max_batch import setup_line
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class Estimate:
     def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
         record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb)
         record["setup"] = setup_line(exp)
-        write_record(run_dir, record)
+        write_json(Path(run_dir) / RECORD, record)
         print(table(record), flush=True)
         log.info("%s -> %s", answer_line(record), run_dir / RECORD)
         return {"task": "estimate", **{k: record[k] for k in SUMMARY_KEYS}}
@@ -91,7 +92,7 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole) for step in traced.steps]
     limit = exp.memory.limit_gb
     fitting = [b for b in batches if limit is not None and b.predicted_peak_gb <= limit]
-    chosen = (fitting[-1] if fitting else batches[0]) if len(batches) > 1 else batches[0]
+    chosen = fitting[-1] if fitting else batches[0]
     return {
         "device": "cuda" if on_gpu else "cpu",
         "world_size": world_size,
@@ -121,7 +122,7 @@ def crossing(batches: list, limit_gb: float | None) -> int | None:
         return None
     a, b = batches[-2], batches[-1]
     slope = (b.step_peak_gb - a.step_peak_gb) / (b.batch_size - a.batch_size)
-    if any(x.predicted_peak_gb > limit_gb for x in batches[:1]):
+    if batches[0].predicted_peak_gb > limit_gb:
         return 0
     if slope <= 0:
         return None
@@ -138,17 +139,19 @@ def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_
     process.start()
     child.close()
     try:
-        if not parent.poll(TIME_LIMIT_S):
-            raise RuntimeError(f"the trace ran past {TIME_LIMIT_S} s")
-        ok, result = parent.recv()
+        if parent.poll(TIME_LIMIT_S):
+            ok, result = parent.recv()
+        else:
+            ok, result = False, f"it ran past {TIME_LIMIT_S} s"
     except EOFError:
-        ok, result = False, f"the tracing process ended with exit code {process.join(5) or process.exitcode}"
+        process.join(5)
+        ok, result = False, f"the tracing process ended with exit code {process.exitcode}"
     finally:
         if process.is_alive():
             process.kill()
         process.join()
     if not ok:
-        raise RuntimeError(f"task=estimate could not trace this setup: {result}")
+        raise RunFailed(f"task=estimate could not trace this setup: {result}")
     return result
 
 
@@ -162,13 +165,6 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
         pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu)))
     except Exception as err:  # noqa: BLE001 - sent back as one line
         pipe.send((False, " ".join(f"{type(err).__name__}: {err}".split())[:500]))
-
-
-def write_record(run_dir: Path, record: dict) -> None:
-    path = Path(run_dir) / RECORD
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def answer_line(record: dict) -> str:

@@ -25,6 +25,7 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
     write_device_record,
 )
+from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.tasks.batch_answer import (
     SPACING,
     answer_line,
@@ -313,10 +314,7 @@ class Sweep:
             "probe_wall_s": sum(p.wall_s for p in self.probes) + (self.need.wall_s if self.need else 0.0),
             "fingerprint": self.fingerprint,
         }
-        path = self.run_dir / RECORD
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        tmp.replace(path)
+        write_json(self.run_dir / RECORD, record)
         return record
 
     def report(self, record: dict) -> None:

@@ -128,11 +128,11 @@ def test_gpu_side_rounds_blocks_offloads_state_and_adds_attention():
     assert on_gpu.step_peak_gb < on_cpu.step_peak_gb
 
 
-SLOW = pytest.mark.slow  # the same path as full and ddp: make test-slow runs them
+SLOW = pytest.mark.slow  # the same path as full (DDP's counts are checked by hand above): make test-slow
 
 
 @pytest.mark.parametrize("sharding", [["sharding=full"], pytest.param(["sharding=grad_op"], marks=SLOW),
-                                      ["sharding=ddp"],
+                                      pytest.param(["sharding=ddp"], marks=SLOW),
                                       pytest.param(["sharding=hybrid", "sharding.replicate=2"], marks=SLOW),
                                       pytest.param(["sharding=none"], marks=SLOW),
                                       pytest.param(["sharding=full", "offload=true"], marks=SLOW)],
@@ -159,6 +159,7 @@ def test_task_estimate_end_to_end(sharding, tmp_path):
     assert read_json(out / "summary.json")["predicted_peak_gb"] == record["predicted_peak_gb"]
 
 
+@pytest.mark.slow
 def test_more_ranks_hold_less_per_rank(tmp_path):
     records = []
     for world in (2, 8):

@@ -1,14 +1,16 @@
 """Max-batch search on a corpus of real setups: the project's search against the two
 policies users know, every policy reading the same real probes.
 
-- fsdp_exp: `task=max_batch` itself (`fsdp_exp.tasks.max_batch.Sweep`), into a scratch run directory.
+- fsdp_exp: `task=max_batch` itself (`fsdp_exp.tasks.max_batch.Sweep`), into a scratch run
+  directory, with the estimate's curve placing its probes (max_batch.estimate=true).
+- fsdp_exp without the estimate: the same search from the probes alone (max_batch.estimate=false).
 - doubling then bisection (Lightning's `scale_batch_size(mode="binsearch")`, from its
   default start of 2): double until a size fails, then bisect to a gap of 1.
 - shrink by 10% (Accelerate's `find_executable_batch_size`): start at the top of the
   range and take 90% after every failure; the first size that fits is its answer.
 
 A probe is a real short training run on 2 fresh ranks under the memory limit. The search
-runs first; the two policies then reuse its probes, and a size they ask for that no probe
+runs first; the search without the estimate and the two policies then reuse its probes, and a size they ask for that no probe
 has run is probed for real, unless an outcome already run decides it (a size at or above one
 that ran out of memory does too, one at or below one that trained trains). Such a decided
 size counts as a probe of the policy, at the median wall time of the real probes with its
@@ -33,6 +35,8 @@ from machine import header
 
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
+from fsdp_exp.tasks.batch_answer import noise_band_gb
+from fsdp_exp.tasks.batch_search import BatchSearch
 from fsdp_exp.tasks.max_batch import Sweep
 from fsdp_exp.tasks.probe import Probe, run_probe
 
@@ -139,6 +143,21 @@ class SharedProbes:
         answer = search(fits)
         return Policy(answer, sizes, len(decided), sum(self.wall(s, decided.get(s)) for s in set(sizes)))
 
+    def without_estimate(self, limit_gb: float) -> Policy:
+        """task=max_batch's search from the probes alone, its noise band as the sweep keeps it;
+        a size already probed is reused (the answer of an outcome already run is not enough:
+        the search reads peaks)."""
+        settings = self.plan.exp.max_batch
+        used: list[Probe] = []
+        while True:
+            search = BatchSearch(limit_gb, settings.resolution, settings.search_up_to, noise_band_gb(used, limit_gb))
+            size = search.next_size([p.outcome() for p in used])
+            if size is None:
+                break
+            used.append(self.by_size[size] if size in self.by_size else self.run(size))
+        answer = search.bracket([p.outcome() for p in used])[0]
+        return Policy(answer, [p.batch_size for p in used], 0, sum(p.wall_s for p in used))
+
     def wall(self, size: int, decided: bool | None) -> float:
         if decided is None:
             return self.by_size[size].wall_s
@@ -166,12 +185,15 @@ def bench(setup: Setup, up_to: int) -> dict:
         shared = SharedProbes(plan, Path(tmp) / "policies")
         for probe in sweep.probes:
             shared.add(probe)
+        without = shared.without_estimate(sweep.limit_gb)
         doubling = shared.policy(lambda fits: doubling_then_bisection(fits, up_to))
         shrinking = shared.policy(lambda fits: shrink_by_ten_percent(fits, up_to))
     return {"setup": setup, "answer": result["max_batch_size"], "noise_mb": result["noise_band_gb"] * 1024,
             "boundary": shared.boundary(), "probes": len(searched), "placing": len(sweep.probes) - len(searched),
             "sizes": [p.batch_size for p in searched], "search_wall_s": search_wall,
-            "probe_wall_s": sum(p.wall_s for p in searched), "doubling": doubling, "shrinking": shrinking}
+            "probe_wall_s": sum(p.wall_s for p in searched), "estimate_s": (sweep.estimated or {}).get("wall_s", 0.0),
+            "estimated": [[b, round(gb, 3)] for b, gb in (sweep.estimated or {}).get("peaks_gb", [])],
+            "without": without, "doubling": doubling, "shrinking": shrinking}
 
 
 def policy_cells(policy: Policy, boundary: int) -> str:
@@ -182,18 +204,23 @@ def policy_cells(policy: Policy, boundary: int) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [("| setup | limit GB | peak as the batch grows | answer (noise band MB) | fsdp_exp probes | "
-              "fsdp_exp wall s (search, probes) | doubling + bisection probes | wall s | shrink by 10% probes | wall s |"),
-             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "fsdp_exp wall s (search, probes, estimate) | without the estimate probes | wall s | "
+              "doubling + bisection probes | wall s | shrink by 10% probes | wall s |"),
+             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         s = r["setup"]
         placing = f" +{r['placing']} to place the fastest" if r["placing"] else ""
         raw = "" if r["boundary"] == r["answer"] else f"; {r['boundary']} trained"
         lines.append(
             f"| {s.name} | {s.limit_gb:g} | {s.curve} | {r['answer']} ({r['noise_mb']:.1f}{raw}) | "
-            f"{r['probes']}{placing} | {r['search_wall_s']:.0f}, {r['probe_wall_s']:.0f} | "
+            f"{r['probes']}{placing} | {r['search_wall_s']:.0f}, {r['probe_wall_s']:.0f}, {r['estimate_s']:.0f} | "
+            f"{policy_cells(r['without'], r['boundary'])} | "
             f"{policy_cells(r['doubling'], r['boundary'])} | {policy_cells(r['shrinking'], r['boundary'])} |")
     lines.append("")
-    lines += [f"- {r['setup'].name}: fsdp_exp probed {', '.join(map(str, r['sizes']))}" for r in rows]
+    for r in rows:
+        lines.append(f"- {r['setup'].name}: fsdp_exp probed {', '.join(map(str, r['sizes']))}; without the "
+                     f"estimate {', '.join(map(str, r['without'].sizes))}; the estimate (batch, GB): "
+                     f"{', '.join(f'{b} {gb}' for b, gb in r['estimated']) or 'none'}")
     return "\n".join(lines)
 
 

@@ -19,10 +19,12 @@ from collections.abc import Callable
 
 import pytest
 
+from fsdp_exp.tasks.batch_prior import doubling
 from fsdp_exp.tasks.batch_search import (
     BatchSearch,
     MemoryModel,
     Outcome,
+    Prior,
     fit_memory,
     recommended_size,
 )
@@ -80,11 +82,12 @@ def true_boundary(curve: Curve, limit_gb: float = LIMIT_GB, up_to: int = UP_TO) 
 
 
 def search(curve: Curve, limit_gb: float = LIMIT_GB, resolution: int = 1, up_to: int = UP_TO,
-           noise: float = 0.0, seed: int = 0) -> tuple[int, list[Outcome]]:
+           noise: float = 0.0, seed: int = 0, prior: Prior | None = None) -> tuple[int, list[Outcome]]:
     """Run the search to its end against `curve`: (its answer, the probes it made). `noise`:
-    each measured peak is off by up to that share of it; whether a batch fits is not."""
+    each measured peak is off by up to that share of it; whether a batch fits is not.
+    `prior`: the estimate's curve, as task=max_batch gives it."""
     rng = random.Random(seed)
-    finder = BatchSearch(limit_gb, resolution, up_to)
+    finder = BatchSearch(limit_gb, resolution, up_to, prior=prior)
     outcomes: list[Outcome] = []
     while (size := finder.next_size(outcomes)) is not None:
         assert size % resolution == 0 and 0 < size <= up_to
@@ -332,12 +335,13 @@ def test_a_probe_that_trained_inside_the_noise_band_does_not_fit_but_its_peak_co
         assert len(outcomes) <= 6, (boundary, sizes(outcomes))
 
 
-def search_real_noise(base_gb: float, slope_gb: float, limit_gb: float, band_gb: float, seed: int) -> list[Outcome]:
+def search_real_noise(base_gb: float, slope_gb: float, limit_gb: float, band_gb: float, seed: int,
+                      prior: Prior | None = None) -> list[Outcome]:
     """As on real ranks: every run of a size peaks somewhere within the noise band around the
     line, and runs out of memory when that peak passes the limit, so near the boundary a size
     may train in one run and not in the next. The search leaves the band free."""
     rng = random.Random(seed)
-    finder, outcomes = BatchSearch(limit_gb, noise_gb=band_gb), []
+    finder, outcomes = BatchSearch(limit_gb, noise_gb=band_gb, prior=prior), []
     while (size := finder.next_size(outcomes)) is not None:
         peak = base_gb + slope_gb * size + rng.uniform(-band_gb / 2, band_gb / 2)
         outcomes.append(Outcome(size, peak <= limit_gb, peak if peak <= limit_gb else None))
@@ -372,3 +376,113 @@ def test_peaks_that_move_between_runs_end_in_a_split_bracket_not_a_walk(shape):
         assert walk <= 3, sizes(outcomes)  # at most 4 sizes one apart in a row
         counts.append(len(outcomes))
     assert sum(counts) / len(counts) <= most, counts
+
+
+# --- with the estimate's curve (max_batch.estimate=true) ---
+
+
+def estimated(curve: Curve, limit_gb: float = LIMIT_GB, low_by_gb: float = 0.0, slope_off: float = 1.0) -> Prior:
+    """What task=estimate would give for `curve`: its peaks at doubling sizes up to the first
+    above the limit, `low_by_gb` too low everywhere (memory the trace does not see, as the
+    ViT's 80 MB on gloo) and with what grows past batch 0 scaled by `slope_off`."""
+    points = []
+    for b in doubling(1, UP_TO):
+        peak = curve(0) + (curve(b) - curve(0)) * slope_off - low_by_gb
+        points.append((b, peak))
+        if peak > limit_gb:
+            break
+    return Prior(tuple(points))
+
+
+def test_the_prior_is_straight_between_traced_sizes_and_goes_on_past_the_last():
+    prior = Prior(((1, 1.0), (2, 1.0), (4, 1.2), (8, 1.6)))
+    assert prior.peak_gb(0.5) == 1.0 and prior.peak_gb(3) == pytest.approx(1.1)
+    assert prior.peak_gb(16) == pytest.approx(2.4)  # on along 0.1 GB a sample
+    assert prior.slope_at(6) == pytest.approx(0.1) and prior.slope_at(1.5) == 0.0
+    # Through one probe, 1.5 GB at batch 4 (0.3 above the curve): the limit of 2.0 GB is 1.7 GB on the
+    # curve, 1.2 + 0.1 * (b - 4) = 1.7 at b = 9.
+    moved = prior.through((4, 1.5), (4, 1.5))
+    assert not moved.scaled and moved.crossing(2.0) == pytest.approx(9.0)
+    # Through two probes, 1.0 GB at batch 2 and 1.4 GB at batch 4: twice the curve's growth (0.2 GB),
+    # so 0.2 GB a sample past 4, and 2.0 GB at 4 + 0.6 / 0.2 = 7.
+    scaled = prior.through((2, 1.0), (4, 1.4))
+    assert scaled.scaled and scaled.crossing(2.0) == pytest.approx(7.0)
+    assert not prior.through((1, 1.0), (2, 1.3)).scaled  # the curve is flat between them: only moved
+    assert not prior.through((2, 1.0), (4, 2.0)).scaled  # five times its growth: not the same curve
+    assert prior.crossing(0.9) == 0.0  # the first traced size is over it
+    assert math.isinf(Prior(((1, 1.0), (2, 1.0))).crossing(2.0))  # never rises
+
+
+def counts_with_and_without(curves: dict[int, Curve], **estimate) -> tuple[dict[int, int], dict[int, int]]:
+    """Probes per boundary with the estimate's curve and without; every answer exact."""
+    with_prior, without = {}, {}
+    for boundary, curve in curves.items():
+        for counts, prior in ((with_prior, estimated(curve, **estimate)), (without, None)):
+            found, outcomes = search(curve, prior=prior)
+            assert found == true_boundary(curve), (boundary, prior, sizes(outcomes))
+            counts[boundary] = len(outcomes)
+    return with_prior, without
+
+
+@pytest.mark.parametrize("low_by_gb", [0.0, 0.08, 0.3])
+def test_an_estimate_low_by_a_constant_ends_in_three_probes(low_by_gb):
+    """The first probe sets the curve's level, so a constant the trace misses costs nothing:
+    the first size, the boundary, one past it."""
+    for family in (linear, lambda b: flat_then_linear(b, knee=b / 10)):
+        with_prior, without = counts_with_and_without({b: family(b) for b in BOUNDARIES}, low_by_gb=low_by_gb)
+        assert max(with_prior.values()) <= 3, with_prior
+        assert sum(with_prior.values()) < sum(without.values())
+
+
+def test_the_gpt_small_shape_with_its_knee_in_fewer_probes():
+    """The estimate is traced at doubling sizes, so its curve cuts the corner of a knee that
+    lies between two of them (4.3, between 4 and 8): a boundary just past it costs two more."""
+    with_prior, without = {}, {}
+    for boundary in [5, 7, 12, 17, 31, 64, 200]:
+        limit = gpt_small_limit_gb(boundary)
+        for counts, prior in ((with_prior, estimated(like_gpt_small, limit, low_by_gb=0.05)), (without, None)):
+            found, outcomes = search(like_gpt_small, limit, prior=prior)
+            assert found == true_boundary(like_gpt_small, limit) == boundary, sizes(outcomes)
+            counts[boundary] = len(outcomes)
+    assert max(with_prior.values()) <= 5 and max(with_prior[b] for b in with_prior if b >= 7) <= 3, with_prior
+    assert sum(with_prior.values()) < sum(without.values()) * 0.7, (with_prior, without)
+
+
+@pytest.mark.parametrize("slope_off", [0.9, 1.1])
+def test_an_estimate_off_in_slope_by_a_tenth_still_saves_probes(slope_off):
+    with_prior, without = counts_with_and_without({b: linear(b) for b in BOUNDARIES}, slope_off=slope_off)
+    assert max(with_prior.values()) <= 5, with_prior
+    assert sum(with_prior.values()) < sum(without.values()) * 0.8, (with_prior, without)
+
+
+@pytest.mark.parametrize("slope_off", [0.0, 0.2, 5.0])
+def test_a_wrong_estimate_costs_probes_but_never_the_answer(slope_off):
+    """An estimate far off (flat where the peak grows, a fifth of the slope, five times it)
+    is left after it misses: the answer is still exact, in a bounded count."""
+    with_prior, _ = counts_with_and_without({b: linear(b) for b in BOUNDARIES}, slope_off=slope_off)
+    assert max(with_prior.values()) <= 16, with_prior
+
+
+def test_with_an_estimate_nothing_fits_still_stops_after_the_first_probe():
+    curve = linear(1)
+    prior = estimated(curve, low_by_gb=1.5)  # the estimate says much fits
+    found, outcomes = search(lambda b: LIMIT_GB + 0.1 + b, prior=prior)
+    assert found == 0 and len(outcomes) == 1
+
+
+@pytest.mark.parametrize("shape", REAL_SHAPES)
+def test_peaks_that_move_between_runs_with_the_estimate(shape):
+    """The benchmark's shapes with the noise of real runs, and an estimate 80 MB low (as the
+    ViT's on gloo) whose slope is 5% off: exact, in fewer probes on average than without it.
+    Here the end costs most: near the limit a size trains in one run and not in the next."""
+    base, slope, limit, band, _ = REAL_SHAPES[shape]
+    for slope_off in (0.95, 1.05):
+        prior = estimated(lambda b: base + slope * b, limit, low_by_gb=0.08, slope_off=slope_off)
+        counts, without = [], []
+        for seed in range(60):
+            for found, p in ((counts, prior), (without, None)):
+                outcomes = search_real_noise(base, slope, limit, band, seed, p)
+                lo, hi = BatchSearch(limit, noise_gb=band).bracket(outcomes)
+                assert hi == lo + 1 and lo > 64, sizes(outcomes)
+                found.append(len(outcomes))
+        assert sum(counts) / 60 < sum(without) / 60 - 0.5, (slope_off, sum(counts) / 60, sum(without) / 60)

@@ -10,6 +10,7 @@ from torch.utils.data import Dataset
 
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.estimate.breakdown import GB, attention_workspace, estimate_batch
 from fsdp_exp.estimate.trace import cuda_block, cuda_segment, trace
 from tests.conftest import REPO, read_json, run_cli
@@ -177,8 +178,8 @@ def test_bad_estimate_settings_are_one_line(tmp_path):
     result = run_cli("task=estimate", "task.world_size=0", "wandb.mode=disabled", cwd=tmp_path)
     assert result.returncode != 0
     assert "task.world_size=0" in result.stderr and "Traceback" not in result.stderr
-    result = run_cli("task=estimate", "task.device=tpu", "wandb.mode=disabled", cwd=tmp_path)
-    assert result.returncode != 0 and "task.device=tpu: choose one of" in result.stderr
+    with pytest.raises(ConfigError, match="task.device=tpu: choose one of: auto, cpu, cuda"):
+        compose_checked(["task=estimate", "task.device=tpu", "wandb.mode=disabled"])
 
 
 def test_a_model_that_cannot_be_traced_is_one_line(tmp_path):
@@ -200,3 +201,41 @@ def test_estimate_for_a_gpu_on_a_machine_without_one(tmp_path):
     assert record["reserved_gb"] >= record["step_peak_gb"]
     result = run_cli("task=estimate", "device=cuda", "wandb.mode=disabled", cwd=tmp_path)
     assert result.returncode != 0 and "task.device=cuda" in result.stderr
+
+
+# --- the estimate in task=max_batch (max_batch.estimate=true) ---
+
+
+def test_max_batch_traces_doubling_sizes_up_to_the_first_over_the_limit():
+    """max_batch.estimate traces resolution, 2x, 4x, ... and stops at the first size whose
+    step goes over the limit (task=max_batch's own call runs it in a child process, as
+    task=estimate does; tests/test_max_batch.py runs that end to end)."""
+    from fsdp_exp.tasks.batch_prior import doubling, prior
+
+    assert doubling(1, 4096) == [2**k for k in range(13)] and doubling(4, 100) == [4, 8, 16, 32, 64, 100]
+    exp, everything = traced(batch_sizes=doubling(1, 4096))
+    peaks = [estimate_batch(s, everything, False, False, 0, False).limited_gb for s in everything.steps]
+    assert len(peaks) == 13 and all(a < b for a, b in zip(peaks[8:], peaks[9:]))
+    limit = (peaks[8] + peaks[10]) / 2  # between the peaks at 256 and 1024
+
+    def enough(step, baseline_bytes):
+        return estimate_batch(step, None, False, False, 0, False).limited_gb > limit
+
+    stopped = trace(exp, 2, doubling(1, 4096), on_gpu=False, enough=enough)
+    sizes = [s.batch_size for s in stopped.steps]
+    assert sizes == doubling(1, 4096)[:len(sizes)] and sizes[-1] in (512, 1024)
+    last, before = (estimate_batch(s, stopped, False, False, 0, False).limited_gb for s in stopped.steps[-1:-3:-1])
+    assert last > limit >= before  # stopped at the first size over it
+    curve = prior({"peaks_gb": [[b, gb] for b, gb in zip(doubling(1, 4096), peaks, strict=True)]})
+    assert curve.peak_gb(256) == peaks[8] and curve.peak_gb(384) == pytest.approx((peaks[8] + peaks[9]) / 2)
+
+
+def test_max_batch_searches_without_the_estimate_when_it_cannot_trace(caplog):
+    from fsdp_exp.tasks.batch_prior import estimate_curve, prior
+
+    stack = [o.replace("tests.test_estimate.linear_stack", "tests.test_estimate.ReadsItsInput") for o in STACK]
+    exp = prepare(compose_checked([*stack, "task=max_batch", "memory.limit_gb=1"]), 0).exp
+    with caplog.at_level("WARNING", logger="fsdp_exp"):
+        record = estimate_curve(exp, 2, limit_gb=1.0)
+    assert "could not trace this setup" in record["error"] and prior(record) is None
+    assert "the search places its probes without it" in caplog.text

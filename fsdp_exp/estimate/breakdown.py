@@ -38,6 +38,10 @@ class BatchEstimate:
     breakdown_gb: dict[str, float]  # the step's peak by what holds it; the parts sum to step_peak_gb
     reserved_gb: float | None = None  # GPU: what the caching allocator would hold at the peak
     offloaded_gb: float | None = None  # GPU with offload=true: in host memory at the peak
+    limited_gb: float = 0.0  # what memory.limit_gb caps: the peak, or on a GPU what the allocator reserves
+
+    def __post_init__(self) -> None:
+        self.limited_gb = max(self.predicted_peak_gb, self.reserved_gb or 0.0)
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -63,10 +67,11 @@ def attention_workspace(shapes: list[tuple[int, ...]]) -> int:
     return 4 * (math.prod(largest) + rows)
 
 
-def estimate_batch(step: StepTrace, trace: Trace, on_gpu: bool, offload: bool, baseline_gb: float,
+def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: bool, baseline_gb: float,
                    builds_whole_model: bool) -> BatchEstimate:
     """One batch size's estimate. `builds_whole_model`: every rank first builds the whole
-    model (model.init_device=cpu), which can outgrow a step when the shards are small."""
+    model (model.init_device=cpu), which can outgrow a step when the shards are small; that
+    needs the `trace` of the build."""
     baseline = baseline_gb * GB
     peak = step.peaks["blocks" if on_gpu else "cpu"]
     found = parts(peak, step.optimizer_state_bytes)
@@ -84,7 +89,7 @@ def estimate_batch(step: StepTrace, trace: Trace, on_gpu: bool, offload: bool, b
     step_bytes = sum(found.values()) + baseline
     breakdown = {part: found[part] / GB for part in PARTS} | {"baseline": baseline / GB}
     total, phase = step_bytes, peak.phase
-    build_bytes = trace.build_bytes + baseline if builds_whole_model else 0
+    build_bytes = trace.build_bytes + baseline if builds_whole_model and trace is not None else 0
     if build_bytes > step_bytes:
         total, phase = build_bytes, "model build"
     return BatchEstimate(step.batch_size, total / GB, step_bytes / GB, phase, breakdown, reserved, offloaded)

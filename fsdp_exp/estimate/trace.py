@@ -28,7 +28,7 @@ import inspect
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -261,9 +261,11 @@ def foreach(optimizer: Any) -> Any:
     return node
 
 
-def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool) -> Trace:
+def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
+          enough: Callable[[StepTrace, int], bool] | None = None) -> Trace:
     """Build, shard and train one rank of `world_size` on fake tensors: one step to make
-    the optimizer state, then one counted step at each batch size."""
+    the optimizer state, then one counted step at each batch size, in order, until
+    `enough(step, baseline_bytes)` says no larger size is needed."""
     start = time.perf_counter()
     dataset = exp.data.dataset()  # held by every rank, as the runtime is: both in the baseline
     sample, target = dataset[0]  # real: its shape and dtype
@@ -295,6 +297,8 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
                     trainer.train_step(batches)
                 steps.append(StepTrace(batch_size, counts.peaks, state_bytes(optimizer), buckets,
                                        mem.attention))  # type: ignore[attr-defined]
+                if enough is not None and enough(steps[-1], baseline):
+                    break
         params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole parameter's
         shard_count = sharding.shard_size(world_size) if sharding.shards_params else 1
         # Each rank builds the whole model, then sharding copies its shards out of it.

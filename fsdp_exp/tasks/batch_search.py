@@ -108,6 +108,7 @@ ON_LINE = 0.005  # probes within this share of their peak from a line lie on it
 REACH = 64  # a line is followed at most this many times its rise so far
 MISS_NOISE = 0.003  # after a miss, the prediction is widened by what this noise in peaks gives
 SPLIT_NOISE = 0.0005  # near the end, peaks scatter by at least this share, when the probes show less
+PRIOR_ERROR = 0.1  # the estimate's growth from a probe to the limit may be off by this share (docs/BENCHMARKS.md)
 NEAR_THE_END = 16  # a bracket within this many times the line's noise, in samples, is split where the boundary is as likely above as below
 
 
@@ -230,6 +231,60 @@ def fit_memory(outcomes: Sequence[Outcome]) -> MemoryModel | None:
     return MemoryModel(first.peak_gb - slope * first.batch_size, slope, 1)
 
 
+@dataclass(frozen=True)
+class Prior:
+    """The peak as task=estimate predicts it (`points`: batch size, GB), before any probe:
+    straight between the traced sizes, flat below the first, and past the last along the
+    line through the last two. The search moves it through its probes (`through`), so a
+    constant the trace does not see costs nothing, and only its shape (the flat start, the
+    knee, the growth) places the probes."""
+
+    points: tuple[Point, ...]
+    scaled: bool = False  # its growth was set by two probes
+
+    def peak_gb(self, batch_size: float) -> float:
+        (b0, p0), (b1, p1) = self._segment(batch_size)
+        if batch_size <= self.points[0][0] or b1 == b0:
+            return self.points[0][1]
+        return p0 + (p1 - p0) * (batch_size - b0) / (b1 - b0)
+
+    def slope_at(self, batch_size: float) -> float:
+        (b0, p0), (b1, p1) = self._segment(batch_size)
+        return 0.0 if batch_size < self.points[0][0] or b1 == b0 else (p1 - p0) / (b1 - b0)
+
+    def _segment(self, batch_size: float) -> tuple[Point, Point]:
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0], pts[0]
+        k = next((i for i in range(1, len(pts)) if batch_size <= pts[i][0]), len(pts) - 1)
+        return pts[k - 1], pts[k]
+
+    def through(self, first: Point, anchor: Point) -> Prior:
+        """The curve moved to pass through `anchor`, the largest probe that fit, and, when
+        the curve grows between them, its growth scaled to pass through `first` too."""
+        grown = self.peak_gb(anchor[0]) - self.peak_gb(first[0])
+        measured = anchor[1] - first[1]
+        scale = measured / grown if grown > FLAT * self.peak_gb(first[0]) and measured > 0 else None
+        if scale is not None and not 0.5 <= scale <= 2:  # not the same curve: the trace's growth stands
+            scale = None
+        at = self.peak_gb(anchor[0])
+        moved = tuple((b, anchor[1] + (scale or 1.0) * (p - at)) for b, p in self.points)
+        return Prior(moved, scale is not None)
+
+    def crossing(self, target_gb: float) -> float:
+        """The largest batch under `target_gb` (infinite when the curve never reaches it)."""
+        pts = self.points
+        if pts[0][1] > target_gb:
+            return 0.0
+        for (b0, p0), (b1, p1) in zip(pts, pts[1:]):
+            if p1 > target_gb:
+                return b0 + (target_gb - p0) * (b1 - b0) / (p1 - p0)
+        if len(pts) < 2 or pts[-1][1] <= pts[-2][1]:
+            return math.inf
+        (b0, p0), (b1, p1) = pts[-2], pts[-1]
+        return b1 + (target_gb - p1) * (b1 - b0) / (p1 - p0)
+
+
 @dataclass
 class BatchSearch:
     limit_gb: float
@@ -238,6 +293,7 @@ class BatchSearch:
     # A probe that trained with less room than this under the limit does not fit (runs of
     # one setup vary by that much), and the line aims at the limit less it.
     noise_gb: float = 0.0
+    prior: Prior | None = None  # the estimate's curve, which places probes until two of them show the growth
 
     def __post_init__(self) -> None:
         self.up_to = max(self.resolution, self.up_to // self.resolution * self.resolution)
@@ -253,14 +309,31 @@ class BatchSearch:
         """The batch size to probe next, or None when the boundary is known (or the
         smallest size does not fit at all)."""
         # The safeguards count how earlier predictions fared, so replay the decisions that led here.
-        expected: list[str] = []
+        expected: list[tuple[str, bool]] = []
         for k in range(len(outcomes)):
-            size, expect = self._decide(outcomes[:k], expected)
-            expected.append(expect if size == outcomes[k].batch_size else "")
-        return self._decide(outcomes, expected)[0]
+            by_prior = self._prior_places(outcomes[:k], expected)
+            size, expect = self._decide(outcomes[:k], expected, by_prior)
+            expected.append((expect, by_prior) if size == outcomes[k].batch_size else ("", False))
+        return self._decide(outcomes, expected, self._prior_places(outcomes, expected))[0]
 
-    def _decide(self, outcomes: Sequence[Outcome], expected: list[str]) -> tuple[int | None, str]:
-        """The next size, and what the line expects of it: "fit", "fail", or "" (a bisection)."""
+    def _prior_places(self, outcomes: Sequence[Outcome], expected: list[tuple[str, bool]]) -> bool:
+        """Whether the estimate's curve places the next probe: until two probes past the
+        flat start show the growth, and until it has missed twice."""
+        if self.prior is None or not outcomes:
+            return False
+        lo, _ = self.bracket(outcomes)
+        points = _peaks(outcomes)
+        _, growing = _activation_line(points)
+        misses = sum(by and self._missed(e, o) for (e, by), o in zip(expected, outcomes))
+        return growing < 2 and misses < 2 and any(b <= lo for b, _ in points)
+
+    def _missed(self, expect: str, outcome: Outcome) -> bool:
+        return (expect == "fit" and not self._fits(outcome)) or (expect == "fail" and self._fits(outcome))
+
+    def _decide(self, outcomes: Sequence[Outcome], expected: list[tuple[str, bool]],
+                by_prior: bool) -> tuple[int | None, str]:
+        """The next size, and what the line (or with `by_prior` the estimate's curve) expects
+        of it: "fit", "fail", or "" (a bisection)."""
         r = self.resolution
         if not outcomes:
             return r, ""
@@ -272,33 +345,46 @@ class BatchSearch:
         bisect = self._on_grid(halfway, lo, top, round), ""
         points = _peaks(outcomes)
         line, growing = _activation_line(points)
-        if line is None or line.slope_gb_per_sample <= 0:
-            return bisect
         target_gb = self.limit_gb - self.noise_gb
-        crossing = line.largest_batch_under(target_gb)
-        last_b, last_peak = points[-1]
-        if growing == 1:  # halfway, in log scale, to the bound the line from the knee gives
-            bound = min(crossing, top)
-            below = above = bound if bound - last_b <= 4 * r else math.sqrt(last_b * bound)
-            miss_error = 0.0
+        if by_prior and self.prior is not None:
+            anchor = next(p for p in reversed(points) if p[0] <= lo)
+            # The estimate's curve, through the largest size that fit: it knows the scale,
+            # the flat start and the knee, which the probes would spend their first sizes on.
+            curve = self.prior.through(points[0], anchor)
+            crossing = min(curve.crossing(target_gb), top)
+            below = above = crossing
+            slope = curve.slope_at(crossing)
+            # Moved through one probe, the curve's growth is the trace's, which may be off by PRIOR_ERROR.
+            miss_error = (MISS_NOISE * anchor[1] / slope if slope > 0 else 0.0) if curve.scaled else \
+                PRIOR_ERROR * max(crossing - anchor[0], 0.0)
+            line = None
         else:
-            error = line.uncertainty(crossing, line.scatter_gb) if line.points >= 3 else 0.0
-            below, above = crossing - error, crossing + error
-            miss_error = line.uncertainty(crossing, max(line.scatter_gb, MISS_NOISE * last_peak))
-        if hi is None:
-            risen = last_peak - points[0][1] >= (target_gb - last_peak) / REACH
-            if not risen:
-                return self._on_grid(min(below, math.sqrt(lo * top)), lo, top, round), ""
+            if line is None or line.slope_gb_per_sample <= 0:
+                return bisect
+            crossing = line.largest_batch_under(target_gb)
+            last_b, last_peak = points[-1]
+            if growing == 1:  # halfway, in log scale, to the bound the line from the knee gives
+                bound = min(crossing, top)
+                below = above = bound if bound - last_b <= 4 * r else math.sqrt(last_b * bound)
+                miss_error = 0.0
+            else:
+                error = line.uncertainty(crossing, line.scatter_gb) if line.points >= 3 else 0.0
+                below, above = crossing - error, crossing + error
+                miss_error = line.uncertainty(crossing, max(line.scatter_gb, MISS_NOISE * last_peak))
+            if hi is None:
+                risen = last_peak - points[0][1] >= (target_gb - last_peak) / REACH
+                if not risen:
+                    return self._on_grid(min(below, math.sqrt(lo * top)), lo, top, round), ""
         misses = 0
-        for expect, o in zip(reversed(expected), reversed(outcomes)):
-            if not ((expect == "fit" and not self._fits(o)) or (expect == "fail" and self._fits(o))):
+        for (expect, _), o in zip(reversed(expected), reversed(outcomes)):
+            if not self._missed(expect, o):
                 break
             misses += 1
         widen = max(r, miss_error) * 2 ** (misses - 1) if misses else 0.0
         below, above = below - widen, above + widen
-        if hi is not None and line.points >= 3:  # near the end, where the peaks' noise blurs the line
+        if hi is not None and line is not None and line.points >= 3:  # near the end, where the peaks' noise blurs the line
             # The residuals of a few points understate their scatter, by 1 + 1/(degrees of freedom) here.
-            scatter = max(line.scatter_gb * (1 + 1 / (line.points - 2)), self.noise_gb / 2, SPLIT_NOISE * last_peak)
+            scatter = max(line.scatter_gb * (1 + 1 / (line.points - 2)), self.noise_gb / 2, SPLIT_NOISE * points[-1][1])
             noise = line.uncertainty(crossing, scatter)
             if top - lo <= NEAR_THE_END * max(noise, r):
                 spread = max(noise, r / 2, 2 * (crossing - top), 2 * (lo - crossing))

@@ -80,18 +80,19 @@ SUMMARY_KEYS = ("predicted_peak_gb", "batch_size", "world_size", "device", "limi
 
 
 def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
-             baseline_gb: float | None = None) -> dict:
-    """The estimate record, traced in a fresh process (see `trace_in_child`)."""
+             baseline_gb: float | None = None, stop_above_gb: float | None = None) -> dict:
+    """The estimate record, traced in a fresh process (see `trace_in_child`). With
+    `stop_above_gb`, the sizes are traced in order up to the first whose step is predicted
+    to peak above it."""
     start = time.perf_counter()
-    from fsdp_exp.estimate.breakdown import CUDA_CONTEXT_GB, GB, estimate_batch
+    from fsdp_exp.estimate.breakdown import GB, estimate_batch
 
-    traced = trace_in_child(exp, world_size, batch_sizes, on_gpu)
-    if baseline_gb is None:
-        baseline_gb = CUDA_CONTEXT_GB if on_gpu else traced.baseline_bytes / GB
+    traced = trace_in_child(exp, world_size, batch_sizes, on_gpu, baseline_gb, stop_above_gb)
+    baseline_gb = baseline_or_measured(baseline_gb, on_gpu, traced.baseline_bytes)
     builds_whole = exp.model.init_device != "meta"
     batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole) for step in traced.steps]
     limit = exp.memory.limit_gb
-    fitting = [b for b in batches if limit is not None and b.predicted_peak_gb <= limit]
+    fitting = [b for b in batches if limit is not None and b.limited_gb <= limit]
     chosen = fitting[-1] if fitting else batches[0]
     return {
         "device": "cuda" if on_gpu else "cpu",
@@ -116,26 +117,39 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
 
 
 def crossing(batches: list, limit_gb: float | None) -> int | None:
-    """Where the line through the two largest sizes' step peaks reaches the limit: the
-    boundary the estimate predicts, also between or beyond the sizes asked for."""
+    """Where the line through the two largest sizes' peaks (as the limit counts them)
+    reaches the limit: the boundary the estimate predicts, also between or beyond the sizes
+    asked for."""
     if limit_gb is None or len(batches) < 2:
         return None
     a, b = batches[-2], batches[-1]
-    slope = (b.step_peak_gb - a.step_peak_gb) / (b.batch_size - a.batch_size)
-    if batches[0].predicted_peak_gb > limit_gb:
+    slope = (b.limited_gb - a.limited_gb) / (b.batch_size - a.batch_size)
+    if batches[0].limited_gb > limit_gb:
         return 0
     if slope <= 0:
         return None
-    return max(0, math.floor(b.batch_size + (limit_gb - b.step_peak_gb) / slope))
+    return max(0, math.floor(b.batch_size + (limit_gb - b.limited_gb) / slope))
 
 
-def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool) -> Any:
+def baseline_or_measured(baseline_gb: float | None, on_gpu: bool, measured_bytes: int) -> float:
+    """task.baseline_gb, or by default the CUDA context on a GPU and what the tracing process
+    held before building the model on CPU."""
+    from fsdp_exp.estimate.breakdown import CUDA_CONTEXT_GB, GB
+
+    if baseline_gb is not None:
+        return baseline_gb
+    return CUDA_CONTEXT_GB if on_gpu else measured_bytes / GB
+
+
+def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
+                   baseline_gb: float | None = None, stop_above_gb: float | None = None) -> Any:
     """The trace, in a fresh process: the fake process group is this process's own, nothing
     of the driver's (threads, a sweep's other runs) is in the way, and what the process
     holds before tracing is what a rank holds before building its model (the baseline)."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe(duplex=False)
-    process = context.Process(target=_traced, args=(child, exp, world_size, batch_sizes, on_gpu), daemon=True)
+    process = context.Process(target=_traced, args=(child, exp, world_size, batch_sizes, on_gpu, baseline_gb,
+                                                    stop_above_gb), daemon=True)
     process.start()
     child.close()
     try:
@@ -155,14 +169,20 @@ def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_
     return result
 
 
-def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool) -> None:
+def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
+            baseline_gb: float | None, stop_above_gb: float | None) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
     try:
+        from fsdp_exp.estimate.breakdown import estimate_batch
         from fsdp_exp.estimate.trace import trace
 
-        pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu)))
+        def enough(step: Any, baseline_bytes: int) -> bool:
+            base = baseline_or_measured(baseline_gb, on_gpu, baseline_bytes)
+            return estimate_batch(step, None, on_gpu, exp.offload, base, False).limited_gb > stop_above_gb
+
+        pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu, enough if stop_above_gb is not None else None)))
     except Exception as err:  # noqa: BLE001 - sent back as one line
         pipe.send((False, " ".join(f"{type(err).__name__}: {err}".split())[:500]))
 
@@ -179,7 +199,7 @@ def answer_line(record: dict) -> str:
         if record["predicted_max_batch"] is not None:
             line += f" (the line through the largest two reaches it at {record['predicted_max_batch']})"
     elif limit is not None:
-        line += "; fits under" if record["predicted_peak_gb"] <= limit else "; does not fit under"
+        line += "; fits under" if record["batches"][0]["limited_gb"] <= limit else "; does not fit under"
         line += f" memory.limit_gb={limit:g}"
     return line
 
@@ -191,15 +211,17 @@ def table(record: dict) -> str:
     columns = [*PARTS, "baseline"]
     short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
              "temporaries": "temps", "unsharded_and_buffers": "unshard", "baseline": "runtime"}
+    on_gpu = record["device"] == "cuda"
     lines = [f"estimate for {record['setup']}: {record['params']:,} parameters, {record['world_size']} ranks "
              f"({record['shards']} sharing each parameter), {record['device']}",
-             f"{'batch':>6} {'peak GB':>8} {'phase':<15}" + "".join(f"{short[c]:>8}" for c in columns)
-             + (f" {'fits':>5}" if record["limit_gb"] is not None else "")]
+             f"{'batch':>6} {'peak GB':>8}" + (f" {'reserved':>8}" if on_gpu else "") + f" {'phase':<15}"
+             + "".join(f"{short[c]:>8}" for c in columns) + (f" {'fits':>5}" if record["limit_gb"] is not None else "")]
     for b in record["batches"]:
-        row = f"{b['batch_size']:>6} {b['predicted_peak_gb']:>8.3f} {b['phase'] or 'step':<15}"
+        row = (f"{b['batch_size']:>6} {b['predicted_peak_gb']:>8.3f}" + (f" {b['reserved_gb']:>8.3f}" if on_gpu else "")
+               + f" {b['phase'] or 'step':<15}")
         row += "".join(f"{b['breakdown_gb'][c]:>8.3f}" for c in columns)
         if record["limit_gb"] is not None:
-            row += f" {'yes' if b['predicted_peak_gb'] <= record['limit_gb'] else 'no':>5}"
+            row += f" {'yes' if b['limited_gb'] <= record['limit_gb'] else 'no':>5}"
         lines.append(row)
     if record.get("build_peak_gb") and any(b["phase"] == "model build" for b in record["batches"]):
         lines.append(f"building the whole model on every rank first peaks at {record['build_peak_gb']:.3f} GB; "

@@ -35,13 +35,14 @@ from fsdp_exp.tasks.batch_answer import (
     noise_band_gb,
     probe_to_place_fastest,
 )
+from fsdp_exp.tasks.batch_prior import estimate_curve, prior
 from fsdp_exp.tasks.batch_search import (
     BatchSearch,
     Outcome,
     fit_memory,
     recommended_size,
 )
-from fsdp_exp.tasks.probe import Probe, fingerprint, run_probe
+from fsdp_exp.tasks.probe import Probe, fingerprint, probe_config, run_probe
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -60,6 +61,7 @@ class MaxBatchSettings:
     resolution: int = 1  # the answer is exact to this; every probed size is a multiple of it
     margin: float = 0.1  # the recommended size keeps this share of the memory limit free
     search_up_to: int = 4096  # the largest batch size tried
+    estimate: bool = True  # place the probes by task=estimate's curve (one trace on fake tensors) as well
 
     def __post_init__(self) -> None:
         if self.steps_per_probe < 2:
@@ -125,13 +127,15 @@ class Sweep:
         self.fingerprint = fingerprint(self.cfg, self.nproc, self.steps)
         self.probes: list[Probe] = []
         self.need: Probe | None = None  # the smallest batch under all this device gives a rank, when none fits
+        self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.batch_prior), once traced
         self.reused = 0
         self.start = time.perf_counter()
 
     def search(self) -> BatchSearch:
         """The search for the largest size that fits with the noise band to spare."""
         settings = self.cfg.max_batch
-        return BatchSearch(self.limit_gb, settings.resolution, settings.search_up_to, self.noise_gb())
+        return BatchSearch(self.limit_gb, settings.resolution, settings.search_up_to, self.noise_gb(),
+                           prior(self.estimated))
 
     def noise_gb(self) -> float:
         return noise_band_gb([p for p in self.probes if not p.killed], self.limit_gb)
@@ -146,6 +150,11 @@ class Sweep:
         one, which needs none."""
         if self.limit_gb is None:
             return self.cfg.max_batch.resolution
+        if self.estimated is None and self.cfg.max_batch.estimate and any(o.fits for o in self.outcomes()):
+            # After the first probe: nothing to place when it does not fit, and the limit is known.
+            estimate_cfg = probe_config(self.cfg, self.cfg.max_batch.resolution, self.steps, self.nproc)
+            self.estimated = estimate_curve(estimate_cfg, self.nproc, self.limit_gb)
+            self.save(None)
         return self.search().next_size(self.outcomes())
 
     def boundary(self) -> int:
@@ -183,6 +192,7 @@ class Sweep:
         probe_dir = self.run_dir / "probes" / f"{len(self.probe_dirs()) + 1:02d}_b{size}"
         probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb)
         probe.for_fastest = for_fastest
+        probe.estimated_peak_gb = self.estimated_peak_gb(size)
         if limit_gb == "same":
             log.info("probe %d: %s", len(self.probe_dirs()), probe.line())
         else:
@@ -197,6 +207,10 @@ class Sweep:
             self.need = probe
         self.save(None)
         return probe
+
+    def estimated_peak_gb(self, size: int) -> float | None:
+        curve = prior(self.estimated)
+        return curve.peak_gb(size) if curve else None
 
     def learn_device(self, *probes: Probe) -> None:
         """Rank 0's environment record, from the first probe whose rank 0 wrote one: the
@@ -232,6 +246,7 @@ class Sweep:
         probes = [Probe.from_json(p) for p in earlier.get("probes", [])]
         if self.limit_gb is None:  # the device's memory then, should its probes not say it
             self.limit_gb = earlier.get("limit_gb")
+        self.estimated = earlier.get("estimate") if self.cfg.max_batch.estimate else None
         if earlier.get("smallest_batch_need_probe"):
             self.need = Probe.from_json(earlier["smallest_batch_need_probe"])
         if probes:
@@ -271,6 +286,7 @@ class Sweep:
         model = fit_memory(outcomes)
         for probe in self.probes:
             probe.predicted_peak_gb = model.peak_gb(probe.batch_size) if model else None
+            probe.estimated_peak_gb = self.estimated_peak_gb(probe.batch_size)
             probe.margin_gb = margin_gb(probe, self.limit_gb)
             probe.within_noise = probe.status == "ok" and not fits_with_room(probe, self.limit_gb, noise)
         measure = next((m for m in ("peak_under_limit_gb", "peak_reserved_gb", "peak_mem_gb")
@@ -306,12 +322,14 @@ class Sweep:
             "memory_model": None if model is None else {
                 "intercept_gb": model.intercept_gb, "slope_gb_per_sample": model.slope_gb_per_sample,
                 "points": model.points, "measure": measure},
+            "estimate": self.estimated,
             "probes": [p.to_json() for p in self.probes],
             "smallest_batch_need_probe": self.need.to_json() if self.need else None,
             "probe_count": len(self.probes),
             "probes_reused": self.reused,
             "wall_s": time.perf_counter() - self.start,  # this run's, after any reused probes
             "probe_wall_s": sum(p.wall_s for p in self.probes) + (self.need.wall_s if self.need else 0.0),
+            "estimate_wall_s": (self.estimated or {}).get("wall_s"),
             "fingerprint": self.fingerprint,
         }
         write_json(self.run_dir / RECORD, record)
@@ -349,6 +367,7 @@ def log_to_wandb(cfg: Experiment, run_dir: Path, record: dict, png: Path) -> Non
     import wandb
 
     columns = ["batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",
+               "estimated_peak_gb",
                "peak_mem_gb", "samples_per_s", "alloc_retries", "wall_s", "reason"]
     table = wandb.Table(columns=columns, data=[[p[c] for c in columns] for p in record["probes"]])
     sink.run.log({"probes": table, "max_batch": wandb.Image(str(png))})

@@ -41,7 +41,8 @@ class Probe:
     held_mem_gb: float | None = None
     alloc_retries: float | None = None  # GPU: the caching allocator's retries (it freed its cache to allocate)
     samples_per_s: float | None = None
-    predicted_peak_gb: float | None = None
+    predicted_peak_gb: float | None = None  # the line fitted to the probes that fit
+    estimated_peak_gb: float | None = None  # task=estimate's, before any probe (max_batch.estimate)
     margin_gb: float | None = None  # the room left under the limit
     within_noise: bool = False  # trained, with less room than the noise band: counted as not fitting
     for_fastest: bool = False  # spent to place the fastest batch, not by the search
@@ -76,10 +77,12 @@ class Probe:
         return cls(**known)
 
     def line(self) -> str:
+        estimated = "" if self.estimated_peak_gb is None else f"estimated {self.estimated_peak_gb:.3f} GB"
         if self.status != "ok":
-            return f"batch {self.batch_size}: {self.status} ({self.reason}) [{self.wall_s:.0f} s]"
-        return (f"batch {self.batch_size}: ok, peak {self.limited_peak_gb():.3f} GB, "
-                f"{self.samples_per_s:,.1f} samples/s [{self.wall_s:.0f} s]")
+            return (f"batch {self.batch_size}: {self.status} ({self.reason})"
+                    f"{f' ({estimated})' if estimated else ''} [{self.wall_s:.0f} s]")
+        return (f"batch {self.batch_size}: ok, peak {self.limited_peak_gb():.3f} GB"
+                f"{f' ({estimated})' if estimated else ''}, {self.samples_per_s:,.1f} samples/s [{self.wall_s:.0f} s]")
 
 
 def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,

@@ -1,0 +1,55 @@
+"""The estimate's curve for task=max_batch (max_batch.estimate=true).
+
+One task=estimate trace (`fsdp_exp.tasks.estimate`, on fake tensors, nothing allocated) at
+doubling sizes from max_batch.resolution, up to the first predicted to peak above the
+memory limit. The search (`batch_search.Prior`) moves the curve through its probes, so its
+level need not be right, only its shape; each probe shows the estimate beside its peak.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.tasks.batch_search import Prior
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
+
+log = logging.getLogger("fsdp_exp")
+
+
+def doubling(resolution: int, up_to: int) -> list[int]:
+    """resolution, 2x, 4x, ... and up_to."""
+    sizes = [resolution]
+    while sizes[-1] * 2 < up_to:
+        sizes.append(sizes[-1] * 2)
+    return sorted({*sizes, max(resolution, up_to // resolution * resolution)})
+
+
+def estimate_curve(cfg: Experiment, world_size: int, limit_gb: float) -> dict:
+    """The record of the estimate: its peaks by batch size as the limit counts them (on a
+    GPU, what the allocator would reserve), or why there are none."""
+    from fsdp_exp.tasks.estimate import estimate
+
+    settings = cfg.max_batch
+    start = time.perf_counter()
+    on_gpu = cfg.device == "cuda"
+    try:
+        record = estimate(cfg, world_size, doubling(settings.resolution, settings.search_up_to), on_gpu,
+                          stop_above_gb=limit_gb)
+    except RunFailed as err:
+        log.warning("%s; the search places its probes without it (max_batch.estimate=false skips it)", err)
+        return {"error": str(err), "wall_s": time.perf_counter() - start}
+    peaks = [[b["batch_size"], b["limited_gb"]] for b in record["batches"]]
+    wall = time.perf_counter() - start
+    log.info("estimate: %s in %.0f s", ", ".join(f"batch {b} {p:.3f} GB" for b, p in peaks), wall)
+    return {"device": record["device"], "peaks_gb": peaks, "wall_s": wall}
+
+
+def prior(record: dict | None) -> Prior | None:
+    if not record or not record.get("peaks_gb"):
+        return None
+    return Prior(tuple((int(b), float(p)) for b, p in record["peaks_gb"]))

@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install test test-slow run check-gpu bench bench-gpu clean
+.PHONY: install test test-slow run check-gpu bench bench-estimate bench-gpu clean
 
 install:  ## make .venv and install the package editable with its dev extras
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ bench:  ## every benchmark (about 40 minutes on 2 CPU cores); figures go in docs
 	$(BIN)/python bench/checkpoint_stall.py
 	$(BIN)/python bench/max_batch_search.py
 	$(BIN)/python bench/memory_theory.py
+
+bench-estimate:  ## task=estimate against measured CPU peaks, and the FSDP blog's table predicted (about 2 hours on 2 CPU cores)
+	$(BIN)/python bench/estimate_accuracy.py
+	$(BIN)/python bench/fsdp_blog_table.py
 
 bench-gpu:  ## GPT throughput and MFU, and the FSDP blog's max-batch table, on one GPU
 	$(BIN)/python bench/gpu.py

@@ -10,8 +10,8 @@ sharding.min_params=2000`. The blog printed `--block_size 12`, but its command h
 continuation before that flag, so the shell ran the script without it: block size 1024
 (GPT-2's context), as run_clm_no_trainer.py then takes. Both are predicted.
 
-For each row, one estimate traces doubling batch sizes up to the first predicted over the
-limit, then sizes around the crossing until the largest that fits and the next are both
+For each row, one estimate traces batch 1, 128 and 512, then the sizes around where the line
+through two of them meets the limit, until the largest size that fits and the next are both
 traced: the answer is exact for the estimate, not read off a line.
 
     python bench/fsdp_blog_table.py                  # both models, both block sizes
@@ -67,17 +67,17 @@ def predicted_max(overrides: list[str], scratch: Path) -> tuple[int, dict[int, f
         for b in estimate(overrides, sizes, scratch / f"call{calls}"):
             seen[b["batch_size"]] = b["limited_gb"]
 
-    trace([1, 2, 4, 8, 16])
+    trace([1, 128, 512])  # past the knee at 128 and 512 the peak grows by a fixed amount a sample
     while calls < 10:
         fit = max((b for b, gb in seen.items() if gb <= LIMIT_GB), default=0)
         over = min((b for b, gb in seen.items() if gb > LIMIT_GB), default=None)
         if fit == 0 or over == fit + 1:
             return fit, seen, calls
-        a, b = (fit, over) if over is not None else sorted(seen)[-2:]
+        a, b = (fit, over) if over is not None and fit > 1 else sorted(seen)[-2:]
         slope = (seen[b] - seen[a]) / (b - a)
-        guess = int(a + (LIMIT_GB - seen[a]) / slope) if slope > 0 else 64 * b
-        guess = max(fit + 1, min(guess, 64 * b, (over or guess + 2) - 1))
-        trace(sorted({guess, guess + 1} - set(seen)))
+        guess = int(a + (LIMIT_GB - seen[a]) / slope) if slope > 0 else 8 * b
+        guess = max(fit + 1, min(guess, 8 * b, (over or 10**9) - 1))
+        trace(sorted({guess - 1, guess, guess + 1} - set(seen) - {0}))
     raise SystemExit(f"{' '.join(overrides)}: no exact answer after {calls} estimate calls: {seen}")
 
 

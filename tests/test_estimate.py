@@ -47,6 +47,21 @@ class ReadsItsInput(nn.Module):
         return self.linear(x) if x.sum().item() >= 0 else -self.linear(x)
 
 
+TOKENS, HEAD_DIM = 64, 4  # one head over 64 tokens: the WIDTH features of a sample
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention with attention dropout, as GPT-2 has it (0.1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HEAD_DIM, HEAD_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x.view(x.shape[0], 1, TOKENS, HEAD_DIM))
+        return nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True).flatten(1)
+
+
 STACK = ["model=custom", "model._target_=tests.test_estimate.linear_stack", "model.blocks=[torch.nn.Linear]",
          "data=custom", "data._target_=tests.test_estimate.Vectors", "device=cpu", "wandb.mode=disabled"]
 
@@ -110,6 +125,21 @@ def test_the_step_grows_with_the_batch_and_the_build_is_the_whole_model():
     assert large.step_peak_gb > small.step_peak_gb
     assert result.build_bytes == DEPTH * LAYER  # every rank builds the whole model first
     assert result.params == DEPTH * WIDTH * WIDTH
+
+
+def test_attention_for_a_gpu_keeps_no_tokens_by_tokens_matrix():
+    """With dropout the CPU's attention falls back to the math kernel, which keeps the
+    64 x 64 attention matrix of each sample (and more); a GPU's flash kernel keeps none, so
+    the trace for a GPU runs it as the CPU's flash kernel and adds the GPU kernel's workspace."""
+    attention = [o.replace("tests.test_estimate.linear_stack", "tests.test_estimate.SelfAttention") for o in STACK]
+    plan = prepare(compose_checked(attention), 0)
+    batch, matrix = 64, 64 * TOKENS * TOKENS * FP32  # one fp32 attention matrix per sample: 1 MiB
+    on_cpu, on_gpu = (trace(plan.exp, 2, [batch], on_gpu=gpu) for gpu in (False, True))
+    cpu_parts, gpu_parts = (estimate_batch(t.steps[0], t, gpu, False, 0, False).breakdown_gb
+                            for t, gpu in ((on_cpu, False), (on_gpu, True)))
+    assert on_cpu.steps[0].attention == [] and on_gpu.steps[0].attention == [(batch, 1, TOKENS, HEAD_DIM)]
+    assert (cpu_parts["activations"] - gpu_parts["activations"]) * GB >= matrix
+    assert gpu_parts["activations"] * GB < matrix / 2  # queries, outputs and row sums: a few KB a sample
 
 
 def test_gpu_side_rounds_blocks_offloads_state_and_adds_attention():

@@ -234,7 +234,9 @@ FLAT_GPT = ["model=custom", "model._target_=fsdp_exp.models.gpt.GPT", "+model.vo
 def test_a_flat_then_linear_peak_is_searched_in_few_probes_and_the_answer_trains(tmp_path: Path) -> None:
     run_dir = tmp_path / "search"
     limit = "memory.limit_gb=0.62"
-    found = run_cli("task=max_batch", limit, *FLAT_GPT, f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=600)
+    # From the probes alone (test_the_estimate_places_the_probes_and_each_shows_it has the estimate)
+    found = run_cli("task=max_batch", limit, *FLAT_GPT, "max_batch.estimate=false", f"hydra.run.dir={run_dir}",
+                    cwd=tmp_path, timeout=600)
     assert found.returncode == 0, found.stderr[-3000:]
     record = read_json(run_dir / "max_batch.json")
     size, noise = record["max_batch_size"], record["noise_band_gb"]
@@ -253,3 +255,33 @@ def test_a_flat_then_linear_peak_is_searched_in_few_probes_and_the_answer_trains
     ok = run_cli(limit, *FLAT_GPT, *AS_A_PROBE, f"train.batch_size={size}", f"hydra.run.dir={tmp_path / 'at'}",
                  cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> None:
+    """The same flat-then-linear setup searched with the estimate's curve and from the probes
+    alone: the same answer (within the noise band), no more probes with the estimate, and
+    the estimate beside every probe's measured peak."""
+    runs = {}
+    for estimate in ("true", "false"):
+        run_dir = tmp_path / estimate
+        found = run_cli("task=max_batch", "memory.limit_gb=0.62", *FLAT_GPT, f"max_batch.estimate={estimate}",
+                        f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=600)
+        assert found.returncode == 0, found.stderr[-3000:]
+        runs[estimate] = (read_json(run_dir / "max_batch.json"), found.stdout + found.stderr)
+    (with_it, log), (without, log_without) = runs["true"], runs["false"]
+    assert abs(with_it["max_batch_size"] - without["max_batch_size"]) <= max(1, without["noise_band_samples"] or 0)
+    searched = [p for p in with_it["probes"] if not p["for_fastest"]]
+    assert len(searched) <= len([p for p in without["probes"] if not p["for_fastest"]]), searched
+
+    curve = with_it["estimate"]["peaks_gb"]
+    assert curve[0][0] == 1 and all(b2 == 2 * b1 for (b1, _), (b2, _) in zip(curve, curve[1:]))
+    assert curve[-1][1] > 0.62 >= curve[-2][1] and with_it["estimate_wall_s"] > 0  # traced up to the limit
+    assert all(p["estimated_peak_gb"] > 0 for p in with_it["probes"])
+    # The trace misses what the runtime holds outside tensors: a constant, which the first probe sets
+    gap = [p["peak_under_limit_gb"] - p["estimated_peak_gb"] for p in searched if p["status"] == "ok"]
+    assert max(gap) - min(gap) < 0.1 * with_it["limit_gb"], gap
+    assert re.search(r"probe 2: batch \d+: \w+.*\(estimated 0\.\d{3} GB\)", log), log[-3000:]
+    assert without["estimate"] is None and all(p["estimated_peak_gb"] is None for p in without["probes"])
+    assert "(estimated" not in log_without

@@ -41,6 +41,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 from torch.distributed.fsdp import FSDPModule
+from torch.nn import functional as F  # noqa: N812
+from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_exp.rank.build import build_model_for_training
@@ -276,7 +278,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     with fake_world(world_size):
         sharding = traced.sharding
         mesh = sharding.mesh(ranks.device, world_size) if sharding.shards_params else None
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), (AttentionAsOnGpu() if on_gpu else contextlib.nullcontext()):
             model, _ = build_model_for_training(traced, ranks, mesh)
             optimizer = instantiate(traced.optimizer)(model.parameters())
             trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
@@ -305,6 +307,30 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         build = whole + local_bytes(model) if shard_count > 1 else whole
     return Trace(world_size, steps, build, params, shard_count, baseline, time.perf_counter() - start)
+
+
+class AttentionAsOnGpu(TorchFunctionMode):
+    """`scaled_dot_product_attention` as a GPU runs it. There, flash and memory-efficient
+    attention keep no tokens x tokens matrix, with dropout too (its mask is regenerated in
+    the backward, not stored). On the CPU a call with dropout falls back to the math
+    kernel, which keeps several of them: GPT-2's attention dropout at 1024 tokens made a
+    GPU estimate of GPT-2 XL 24 GB a sample. So for a GPU every call runs as the CPU's flash
+    kernel, which keeps the output and a row sum; `breakdown.attention_workspace` adds what
+    a GPU kernel's backward holds besides."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        call = dict(zip(names, args)) | kwargs
+        query, key, value = call["query"], call["key"], call["value"]
+        if call.get("enable_gqa") or not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
+            return func(*args, **kwargs)  # grouped heads: as called
+        output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, bool(call.get("is_causal", False)), attn_mask=call.get("attn_mask"),
+            scale=call.get("scale"))
+        return output
 
 
 class Phases:

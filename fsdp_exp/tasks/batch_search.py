@@ -42,6 +42,13 @@ The policy:
    bracket, widened when the crossing lies outside it) and the search probes where it is as
    likely above as below. A prediction that noise made a few samples too high then costs
    a split, not a walk down one size at a time.
+6. With the estimate's curve (`Prior`, task=max_batch's max_batch.estimate): until two
+   probes past the flat start show the growth, the curve moved through the largest probe
+   that fit places the next probe at its crossing (and its growth scaled to the probes'
+   once a second probe shows it), instead of steps 3 and the one-probe line of 2. After a
+   miss the next probe is PRIOR_ERROR of the way back; after two, the curve is left.
+   On the simulated families it ends in 3 probes when the curve is off by a constant
+   (the first probe sets its level), in 5 or fewer when its growth is 10% off.
 
 Probe counts, from tests/test_batch_search.py (resolution 1, up to 4096, every answer exact;
 without noise, the worst cases are the same over every 17th boundary up to 4096, and over

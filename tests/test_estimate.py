@@ -184,6 +184,9 @@ def test_task_estimate_end_to_end(sharding, tmp_path):
     for batch in record["batches"]:
         assert sum(batch["breakdown_gb"].values()) == pytest.approx(batch["step_peak_gb"])
     assert record["largest_batch_fitting"] == 8
+    # Past 8 along the line through 2 and 8: where it reaches 64 GB
+    per_sample = (large["limited_gb"] - small["limited_gb"]) / 6
+    assert record["predicted_max_batch"] == int(8 + (64 - large["limited_gb"]) / per_sample)
     shards = {"full": 4, "grad_op": 4, "ddp": 1, "hybrid": 2, "none": 1}
     assert record["shards"] == shards[sharding[0].split("=")[1]]
     assert "predicted peak per rank" in result.stdout

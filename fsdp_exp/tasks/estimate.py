@@ -117,18 +117,15 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
 
 
 def crossing(batches: list, limit_gb: float | None) -> int | None:
-    """Where the line through the two largest sizes' peaks (as the limit counts them)
-    reaches the limit: the boundary the estimate predicts, also between or beyond the sizes
-    asked for."""
+    """Where the estimate's curve (straight between the sizes traced, on past the largest
+    along the last two) reaches the limit: the boundary it predicts, also between or
+    beyond the sizes asked for."""
+    from fsdp_exp.tasks.batch_search import Prior
+
     if limit_gb is None or len(batches) < 2:
         return None
-    a, b = batches[-2], batches[-1]
-    slope = (b.limited_gb - a.limited_gb) / (b.batch_size - a.batch_size)
-    if batches[0].limited_gb > limit_gb:
-        return 0
-    if slope <= 0:
-        return None
-    return max(0, math.floor(b.batch_size + (limit_gb - b.limited_gb) / slope))
+    size = Prior(tuple((b.batch_size, b.limited_gb) for b in batches)).crossing(limit_gb)
+    return None if math.isinf(size) else max(0, math.floor(size))
 
 
 def baseline_or_measured(baseline_gb: float | None, on_gpu: bool, measured_bytes: int) -> float:
@@ -197,7 +194,7 @@ def answer_line(record: dict) -> str:
         line += (f"; largest batch predicted to fit under {limit:g} GB: {fitting}" if fitting
                  else f"; no batch asked for fits under {limit:g} GB")
         if record["predicted_max_batch"] is not None:
-            line += f" (the line through the largest two reaches it at {record['predicted_max_batch']})"
+            line += f" (the estimate's curve reaches it at {record['predicted_max_batch']})"
     elif limit is not None:
         line += "; fits under" if record["batches"][0]["limited_gb"] <= limit else "; does not fit under"
         line += f" memory.limit_gb={limit:g}"

@@ -50,3 +50,49 @@ def report_process(cfg: dict, run_dir: Path) -> dict:
         start["anon_mb_holding"] = anon_mb()
         del held
     return start
+
+
+class BufferedNet:
+    """A classifier with BatchNorm (persistent running stats) and a buffer in no state dict
+    (`persistent=False`, as masks and position tables are), whose values matter."""
+
+    def __new__(cls, width: int = 8, num_classes: int = 10):
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.conv = nn.Conv2d(1, width, 3, stride=4)
+                self.norm = nn.BatchNorm2d(width)
+                self.head = nn.Linear(width, num_classes)
+                self.register_buffer("scale", torch.arange(1.0, width + 1), persistent=False)
+                self.norm.running_mean.fill_(0.5)  # not the default, so a lost value shows
+
+            def forward(self, images: torch.Tensor) -> torch.Tensor:
+                x = self.norm(self.conv(images)).mean((2, 3)) * self.scale
+                return self.head(x)
+
+        return Net()
+
+
+def state_after_build(cfg, run_dir: Path) -> None:
+    """Build the run's model as training does; each rank saves where its buffers are, their
+    values, and the model's full weights."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fsdp_exp.rank import distributed
+    from fsdp_exp.rank.build import build_model_for_training
+    from fsdp_exp.sharding import unwrap
+
+    ranks = distributed.init(str(cfg.device))
+    model, _ = build_model_for_training(cfg, ranks)
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    buffers = {n.replace("_checkpoint_wrapped_module.", ""): b for n, b in unwrap(model).named_buffers()}
+    torch.save({"buffers": {n: b.detach().cpu() for n, b in buffers.items()},
+                "buffer_devices": {n: str(b.device) for n, b in buffers.items()},
+                "param_devices": {n: str(p.to_local().device if hasattr(p, "to_local") else p.device)
+                                  for n, p in unwrap(model).named_parameters()},
+                "weights": weights}, run_dir / f"rank{ranks.rank}.pt")
+    distributed.close()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
@@ -99,16 +100,48 @@ def build_model_for_training(cfg: Experiment, ranks: Ranks,
         model.to(ranks.device)
     model = sharding.apply(model, units, ranks.device, cfg.precision, offload=cfg.offload, mesh=mesh)
     if meta:
-        model.to_empty(device="cpu" if cfg.offload else ranks.device)
-        full_state: dict = {}
+        give_storage(model, params_on=torch.device("cpu") if cfg.offload else ranks.device,
+                     buffers_on=ranks.device)
+        plain = None
         if ranks.is_main:
             torch.manual_seed(cfg.seed)
-            full_state = cfg.model.build()[0].state_dict()
+            plain = cfg.model.build()[0]
         set_model_state_dict(
-            unwrap(model), full_state,
+            unwrap(model), plain.state_dict() if plain is not None else {},
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
         )
+        buffers_from_rank0(unwrap(model), plain)
     return model, fsdp_units
+
+
+def give_storage(model: nn.Module, params_on: torch.device, buffers_on: torch.device) -> None:
+    """Storage for a model built on the meta device: parameters where FSDP keeps its shards
+    (the CPU under offload), buffers where the forward runs. `to_empty` puts both on one
+    device, and FSDP2 moves buffers to the rank's device only inside `fully_shard`: with
+    offload on a GPU, BatchNorm's running stats would stay on the CPU and the first
+    forward would fail on a device mismatch."""
+    model.to_empty(device=params_on)
+    if buffers_on == params_on:
+        return
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.device != buffers_on:
+                module._buffers[name] = buffer.to(buffers_on)
+
+
+def buffers_from_rank0(model: nn.Module, plain: nn.Module | None) -> None:
+    """Every buffer as rank 0's plain build has it. The state dict carries the persistent
+    ones; a buffer registered with `persistent=False` (a mask, a position table) is in no
+    state dict, and `to_empty` leaves it uninitialised memory."""
+    # Activation checkpointing's wrapper adds a level to the names; the plain build has none.
+    own = {name.replace(_CHECKPOINT_PREFIX, ""): b for name, b in model.named_buffers()}
+    source = dict(plain.named_buffers()) if plain is not None else own
+    with torch.no_grad():
+        for name, buffer in own.items():
+            if plain is not None:
+                buffer.copy_(source[name])
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast(buffer, src=0)
 
 
 def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path | None = None) -> Built:

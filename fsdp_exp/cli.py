@@ -100,7 +100,8 @@ def run_function(plans: dict[tuple[str, ...], RunPlan], side_by_side: SideBySide
         plan.exp.startup.update(command=process_started(), imported=IMPORTED, composed=time.time())
         run_dir = Path(hc.runtime.output_dir)
         launcher = plan.launcher
-        if not (sweep and launcher.max_parallel > 1 and str(hc.launcher._target_).endswith(".BasicLauncher")):
+        if plan.task.runs_in_driver or not (sweep and launcher.max_parallel > 1
+                                            and str(hc.launcher._target_).endswith(".BasicLauncher")):
             return run_experiment(plan, run_dir, overrides, choices, group)
         launcher.connect(plan.nproc, launcher.max_parallel)
         shown = [o for o in overrides if o.partition("=")[0] in swept]

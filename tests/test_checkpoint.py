@@ -247,6 +247,37 @@ def test_export_writes_the_plain_model_from_any_checkpoint(tmp_path: Path, refer
         assert all(torch.equal(exported[k], final[k]) for k in final)
 
 
+@pytest.mark.parametrize("launcher", [
+    ["launcher=slurm", "launcher.cluster=local", "launcher.gpus_per_node=1"],
+    ["launcher=ray", "launcher.use_gpu=true", "launcher.address=ray://head:10001"],
+])
+def test_eval_on_a_gpu_cluster_runs_here_on_this_machines_device(tmp_path: Path, launcher: list[str]) -> None:
+    """task=eval runs in the command's own process: typed on a login node without a GPU,
+    it evaluates on that node's CPU, whatever GPUs the launcher would give its ranks."""
+    from safetensors.torch import save_file
+
+    make_dataset(tmp_path / "data", "FashionMNIST", n=32)
+    weights = tmp_path / "model.safetensors"
+    save_file(plain_small_vit().state_dict(), weights)
+    task = [*SMALL_VIT, "data=fashion_mnist", f"data.root={tmp_path / 'data'}", "task=eval",
+            f"task.weights={weights}", *launcher]
+    plan = prepare(compose_checked(task), local_gpus=0)
+    assert (str(plan.exp.device), plan.nproc) == ("cpu", 1)
+    out = tmp_path / "eval"
+    result = run_cli(*task, f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "eval in this process on cpu" in result.stdout + result.stderr
+    assert read_json(out / "summary.json")["eval_samples"] == 32
+
+
+def test_eval_with_device_cuda_on_a_machine_without_a_gpu_says_where_it_runs(tmp_path: Path) -> None:
+    weights = tmp_path / "model.safetensors"
+    weights.touch()
+    with pytest.raises(ConfigError, match="device=cuda: this machine has no GPU; .*task=eval runs on this machine"):
+        prepare(compose_checked([*SMALL_VIT, "task=eval", f"task.weights={weights}", "device=cuda",
+                                 "launcher=slurm", "launcher.cluster=local", "launcher.gpus_per_node=1"]), 0)
+
+
 def test_eval_reports_loss_and_accuracy_on_the_test_split(tmp_path: Path, reference: Path) -> None:
     images, labels = make_dataset(tmp_path / "data", "FashionMNIST", n=96)
     data = ["data=fashion_mnist", f"data.root={tmp_path / 'data'}"]

@@ -59,3 +59,11 @@ def test_without_offload_parameters_and_buffers_share_the_ranks_device() -> None
         model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     give_storage(model, params_on=torch.device("cpu"), buffers_on=torch.device("cpu"))
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
+
+
+def test_the_model_eval_and_export_load_into_computes_buffers_in_no_state_dict() -> None:
+    from fsdp_exp.models import ModelSpec
+    from fsdp_exp.tasks.export import plain_model
+
+    model = plain_model(ModelSpec("tests.rank_tasks.BufferedNet", {}, [], "cpu"))
+    assert torch.equal(model.scale, torch.arange(1.0, 9.0))

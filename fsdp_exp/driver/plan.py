@@ -46,13 +46,18 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     an external torchrun; otherwise the launcher decides.
     """
     exp = config.build(cfg)
-    gpus = exp.launcher.gpus(local_gpus)
+    in_driver = exp.task.runs_in_driver
+    # task=eval and export run here, whatever the launcher: on a login node, on its CPU.
+    gpus = local_gpus if in_driver else exp.launcher.gpus(local_gpus)
     if exp.device == Device.cuda and gpus == 0:
-        hint = "; task=estimate estimates for a GPU from any machine with task.device=cuda" \
-            if not exp.task.starts_ranks else ""
+        hint = ("; task=estimate estimates for a GPU from any machine with task.device=cuda" if not exp.task.starts_ranks
+                else f"; task={type(exp.task).__name__.lower()} runs on this machine, not on the launcher's"
+                if in_driver else "")
         raise ConfigError(f"device=cuda: this machine has no GPU; use device=auto or device=cpu{hint}")
     on_gpu = exp.device == Device.cuda or (exp.device == Device.auto and gpus > 0)
     exp.device = Device.cuda if on_gpu else Device.cpu
+    if in_driver:
+        return prepare_in_driver(exp)
     world = world_size or exp.launcher.world_size(gpus if on_gpu else 0)
     if not exp.task.starts_ranks:  # task=estimate: for any world size, on another machine
         world = exp.task.world(world)
@@ -75,3 +80,14 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
         exp.train = replace(exp.train, batch_size=exp.train.batch_size * world)
     exp.wandb = exp.wandb.resolved()
     return RunPlan(exp, nproc)
+
+
+def prepare_in_driver(exp: Experiment) -> RunPlan:
+    """A task that runs in this process (eval, export) starts no ranks: the launcher and the
+    sharding are not used, so only the model, the data and the task are checked."""
+    model = check_model(exp.model)
+    check_model_reads_data(exp.model, model.module, exp.data)
+    exp.checkpoint.check()
+    exp.task.check(exp)
+    exp.wandb = exp.wandb.resolved()
+    return RunPlan(exp, 1)

@@ -38,6 +38,7 @@ class Estimate:
     baseline_gb: float | None = None  # the runtime's own memory beside the tensors; null: measured (CPU), 0.5 (GPU)
 
     starts_ranks: ClassVar[bool] = False  # the device and memory checks of this machine do not apply
+    runs_in_driver: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.world_size is not None:

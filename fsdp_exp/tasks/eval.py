@@ -27,6 +27,7 @@ log = logging.getLogger("fsdp_exp")
 @dataclass
 class Eval:
     starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
+    runs_in_driver: ClassVar[bool] = True  # in the command's own process, on this machine's device: no launcher
 
     weights: str | None = None  # model.safetensors, model.pt, a DCP step_* directory or a checkpoint.dir
     batch_size: int = 256
@@ -51,8 +52,10 @@ class Eval:
 
     @torch.no_grad()
     def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
-        """In this process, on the first GPU when there is one."""
+        """In this process, on this machine's first GPU when it has one (the plan decided
+        exp.device from this machine, not from the launcher's nodes)."""
         device = torch.device("cuda", 0) if exp.device == "cuda" else torch.device("cpu")
+        log.info("eval in this process on %s", device)
         model = plain_model(exp.model)
         load_weights(model, Path(self.weights).expanduser(), "task.weights")
         model.to(device).eval()

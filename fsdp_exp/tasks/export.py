@@ -22,15 +22,20 @@ log = logging.getLogger("fsdp_exp")
 
 def plain_model(spec: ModelSpec) -> torch.nn.Module:
     """The model without sharding, on CPU, with storage but no initialisation (the
-    weights come from a file next)."""
+    weights come from a file next). A model with a buffer in no state dict (a mask, a
+    position table), which only its build computes, is built for real."""
     with torch.device("meta"):
         model, _ = spec.build()
+    if any(module._buffers[name] is not None and module._buffers[name].device.type == "meta"
+           for module in model.modules() for name in module._non_persistent_buffers_set):
+        return spec.build()[0]
     return model.to_empty(device="cpu")
 
 
 @dataclass
 class Export:
     starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
+    runs_in_driver: ClassVar[bool] = True  # in the command's own process, on this machine's device: no launcher
 
     checkpoint: str | None = None  # a step_* directory, or a checkpoint.dir (its latest)
     format: str = "safetensors"  # safetensors -> model.safetensors | pt -> model.pt

@@ -81,6 +81,7 @@ class MaxBatchSettings:
 @dataclass
 class MaxBatch:
     starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
+    runs_in_driver: ClassVar[bool] = False
 
     def check(self, exp: Experiment) -> None:
         """Refuse what the search cannot do, before any probe starts."""

@@ -33,6 +33,7 @@ log = logging.getLogger("fsdp_exp")
 @dataclass
 class Train:
     starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
+    runs_in_driver: ClassVar[bool] = False
 
     def check(self, exp: Experiment) -> None:
         """The checkpoint to resume from, when one is named, must be usable."""

@@ -103,7 +103,8 @@ class MemoryProfile(NoProfile):
         except AssertionError as err:  # torch's categorising pass can trip on in-place ops
             trace = self.run_dir / f"trace_rank{self.rank}.json"
             self.profiler.export_chrome_trace(str(trace))
-            write_allocation_timeline(trace, timeline, self.rank, reason=str(err).splitlines()[0][:120])
+            write_allocation_timeline(trace, timeline, self.rank, reason=str(err).splitlines()[0][:120],
+                                      device=self.device)
         dump_cuda_snapshot(self.run_dir / f"memory_snapshot_rank{self.rank}.pickle", self.device)
         if self.stops_history:
             stop_allocation_history(self.device)
@@ -122,8 +123,11 @@ def dump_cuda_snapshot(path: Path, device: torch.device) -> None:
         log.warning("no memory snapshot at %s: %s: %s", path, type(err).__name__, str(err).splitlines()[0][:200])
 
 
-def write_allocation_timeline(trace: Path, html: Path, rank: int, reason: str) -> None:
-    """An HTML plot of total allocated memory over time, from the trace's [memory] events."""
+def write_allocation_timeline(trace: Path, html: Path, rank: int, reason: str,
+                              device: torch.device = torch.device("cpu")) -> None:
+    """An HTML plot of total allocated memory over time, from the trace's [memory] events
+    of `device` alone: each event carries the running total of its own device (the host's
+    and each GPU's), so a GPU rank's trace mixes two curves."""
     import base64
     import io
     import json
@@ -133,8 +137,11 @@ def write_allocation_timeline(trace: Path, html: Path, rank: int, reason: str) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    device_type = 1 if device.type == "cuda" else 0  # the trace's "Device Type": 0 the CPU, 1 CUDA
+    device_id = (device.index or 0) if device.type == "cuda" else -1
     events = [e for e in json.loads(trace.read_text()).get("traceEvents", [])
-              if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+              if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})
+              and e["args"].get("Device Type", 0) == device_type and e["args"].get("Device Id", device_id) == device_id]
     events.sort(key=lambda e: e["ts"])
     start = events[0]["ts"] if events else 0
     fig, ax = plt.subplots(figsize=(10, 4))

@@ -253,3 +253,30 @@ def test_allocation_timeline_from_a_real_trace(tmp_path: Path) -> None:
     html = (tmp_path / "t.html").read_text()
     assert "allocator events" in html and "why" in html and "data:image/png;base64," in html
     assert " 0 allocator events" not in html
+
+
+def test_a_gpu_ranks_allocation_timeline_plots_its_gpus_events_alone(tmp_path: Path) -> None:
+    """Each [memory] event carries the running total of its own device; a GPU rank's trace
+    holds the host's events beside the GPU's. The events here are a real CPU trace's,
+    with a GPU's events written in as the CUDA profiler writes them."""
+    import json
+    import re
+
+    from fsdp_exp.profile import write_allocation_timeline
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.randn(256, 256)
+        del a
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    host = [e for e in trace["traceEvents"] if e.get("name") == "[memory]"]
+    assert host and all(e["args"]["Device Type"] == 0 for e in host)
+    gpu = [{**e, "args": {**e["args"], "Device Type": 1, "Device Id": 1, "Total Allocated": 2**30}} for e in host]
+    trace["traceEvents"] += gpu
+    (tmp_path / "trace.json").write_text(json.dumps(trace))
+    counts = {}
+    for device in ("cpu", "cuda:1", "cuda:0"):
+        write_allocation_timeline(tmp_path / "trace.json", tmp_path / "t.html", rank=0, reason="why",
+                                  device=torch.device(device))
+        counts[device] = int(re.search(r"from (\d+) allocator events", (tmp_path / "t.html").read_text()).group(1))
+    assert counts == {"cpu": len(host), "cuda:1": len(host), "cuda:0": 0}

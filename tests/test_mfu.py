@@ -183,3 +183,40 @@ def test_the_readme_prints_the_peak_table() -> None:
         figures = " | ".join("-" if v is None else f"{v:g}" for v in (peak.bf16, peak.tf32, peak.fp32))
         names = ", ".join(f"`{name}`" for name in peak.device_names)
         assert f"| {peak.entry} | {names} | {figures} | {peak.source} |" in readme
+
+
+GPU_ATTENTION = ["_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"]
+
+
+@pytest.mark.parametrize("name", GPU_ATTENTION)
+def test_the_gpu_attention_kernels_are_counted_by_a_formula_that_takes_grouped_query_shapes(name: str) -> None:
+    """Torch's own formula asserted equal head counts for query, key and value before torch
+    2.13, so on 2.11 a grouped-query model (transformers passes `enable_gqa` with fewer key
+    and value heads) failed its first step inside the counter. Ours count as many heads as
+    the query has; on equal heads they agree with torch 2.14's."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from fsdp_exp.metrics.flops import ATTENTION_FORMULAS
+
+    forward, backward = (ATTENTION_FORMULAS[getattr(torch.ops.aten, name + s)] for s in ("", "_backward"))
+    q, kv = (2, 8, 64, 32), (2, 2, 64, 32)
+    assert forward(q, kv, kv) == sdpa_flop_count(q, q, q)
+    assert backward(q, q, kv, kv) == sdpa_backward_flop_count(q, q, q, q)
+
+
+def test_flash_attns_own_kernels_are_named_uncounted() -> None:
+    """flash-attn registers its kernels as `flash_attn::_flash_attn_forward`; a name without
+    "attention" must still mark the count as missing attention, so MFU takes 6N."""
+    from fsdp_exp.metrics.flops import counting_flops
+
+    @torch.library.custom_op("flash_attn::_flash_attn_forward", mutates_args=())
+    def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    model = torch.nn.Linear(8, 8)
+    x = torch.randn(1, 2, 4, 8)
+    with counting_flops(model) as count:
+        y = model(x)
+        flash(y, y, y).sum()
+    assert count.step.uncounted == ["flash_attn._flash_attn_forward"]

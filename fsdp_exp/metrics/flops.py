@@ -117,13 +117,17 @@ def _attention_backward_flops(grad_out: tuple, query: tuple, key: tuple, value: 
 
 
 # FlopCounterMode counts the GPU kernels of scaled_dot_product_attention but not the
-# CPU one (torch 2.14), which would leave attention out of every CPU figure.
-# These are the formulas torch uses for the GPU kernels (sdpa_flop, sdpa_backward_flop).
+# CPU one (torch 2.14), which would leave attention out of every CPU figure. The GPU
+# kernels get ours too: torch's own formula (sdpa_flop_count) asserted equal head counts
+# for query, key and value until torch 2.13, so a grouped-query model (Llama, Qwen, with
+# transformers' `enable_gqa`) in bf16 failed its first step inside the counter on 2.11.
+# Each kernel takes query, key, value first (grad_out before them in backward).
 ATTENTION_FORMULAS = {
-    getattr(torch.ops.aten, name): formula
-    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _attention_flops),
-                          ("_scaled_dot_product_flash_attention_for_cpu_backward", _attention_backward_flops))
-    if hasattr(torch.ops.aten, name)
+    getattr(torch.ops.aten, name + suffix): formula
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    for suffix, formula in (("", _attention_flops), ("_backward", _attention_backward_flops))
+    if hasattr(torch.ops.aten, name + suffix)
 }
 
 
@@ -147,7 +151,8 @@ class _UncountedAttention(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         packet = func._overloadpacket
-        if "attention" in packet.__name__ and packet not in self.formulas:
+        # flash-attn's own ops are `flash_attn::_flash_attn_forward` / `_backward`.
+        if ("attention" in packet.__name__ or "flash_attn" in str(packet)) and packet not in self.formulas:
             self.ops.add(str(packet))
         return func(*args, **(kwargs or {}))
 

@@ -296,3 +296,27 @@ def test_pretrained_gpt2_built_on_meta_takes_rank0s_weights(gpt2_dir: Path, tmp_
     gpt2 = ["model=hf_dir", f"model.path={gpt2_dir}", "model.pretrained=true"]
     assert_same(train(tmp_path / "meta", *gpt2, "sharding=full", "model.init_device=meta"),
                 train(tmp_path / "none", *gpt2, "sharding=none"))
+
+
+GPU_CLUSTER = ["launcher=ray", "launcher.use_gpu=true", "launcher.address=ray://head:10001"]
+
+
+def test_flash_attention_is_checked_on_a_driver_without_a_gpu() -> None:
+    """Typed on a login node: the driver checks the model's shapes on the meta device, where
+    transformers refuses flash-attn without a GPU; the ranks, on GPUs, build with it."""
+    base = ["model=hf", "data=synthetic_tokens", "model.attn_implementation=flash_attention_2"]
+    plan = prepare(compose_config([*base, *GPU_CLUSTER, "precision=bf16"]), local_gpus=0)
+    assert str(plan.exp.device) == "cuda" and plan.exp.model.kwargs["attn_implementation"] == "flash_attention_2"
+
+
+@pytest.mark.parametrize(("overrides", "error"), [
+    (["precision=fp32", *GPU_CLUSTER],
+     "model.attn_implementation=flash_attention_2: flash-attn computes in fp16 or bf16 only; use precision=bf16"),
+    (["precision=bf16", "device=cpu"],
+     "model.attn_implementation=flash_attention_2: flash-attn runs on CUDA GPUs only; this run's device is cpu"),
+])
+def test_flash_attention_where_it_cannot_run_is_one_line(overrides: list[str], error: str) -> None:
+    cfg = compose_config(["model=hf", "data=synthetic_tokens", "model.attn_implementation=flash_attention_2",
+                          *overrides])
+    with pytest.raises(ConfigError, match=error):
+        prepare(cfg, local_gpus=0)

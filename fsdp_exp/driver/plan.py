@@ -20,6 +20,7 @@ from fsdp_exp.config import Device, Experiment
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.memory import check_limit
 from fsdp_exp.models.contract import check_model, check_model_reads_data
+from fsdp_exp.models.hf import needs_gpu
 
 
 @dataclass
@@ -68,6 +69,7 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
         raise ConfigError("model.init_device=meta: needs sharding=full, grad_op or hybrid to shard the model")
     if exp.train.compile:
         check_compile(exp.device)
+    check_attention(exp)
     exp.profile.check(exp.train.steps)
     nproc = world if exp.sharding.distributed else 1
     if exp.launcher.runs_here:  # on a cluster, the data's files and the memory are the cluster's
@@ -91,3 +93,18 @@ def prepare_in_driver(exp: Experiment) -> RunPlan:
     exp.task.check(exp)
     exp.wandb = exp.wandb.resolved()
     return RunPlan(exp, 1)
+
+
+def check_attention(exp: Experiment) -> None:
+    """flash-attn runs on a GPU in fp16 or bf16 only: refused before the ranks start, not
+    at their first forward."""
+    attention = exp.model.kwargs.get("attn_implementation")
+    if not needs_gpu(attention):
+        return
+    key = f"model.attn_implementation={attention}"
+    if exp.device != Device.cuda and exp.task.starts_ranks:
+        raise ConfigError(f"{key}: flash-attn runs on CUDA GPUs only; this run's device is {exp.device.value} "
+                          "(use model.attn_implementation=sdpa)")
+    if exp.precision.param_dtype == "float32":
+        raise ConfigError(f"{key}: flash-attn computes in fp16 or bf16 only; use precision=bf16 "
+                          "(or model.attn_implementation=sdpa for fp32)")

@@ -97,15 +97,23 @@ def build_hf(config: Mapping[str, Any] | None = None, path: str | None = None, p
     transformers = _transformers()
     hf_config = load_config(config, path, pretrained)
     options: dict[str, Any] = {_dtype_argument(transformers.__version__): torch.float32}
-    if attn_implementation:
+    on_meta = torch.get_default_device().type == "meta"
+    if attn_implementation and not (on_meta and needs_gpu(attn_implementation) and not torch.cuda.is_available()):
+        # (transformers refuses flash-attn where no GPU is: a driver on a login node
+        # checks the model's shapes on the meta device, which any attention gives)
         options["attn_implementation"] = attn_implementation
     auto = transformers.AutoModelForCausalLM
-    if torch.get_default_device().type == "meta":
+    if on_meta:
         with _parameters_on_meta():
             return CausalLM(auto.from_config(hf_config, **options))
     if pretrained:
         return CausalLM(auto.from_pretrained(_source(path), config=hf_config, **options))
     return CausalLM(auto.from_config(hf_config, **options))
+
+
+def needs_gpu(attn_implementation: str | None) -> bool:
+    """flash-attn's kernels (flash_attention_2, _3) run on CUDA only, in fp16 or bf16."""
+    return str(attn_implementation or "").startswith("flash_attention")
 
 
 def load_config(config: Mapping[str, Any] | None, path: str | None, pretrained: bool = False) -> Any:

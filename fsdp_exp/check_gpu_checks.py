@@ -105,7 +105,7 @@ def checks(setup: Setup) -> list[Check]:
         *(Check(f"parity: {s} = none", ("none", s), lambda ref, run: parity(ref, run, tol))
           for s in ("full", "grad_op", "ddp")),
         Check("bf16 + offload trains", ("bf16_offload",), trains),
-        Check("fp16 + offload trains", ("fp16_offload",), trains),
+        Check("fp16 + offload trains on every GPU", ("fp16_offload",), lambda run: trains_on_every_gpu(run, setup.ranks)),
         Check("DCP save and resume", ("full", "first_half", "resumed"), lambda a, b, c: resumes(a, b, c, tol)),
         Check("MFU and FLOPs", ("gpt",), mfu),
         Check("peak under memory.limit_gb", ("under_limit",), lambda run: under_limit(run, setup.limit_gb)),
@@ -184,6 +184,19 @@ def trains(run: RunResult) -> tuple[bool, str]:
             return False, f"{detail}; no usable loss scale recorded ({scale[-1:] or 'none'})"
         detail += f"; loss scale {scale[-1]:g}"
     return last < first, detail if last < first else f"did not learn: {detail}"
+
+
+def trains_on_every_gpu(run: RunResult, gpus: int) -> tuple[bool, str]:
+    """fp16 + offload as `trains`, on every GPU the check sees. With offload the gradients
+    sit on the CPU, and the loss scaler agrees on inf/NaN across ranks: a collective that
+    one rank skips, so only a run on 2 or more GPUs shows that it works."""
+    passed, detail = trains(run)
+    ranks = (run.summary or {}).get("world_size")
+    if passed and gpus >= 2 and ranks != gpus:
+        return False, f"ran on {ranks} rank(s), not the {gpus} GPUs visible: {detail}"
+    if passed and ranks == 1:
+        detail += " (1 rank: the ranks' agreement on inf/NaN needs 2 GPUs)"
+    return passed, detail
 
 
 def resumes(uninterrupted: RunResult, first_half: RunResult, resumed: RunResult, tolerance: float) -> tuple[bool, str]:

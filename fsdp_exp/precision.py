@@ -69,7 +69,12 @@ class Precision:
 
     def grad_scaler(self, device_type: str) -> ShardedGradScaler | None:
         """Dynamic loss scaling for fp16. The sharded scaler agrees on inf/nan across
-        ranks, so every rank skips the same steps and the shards stay consistent."""
+        ranks, so every rank skips the same steps and the shards stay consistent.
+
+        `device_type` must be the rank's own: with offload the gradients are on the CPU,
+        and a scaler made for "cuda" moves their inf/nan flag to the GPU before that
+        all-reduce (ShardedGradScaler.unscale_), which an NCCL-only group needs. A scaler
+        made for "cpu" would all-reduce the CPU flag, which NCCL cannot."""
         if not self.loss_scaling:
             return None
         return ShardedGradScaler(device=device_type, init_scale=self.initial_scale)

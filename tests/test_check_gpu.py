@@ -35,6 +35,7 @@ from fsdp_exp.check_gpu_checks import (
     runs,
     setup_for,
     trains,
+    trains_on_every_gpu,
     under_limit,
 )
 from fsdp_exp.cli import compose_config
@@ -147,6 +148,18 @@ def test_mixed_precision_trains_when_its_losses_are_finite_and_fall() -> None:
     assert not trains(result(**fp16, records=[{**r, "loss_scale": math.inf} for r in scaled]))[0]
     assert trains(result(losses={1: 2.3, 2: math.nan}))[1].startswith("a loss is not finite")
     assert trains(result(losses={1: 2.3, 2: 2.5})) == (False, "did not learn: loss 2.3000 at step 1, 2.5000 at step 2")
+
+
+def test_fp16_offload_passes_only_on_every_visible_gpu_and_one_gpu_says_it_cannot_show_the_agreement() -> None:
+    fp16 = {"choices": {"precision": "fp16"},
+            "records": [{"step": s, "loss": v, "loss_scale": 65536.0} for s, v in LOSSES.items()]}
+    assert trains_on_every_gpu(result(**fp16), GPU.ranks) == (
+        True, "loss 2.3000 at step 1, 1.4000 at step 6; loss scale 65536")
+    passed, detail = trains_on_every_gpu(result(**fp16, world_size=1), GPU.ranks)
+    assert not passed and detail.startswith("ran on 1 rank(s), not the 2 GPUs visible: loss 2.3000")
+    passed, detail = trains_on_every_gpu(result(**fp16, world_size=1), ONE_GPU.ranks)
+    assert passed and detail.endswith("(1 rank: the ranks' agreement on inf/NaN needs 2 GPUs)")
+    assert not trains_on_every_gpu(result(**fp16, losses={1: 2.3, 2: 2.5}), GPU.ranks)[0]
 
 
 def test_a_resume_matches_the_uninterrupted_run_after_the_checkpoint() -> None:

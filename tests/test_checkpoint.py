@@ -212,6 +212,44 @@ def test_an_async_save_first_waits_for_the_one_in_flight(tmp_path: Path) -> None
     assert lines == ["saved 1 None", "saved 2 step_00000001", "closed step_00000002"], lines
 
 
+# A CPU rank's checkpoint=dcp_async_pinned: which stager it built, and whether it stages in
+# the background. DefaultStager (torch/distributed/checkpoint/staging.py, __init__) takes a
+# torch.Stream exactly when it stages asynchronously itself and torch.accelerator.is_available():
+# on a GPU machine, a CPU rank would open a CUDA context on GPU 0.
+CPU_STAGING = """
+import os, sys, torch
+from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=sys.argv[2])
+from fsdp_exp.rank import distributed
+from fsdp_exp.checkpoint import DCPCheckpoint, TrainState
+from fsdp_exp.checkpoint.files import latest
+ranks = distributed.init("cpu")
+model = nn.Linear(64, 64)
+optimizer = torch.optim.AdamW(model.parameters())
+checkpoint = DCPCheckpoint(mode="async_pinned", every=1, keep=None, dir=sys.argv[1])
+checkpoint.attach(TrainState(model, optimizer, ranks, {"_target_": "linear"}))
+stager = checkpoint._stager
+parts = [stager, *vars(stager).values()]
+print("would take a stream:", any(isinstance(p, DefaultStager) and p._config.use_async_staging for p in parts))
+checkpoint.save(1)
+print("staging in the background:", checkpoint._staging is not None)
+checkpoint.close()
+print("saved:", latest(checkpoint.root).name, flush=True)
+"""
+
+
+def test_a_cpu_rank_stages_pinned_saves_in_the_background_without_a_device_stream(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run([sys.executable, "-c", CPU_STAGING, str(tmp_path / "checkpoints"), str(port)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["would take a stream: False", "staging in the background: True",
+                                          "saved: step_00000001"], result.stdout
+
+
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_the_latest(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     saver = two_saves(root, "sync")

@@ -6,7 +6,7 @@
 - dcp_async_pinned: the same, through one persistent staging buffer that is reused by
   every save. On GPU it is pinned memory, copied without blocking, and training waits
   for the copy only before the next optimizer step changes the weights. Without a GPU the
-  buffer is plain memory (there is nothing to pin for).
+  buffer is plain memory (there is nothing to pin for), copied on a thread of our own.
 
 At most one save is in flight: a new save first waits for the previous one.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from fsdp_exp.checkpoint.files import mark_latest, prune, step_name
 from fsdp_exp.checkpoint.state import TrainState
@@ -77,7 +77,7 @@ class DCPCheckpoint:
         self.root = Path(self.dir)
         self._pending: tuple[int, Future] | None = None
         self._staging: Future | None = None
-        self._stager: DefaultStager | None = None
+        self._stager: AsyncStager | None = None
         self._group: Any = None
         if self.mode == "sync":
             return
@@ -88,10 +88,7 @@ class DCPCheckpoint:
             on_gpu = state.ranks.device.type == "cuda"
             if not on_gpu and state.ranks.is_main:
                 log.info("checkpoint=dcp_async_pinned: no GPU, so the staging buffer is plain CPU memory, not pinned")
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=on_gpu, use_shared_memory=False,
-                use_async_staging=True, use_non_blocking_copy=on_gpu,
-            ))
+            self._stager = staging_for(state.ranks.device)
 
     def before_update(self) -> None:
         """Before the optimizer changes the weights: the staging copy must be complete."""
@@ -157,3 +154,41 @@ class DCPCheckpoint:
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
+
+
+def staging_for(device: torch.device) -> AsyncStager:
+    """The stager of checkpoint=dcp_async_pinned: one reused buffer, filled in the background.
+
+    On a GPU, torch's DefaultStager copies into pinned memory on a stream of its own. That
+    stager takes a stream whenever any accelerator is present (`torch.Stream()`, on GPU 0),
+    even for a rank that runs on the CPU of a GPU machine: a CUDA context per rank. So a CPU
+    rank stages through DefaultStager's synchronous path, on a thread of its own.
+    """
+    if device.type == "cuda":
+        return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                            use_async_staging=True, use_non_blocking_copy=True))
+    return CPUStager()
+
+
+class CPUStager(AsyncStager):
+    """Stages into one reused CPU buffer on a background thread, with no device stream."""
+
+    _synchronize_after_execute = False  # the training waits on the staging Future itself
+
+    def __init__(self) -> None:
+        self._copy = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                  use_async_staging=False, use_non_blocking_copy=False))
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-staging")
+        self._staging: Future | None = None
+
+    def stage(self, state_dict: dict) -> Future:
+        self._staging = self._thread.submit(self._copy.stage, state_dict)
+        return self._staging
+
+    def synchronize_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.result()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self._copy.close()

@@ -351,7 +351,7 @@ def test_on_a_gpu_a_probe_that_trained_fits_though_its_reserved_peak_is_at_the_c
     assert record["memory_model"]["slope_gb_per_sample"] == pytest.approx(0.01)
     assert record["alloc_retries"] > 0  # said in the answer line
     assert record["peak_under_limit_gb"] == pytest.approx(CappedGpu.CAP_GB - 0.003)  # reserved: what the cap limits
-    assert len(gpu.batches) <= 16, gpu.batches
+    assert len(gpu.batches) <= 13, gpu.batches  # bisection near the end: the allocated line runs past the OOM
 
 
 # ---- the data bounds the answer ----------------------------------------------------------------

@@ -44,7 +44,9 @@ The policy:
    taken to lie around the line's crossing with that spread (normal, truncated to the
    bracket, widened when the crossing lies outside it) and the search probes where it is as
    likely above as below. A prediction that noise made a few samples too high then costs
-   a split, not a walk down one size at a time.
+   a split, not a walk down one size at a time. When the size that failed lies below the
+   crossing by more than that spread, the line is off, not noisy (on GPU, where the line is
+   the allocated peak's, fragmentation runs out before it meets the limit): the search bisects.
 6. With the estimate's curve (`Prior`, task=max_batch's max_batch.estimate): until two
    probes past the flat start show the growth, the curve moved through the largest probe
    that fit places the next probe at its crossing (and its growth scaled to the probes'
@@ -419,7 +421,10 @@ class BatchSearch:
             # The residuals of a few points understate their scatter, by 1 + 1/(degrees of freedom) here.
             scatter = max(line.scatter_gb * (1 + 1 / (line.points - 2)), self.noise_gb / 2, SPLIT_NOISE * points[-1][1])
             noise = line.uncertainty(crossing, scatter)
-            if top - lo <= NEAR_THE_END * max(noise, r):
+            # A size that failed though the line puts it under the limit by more than its noise
+            # says something other than the line runs out first (on GPU, fragmentation: the
+            # line is the allocated peak's): bisect, rather than split by a line that is off.
+            if top - lo <= NEAR_THE_END * max(noise, r) and crossing - top <= max(noise, r):
                 spread = max(noise, r / 2, 2 * (crossing - top), 2 * (lo - crossing))
                 return self._splitting(lo, top, crossing, spread * 2 ** misses) or bisect
         if hi is not None and below >= top:  # the line says the size that failed fits

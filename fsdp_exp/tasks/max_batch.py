@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -172,6 +172,7 @@ class Sweep:
         if self.estimated is None and self.cfg.max_batch.estimate and any(o.fits for o in self.outcomes()):
             # After the first probe: nothing to place when it does not fit, and the limit is known.
             estimate_cfg = probe_config(self.cfg, self.cfg.max_batch.resolution, self.steps, self.nproc)
+            estimate_cfg.max_batch = replace(estimate_cfg.max_batch, search_up_to=self.up_to())  # traced no further
             self.estimated = estimate_curve(estimate_cfg, self.nproc, self.limit_gb)
             self.save(None)
         return self.search().next_size(self.outcomes())

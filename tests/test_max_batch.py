@@ -413,3 +413,17 @@ def test_a_model_that_cannot_train_at_batch_1_is_searched_from_the_first_size_th
     assert [p["batch_size"] for p in record["too_small_to_train"]] == [1]
     assert "batch 1 did not train, not for lack of memory (" in result.stdout
     assert "so the search started at 2" in result.stdout
+
+
+def test_a_resolution_above_each_ranks_share_of_the_data_is_one_line_before_any_probe(tmp_path: Path) -> None:
+    from fsdp_exp.errors import ConfigError
+
+    make_dataset(tmp_path / "data", "FashionMNIST", n=7)  # 3 a rank on 2 ranks; the seventh is left over
+    plan = prepare(compose_checked(["task=max_batch", LIMIT, *SMALL_VIT, "data=fashion_mnist",
+                                    f"data.root={tmp_path / 'data'}", "max_batch.resolution=4"]), 0)
+    assert plan.exp.data.share_per_rank(2) == 3
+    with pytest.raises(ConfigError) as err:
+        Sweep(plan.exp, tmp_path / "search", plan.launcher, 2)
+    assert str(err.value) == ("max_batch.resolution=4: larger than each rank's share of the data (3 samples on each "
+                              "of 2 ranks); lower it or use more data")
+    assert not (tmp_path / "search").exists()

@@ -208,6 +208,10 @@ class Sweep:
                              "apart", size, SPACING)
             if size is None:
                 break
+            small = self.too_small()
+            if small and len(small) == len([p for p in self.probes if not p.killed]):
+                log.info("batch %d failed for a reason other than memory; trying %d, in case it is too small to "
+                         "train (as BatchNorm is with one value per channel)", small[-1].batch_size, size)
             probe = self.probe(size, for_fastest=for_fastest)
             if probe.killed:  # stopped from outside: the batch may well fit; try it once more
                 log.warning("batch %d was killed from outside; trying it once more", size)

@@ -133,7 +133,7 @@ class Outcome:
     fits: bool
     peak_gb: float | None = None  # the largest peak over the ranks, as the search judges it
     held_gb: float | None = None  # held between steps: parameters and optimizer state
-    failed_otherwise: bool = False  # did not train, for a reason other than memory (or a timeout)
+    failed_otherwise: bool = False  # did not train, for a reason other than memory or a timeout
 
 
 def too_small(outcomes: Sequence[Outcome]) -> list[Outcome]:

@@ -85,3 +85,40 @@ def test_the_answer_line_when_none_fits():
     none = record(max_batch_size=0, resolution=1, smallest_batch_needs_gb=3.6512, fastest_batch_size=None)
     assert answer_line(none, 3.0) == ("max batch: none fits under memory.limit_gb=3: batch 1 needs 3.65 GB per rank; "
                                       "7 probes, 91 s of probing")
+
+
+def test_a_probe_that_failed_otherwise_above_the_boundary_is_named_with_its_reason_not_memory():
+    refused = {"batch_size": 656, "status": "failed",
+               "reason": "rank 0 failed: ConfigError: train.batch_size=656: larger than this rank's share of the data "
+                         "(652 samples); lower it or use more data"}
+    line = answer_line(record(bounded_by="failed", probes=[refused]), LIMIT)
+    assert line.startswith("max batch: 652 per rank on 2 rank(s) (656 did not train, not for lack of memory: "
+                           "rank 0 failed: ConfigError: train.batch_size=656: larger than this rank's share")
+    assert "failed under" not in line and "out of memory" not in line
+
+
+def test_an_answer_bounded_by_the_data_says_so_and_how_much_memory_was_left():
+    line = answer_line(record(max_batch_size=256, bounded_by="data", data_share_per_rank=256, limit_gb=1.5,
+                              peak_under_limit_gb=0.7), 1.5)
+    assert line.startswith("max batch: 256 per rank on 2 rank(s), bounded by the data (256 samples a rank); "
+                           "0.8 GB of 1.5 left; peak 0.700 GB as the limit counts it")
+    assert "failed" not in line and "memory.limit_gb" not in line
+
+
+def test_sizes_too_small_to_train_are_named_as_such_not_as_out_of_memory():
+    small = [{"batch_size": 1, "reason": "rank 0 failed: ValueError: Expected more than 1 value per channel when "
+                                         "training, got input size torch.Size([1, 8, 1, 1])"}]
+    line = answer_line(record(too_small_to_train=small, searched_from=2), LIMIT)
+    assert ("; batch 1 did not train, not for lack of memory (rank 0 failed: ValueError: Expected more than 1 value "
+            "per channel when training, got input size torch.Size([1, 8, 1, 1])), so the search started at 2; "
+            "7 probes") in line
+    none = answer_line(record(max_batch_size=0, smallest_batch_needs_gb=0.7, too_small_to_train=small,
+                              searched_from=2), LIMIT)
+    assert none.startswith("max batch: none fits under memory.limit_gb=0.6: batch 2 needs 0.70 GB per rank; "
+                           "batch 1 did not train, not for lack of memory")
+
+
+def test_allocator_retries_at_the_answer_are_said():
+    line = answer_line(record(alloc_retries=3.0), LIMIT)
+    assert "; at 652 the allocator freed its cache to allocate 3 time(s), which slows a step;" in line
+    assert "allocator" not in answer_line(record(alloc_retries=0.0), LIMIT)

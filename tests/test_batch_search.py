@@ -27,6 +27,7 @@ from fsdp_exp.tasks.batch_search import (
     Prior,
     fit_memory,
     recommended_size,
+    too_small,
 )
 
 LIMIT_GB = 3.0
@@ -486,3 +487,36 @@ def test_peaks_that_move_between_runs_with_the_estimate(shape):
                 assert hi == lo + 1 and lo > 64, sizes(outcomes)
                 found.append(len(outcomes))
         assert sum(counts) / 60 < sum(without) / 60 - 0.5, (slope_off, sum(counts) / 60, sum(without) / 60)
+
+
+# --- sizes too small to train (BatchNorm at batch 1) ---
+
+
+def test_a_first_size_that_fails_otherwise_is_doubled_and_the_search_starts_from_the_first_that_trains():
+    """Batch 1 fails for a reason other than memory (BatchNorm's "Expected more than 1 value
+    per channel when training"): the search tries 2, starts from it, and the answer is the
+    exact boundary, with batch 1 left out of the bracket and the line."""
+    curve = linear(100)
+    finder, outcomes = BatchSearch(LIMIT_GB), [Outcome(1, False, failed_otherwise=True)]
+    assert finder.next_size(outcomes) == 2
+    while (size := finder.next_size(outcomes)) is not None:
+        peak = curve(size)
+        outcomes.append(Outcome(size, peak <= LIMIT_GB, peak if peak <= LIMIT_GB else None))
+        assert len(outcomes) <= 12, sizes(outcomes)
+    assert finder.bracket(outcomes) == (true_boundary(curve), true_boundary(curve) + 1), sizes(outcomes)
+    assert [o.batch_size for o in too_small(outcomes)] == [1]
+    assert fit_memory(outcomes).slope_gb_per_sample == pytest.approx((LIMIT_GB - BASE_GB) / 100.5)
+
+
+def test_doubling_a_size_too_small_to_train_stops_after_a_few_and_at_the_first_oom():
+    finder = BatchSearch(LIMIT_GB, resolution=2)
+    failed = [Outcome(2, False, failed_otherwise=True), Outcome(4, False, failed_otherwise=True),
+              Outcome(8, False, failed_otherwise=True)]
+    assert finder.next_size(failed) == 16
+    assert finder.next_size([*failed, Outcome(16, False, failed_otherwise=True)]) is None  # it is no size at all
+    assert finder.next_size([failed[0], Outcome(4, False)]) is None  # 4 ran out of memory: none fits
+    assert finder.bracket([failed[0], Outcome(4, False)]) == (0, 4)
+    assert BatchSearch(LIMIT_GB, up_to=4).next_size(failed[:2]) is None  # never past up_to
+    # A failure other than memory above a size that trained bounds the search as before.
+    assert finder.bracket([Outcome(2, True, 1.0), Outcome(64, False, failed_otherwise=True)]) == (2, 64)
+    assert BatchSearch(LIMIT_GB).next_size([Outcome(1, False)]) is None  # out of memory at 1: nothing fits

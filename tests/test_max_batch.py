@@ -12,8 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from tests.conftest import SMALL_VIT, rank_pid, read_json, run_cli
+from fsdp_exp.cli import compose_checked
+from fsdp_exp.config import Device
+from fsdp_exp.driver.plan import prepare
+from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.tasks.max_batch import Sweep
+from tests.conftest import REPO, SMALL_VIT, rank_pid, read_json, run_cli
+from tests.test_data import make_dataset
 
 LIMIT = "memory.limit_gb=0.6"
 # Probes train 3 steps, the first of them warm-up; a direct run does the same.
@@ -285,3 +293,137 @@ def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> Non
     assert re.search(r"probe 2: batch \d+: \w+.*\(estimated 0\.\d{3} GB\)", log), log[-3000:]
     assert without["estimate"] is None and all(p["estimated_peak_gb"] is None for p in without["probes"])
     assert "(estimated" not in log_without
+
+
+# ---- on a GPU: the allocator's retries near the cap ------------------------------------------
+
+
+class CappedGpu:
+    """Probes as ranks under torch.cuda.set_per_process_memory_fraction(8 GB) report them (no
+    GPU runs here; the search and the Sweep around it are the real ones). Allocated memory
+    grows 0.01 GB a sample from 1 GB. Reserved memory runs ahead of it (the allocator's
+    rounding and cached blocks) until it meets the cap; from there the allocator frees its
+    cache and retries before it raises, so reserved flattens 3 MB under the cap while
+    allocated keeps growing, and the retries count up. The allocation fails for real once
+    allocated memory plus what fragmentation leaves unusable passes the cap: past 679."""
+
+    runs_here = False
+    starts_all_ranks = True
+    restarts = 0
+    CAP_GB = 8.0
+    BOUNDARY = 679
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def launch(self, task: object, cfg: object, run_dir: Path, nproc: int, time_limit_s: float | None = None) -> dict:
+        batch = cfg.train.batch_size
+        self.batches.append(batch)
+        allocated = 1.0 + 0.01 * batch
+        if allocated * 1.02 + 0.05 > self.CAP_GB:
+            raise RunFailed("rank 0 failed: OutOfMemory: ran out of memory under memory.limit_gb=8: CUDA out of "
+                            "memory. Tried to allocate 20.00 MiB", out_of_memory=True)
+        reserved = min(1.1 + 0.0105 * batch, self.CAP_GB - 0.003)
+        retries = 0.0 if reserved < self.CAP_GB - 0.003 else 1.0 + (batch - 657) // 5
+        return {"peak_mem_gb": allocated, "peak_mem_gb_per_rank": [allocated] * nproc, "peak_reserved_gb": reserved,
+                "peak_reserved_gb_per_rank": [reserved] * nproc, "held_mem_gb": 0.9, "alloc_retries": retries,
+                "samples_per_s": 100.0 * batch}
+
+
+def test_on_a_gpu_a_probe_that_trained_fits_though_its_reserved_peak_is_at_the_cap(tmp_path: Path) -> None:
+    """Sizes 657 to 679 train with their reserved peak flat 3 MB under the cap, inside the
+    noise band (8 MB, a tenth of a percent of the limit). Judged by reserved memory they read
+    as not fitting, and the answer was 656, bounded by "noise". Judged by allocated memory,
+    the answer is the largest size that trained, bounded by the size that ran out."""
+    exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "max_batch.estimate=false",
+                                   "wandb.mode=disabled"]), 0).exp
+    exp.device, exp.memory.limit_gb = Device.cuda, CappedGpu.CAP_GB
+    gpu = CappedGpu()
+    figures = Sweep(exp, tmp_path, gpu, 2).run()
+    assert (figures["max_batch_size"], figures["bounded_by"]) == (CappedGpu.BOUNDARY, "oom"), gpu.batches
+    record = read_json(tmp_path / "max_batch.json")
+    at = {p["batch_size"]: p for p in record["probes"]}
+    assert at[CappedGpu.BOUNDARY]["status"] == "ok" and at[CappedGpu.BOUNDARY + 1]["status"] == "oom"
+    assert at[CappedGpu.BOUNDARY]["peak_reserved_gb"] > CappedGpu.CAP_GB - record["noise_band_gb"]  # the case
+    assert not any(p["within_noise"] for p in record["probes"])
+    # The line is the allocated one, straight to the last size that trained.
+    assert record["memory_model"]["measure"] == "peak_mem_gb"
+    assert record["memory_model"]["slope_gb_per_sample"] == pytest.approx(0.01)
+    assert record["alloc_retries"] > 0  # said in the answer line
+    assert record["peak_under_limit_gb"] == pytest.approx(CappedGpu.CAP_GB - 0.003)  # reserved: what the cap limits
+    assert len(gpu.batches) <= 13, gpu.batches  # bisection near the end: the allocated line runs past the OOM
+
+
+# ---- the data bounds the answer ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_search_stops_at_each_ranks_share_of_a_fixed_data_set(tmp_path: Path) -> None:
+    """64 FashionMNIST images on 2 ranks: 32 a rank, far below what fits in memory. The
+    search spends no probe above 32 (a larger batch is refused for the data, not memory)
+    and says that the data bounds the answer, and how much memory was left."""
+    make_dataset(tmp_path / "data", "FashionMNIST", n=64)
+    run_dir = tmp_path / "search"
+    result = run_cli("task=max_batch", LIMIT, *SMALL_VIT, "data=fashion_mnist", f"data.root={tmp_path / 'data'}",
+                     "max_batch.estimate=false", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(run_dir / "max_batch.json")
+    assert max(p["batch_size"] for p in record["probes"]) == 32, [p["batch_size"] for p in record["probes"]]
+    assert all(p["status"] == "ok" for p in record["probes"])
+    assert (record["max_batch_size"], record["bounded_by"], record["data_share_per_rank"]) == (32, "data", 32)
+    left = 0.6 - record["peak_under_limit_gb"]
+    assert f"max batch: 32 per rank on 2 rank(s), bounded by the data (32 samples a rank); {left:.1f} GB of 0.6 left" \
+        in result.stdout
+    assert "failed under" not in result.stdout
+
+
+# ---- a size too small to train ----------------------------------------------------------------
+
+
+class PooledNorm(nn.Module):
+    """A conv net whose BatchNorm sees 1x1 maps, as a ResNet's last stage does on 32x32
+    images: at batch 1 it has one value per channel, and BatchNorm refuses to train on it."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.norm = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.pool(self.conv(images)))).flatten(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_model_that_cannot_train_at_batch_1_is_searched_from_the_first_size_that_trains(tmp_path: Path) -> None:
+    run_dir = tmp_path / "search"
+    result = run_cli("task=max_batch", LIMIT, "model=custom", "model._target_=tests.test_max_batch.PooledNorm",
+                     "model.blocks=[torch.nn.Conv2d]", "max_batch.search_up_to=8", "max_batch.estimate=false",
+                     "wandb.mode=disabled", f"hydra.run.dir={run_dir}", cwd=REPO, timeout=500)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    record = read_json(run_dir / "max_batch.json")
+    first = record["probes"][0]
+    assert (first["batch_size"], first["status"]) == (1, "failed")
+    assert "Expected more than 1 value per channel when training" in first["reason"]
+    assert record["probes"][1]["batch_size"] == 2 and record["probes"][1]["status"] == "ok"
+    assert (record["max_batch_size"], record["bounded_by"], record["searched_from"]) == (8, "search_up_to", 2)
+    assert [p["batch_size"] for p in record["too_small_to_train"]] == [1]
+    assert "batch 1 did not train, not for lack of memory (" in result.stdout
+    assert "so the search started at 2" in result.stdout
+
+
+def test_a_resolution_above_each_ranks_share_of_the_data_is_one_line_before_any_probe(tmp_path: Path) -> None:
+    from fsdp_exp.errors import ConfigError
+
+    make_dataset(tmp_path / "data", "FashionMNIST", n=7)  # 3 a rank on 2 ranks; the seventh is left over
+    plan = prepare(compose_checked(["task=max_batch", LIMIT, *SMALL_VIT, "data=fashion_mnist",
+                                    f"data.root={tmp_path / 'data'}", "max_batch.resolution=4"]), 0)
+    assert plan.exp.data.share_per_rank(2) == 3
+    with pytest.raises(ConfigError) as err:
+        Sweep(plan.exp, tmp_path / "search", plan.launcher, 2)
+    assert str(err.value) == ("max_batch.resolution=4: larger than each rank's share of the data (3 samples on each "
+                              "of 2 ranks); lower it or use more data")
+    assert not (tmp_path / "search").exists()

@@ -34,6 +34,11 @@ class TrainData:
         probes); data read from files is what it is."""
         return self
 
+    def share_per_rank(self, world_size: int) -> int | None:
+        """The samples each of `world_size` ranks reads an epoch (as `batches` splits them: no
+        rank's batch can be larger), or None where the data is generated to any size."""
+        return len(self.dataset()) // world_size
+
     def eval_dataset(self) -> Dataset:
         """Samples held out from training, for task=eval."""
         raise NotImplementedError
@@ -62,6 +67,9 @@ class GeneratedData(TrainData):
 
     def enough_for(self, samples: int) -> TrainData:
         return replace(self, num_samples=max(self.num_samples, samples))  # type: ignore[type-var]
+
+    def share_per_rank(self, world_size: int) -> int | None:
+        return None
 
 
 @dataclass

@@ -121,7 +121,7 @@ def _plot_speed(ax: Any, record: dict, fits: list[dict]) -> None:
 def none_fits(record: dict) -> str:
     """The max-batch result when not even the smallest size fits, in a few words."""
     need = record.get("smallest_batch_needs_gb")
-    size = record.get("resolution") or 1
+    size = record.get("searched_from") or record.get("resolution") or 1  # past sizes too small to train
     return f"none fits (batch {size} needs {need:.2f} GB)" if need is not None else f"none fits (batch {size} does not)"
 
 

@@ -212,7 +212,7 @@ def summary_table(summary: dict) -> str:
         ("overrides", " ".join(summary.get("overrides", []))),
         ("world size", summary.get("world_size")),
         ("max batch", "none fits" if summary.get("max_batch_size") == 0 else summary.get("max_batch_size")),
-        ("batch 1 needs" if summary.get("resolution") == 1 else "smallest batch needs",
+        ("batch 1 needs" if (summary.get("searched_from") or summary.get("resolution")) == 1 else "smallest batch needs",
          fmt(summary.get("smallest_batch_needs_gb"), ".2f") + " GB"),
         ("recommended batch", summary.get("recommended_batch_size") or None),
         ("fastest batch", summary.get("fastest_batch_size")),

@@ -4,9 +4,12 @@ to train with, and the answer in one line. Pure functions of the probes; nothing
 
 Why a noise band. A probe's peak, as the limit counts it, moves a little from one run of the
 same setup to the next: on CPU with what a rank holds before its limit is set (torch, the
-process group, thread stacks), on GPU with the caching allocator's fragmentation. A size that
-fit with less room than that to spare fits in some runs and not in others, so the search
-counts it as not fitting, and the answer is a size that fits in the user's run too.
+process group, thread stacks). A size that fit with less room than that to spare fits in some
+runs and not in others, so the search counts it as not fitting, and the answer is a size that
+fits in the user's run too. On GPU the peaks judged are allocated ones (Probe.judged_peak_gb):
+reserved memory flattens just under the cap for sizes that still train, so the band would
+turn sizes that train into sizes that do not; there the size that runs out of memory for real
+sets the boundary.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ def noise_band_gb(probes: Sequence[Probe], limit_gb: float) -> float:
     spreads = [NOISE_FLOOR * limit_gb]
     ok = [p for p in probes if p.status == "ok"]
     for p in ok:
-        peaks = p.limited_peak_gb_per_rank()
+        peaks = p.judged_peak_gb_per_rank()
         if len(peaks) > 1:
             spreads.append(max(peaks) - min(peaks))
     by_size: dict[int, list[float]] = {}
     for p in ok:
-        peak = p.limited_peak_gb()
+        peak = p.judged_peak_gb()
         if peak is not None:
             by_size.setdefault(p.batch_size, []).append(peak)
     spreads += [max(peaks) - min(peaks) for peaks in by_size.values()]
@@ -49,8 +52,9 @@ def noise_band_gb(probes: Sequence[Probe], limit_gb: float) -> float:
 
 
 def margin_gb(probe: Probe, limit_gb: float) -> float | None:
-    """The room a probe that trained left under the limit (None for one that did not)."""
-    peak = probe.limited_peak_gb()
+    """The room a probe that trained left under the limit, by the peak the search judges it
+    by (None for one that did not)."""
+    peak = probe.judged_peak_gb()
     return None if probe.status != "ok" or peak is None else limit_gb - peak
 
 
@@ -98,32 +102,60 @@ def probe_to_place_fastest(probes: Sequence[Probe], up_to: int, resolution: int)
 
 
 def answer_line(record: dict, limit_gb: float | None) -> str:
-    """The search's answer in one line, for the log."""
+    """The search's answer in one line, for the log. Only a size that ran out of memory is
+    said to fail under the limit: a probe that failed otherwise is named with its reason."""
     under = f"memory.limit_gb={limit_gb:g}" if limit_gb else f"the device's {record['limit_gb']:.0f} GB"
     count = record["probe_count"]
     cost = f"{count} probe{'s' if count != 1 else ''}, {record['probe_wall_s']:.0f} s of probing"
     size, ranks, step = record["max_batch_size"], record["world_size"], record["resolution"]
+    small = too_small_words(record)
     if not size:
-        return f"max batch: none fits under {under}: {needs(record)}; {cost}"
+        return "; ".join([f"max batch: none fits under {under}: {needs(record)}", *small, cost])
     noise = f"{record['noise_band_gb'] / MB:.1f} MB"
     samples = record.get("noise_band_samples")
     band = noise + (f" ({samples:.1f} samples)" if samples else "")
-    why = {"search_up_to": f"fits at max_batch.search_up_to={record['search_up_to']} under {under}",
-           "oom": f"{size + step} ran out of memory under {under}",
-           "noise": f"{size + step} fit with less than the {noise} that runs of this setup vary by to spare under {under}",
-           }.get(record["bounded_by"], f"{size + step} failed under {under}")
-    parts = [f"max batch: {size} per rank on {ranks} rank(s) ({why})",
-             f"peak {record['peak_under_limit_gb']:.3f} GB as the limit counts it, noise band {band}",
-             f"recommended {record['recommended_batch_size']} ({record['margin']:.0%} margin)"]
+    if record["bounded_by"] == "data":
+        left = record["limit_gb"] - record["peak_under_limit_gb"]
+        head = (f"max batch: {size} per rank on {ranks} rank(s), bounded by the data "
+                f"({record['data_share_per_rank']} samples a rank); {left:.1f} GB of {record['limit_gb']:g} left")
+    else:
+        why = {"search_up_to": f"fits at max_batch.search_up_to={record['search_up_to']} under {under}",
+               "oom": f"{size + step} ran out of memory under {under}",
+               "noise": f"{size + step} fit with less than the {noise} that runs of this setup vary by to spare "
+                        f"under {under}",
+               }.get(record["bounded_by"], f"{size + step} did not train, not for lack of memory: "
+                                           f"{failure(record, size + step)}")
+        head = f"max batch: {size} per rank on {ranks} rank(s) ({why})"
+    parts = [head, f"peak {record['peak_under_limit_gb']:.3f} GB as the limit counts it, noise band {band}"]
+    if record.get("alloc_retries"):
+        parts.append(f"at {size} the allocator freed its cache to allocate {record['alloc_retries']:.0f} time(s), "
+                     "which slows a step")
+    parts.append(f"recommended {record['recommended_batch_size']} ({record['margin']:.0%} margin)")
     if record["fastest_batch_size"]:
         parts.append(f"fastest {record['fastest_batch_size']} ({record['fastest_samples_per_s']:,.1f} samples/s), "
                      f"within {NEAR_FASTEST:.0%} of it from {record['near_fastest_batch_size']}")
-    return "; ".join([*parts, cost])
+    return "; ".join([*parts, *small, cost])
+
+
+def failure(record: dict, size: int) -> str:
+    """Why the probe at `size` failed, in its own words."""
+    return next((p["reason"] for p in record.get("probes", []) if p["batch_size"] == size
+                 and p["status"] == "failed"), "see its probe's rank logs")
+
+
+def too_small_words(record: dict) -> list[str]:
+    """The sizes the search started above, as not training (never as out of memory)."""
+    small = record.get("too_small_to_train") or []
+    if not small:
+        return []
+    sizes = ", ".join(str(p["batch_size"]) for p in small)
+    return [f"batch {sizes} did not train, not for lack of memory ({small[0]['reason']}), so the search started "
+            f"at {record['searched_from']}"]
 
 
 def needs(record: dict) -> str:
     """What the smallest batch needs, in words (for a search where none fits)."""
-    need, size = record.get("smallest_batch_needs_gb"), record["resolution"]
+    need, size = record.get("smallest_batch_needs_gb"), record.get("searched_from") or record["resolution"]
     if need is None:
         return f"batch {size} needs more than this device gives each rank"
     return f"batch {size} needs {need:.2f} GB per rank"

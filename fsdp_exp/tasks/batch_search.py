@@ -13,7 +13,10 @@ on 2 CPU ranks peaked at 1.928 GB at batch 1 and 1.930 GB at batch 4, a line thr
 crossed the limit at 2,532, and the boundary was 12.
 
 The policy:
-1. The first probe is `resolution`; when it does not fit, nothing does.
+1. The first probe is `resolution`; when it runs out of memory, nothing fits. When it fails
+   for another reason (BatchNorm needs more than one value per channel to train), the size
+   may be too small to train: the search doubles it, up to START_TRIES times, and starts
+   from the first size that trains; the sizes below it are too small, not out of memory.
 2. The probes that fit split into a flat start (peaks within FLAT of the first one's) and the
    probes past it, where the peak grows. The activation line is fit to the growing ones only:
    - two or more: least squares over the top run of them that lie on one line (within
@@ -41,7 +44,9 @@ The policy:
    taken to lie around the line's crossing with that spread (normal, truncated to the
    bracket, widened when the crossing lies outside it) and the search probes where it is as
    likely above as below. A prediction that noise made a few samples too high then costs
-   a split, not a walk down one size at a time.
+   a split, not a walk down one size at a time. When the size that failed lies below the
+   crossing by more than that spread, the line is off, not noisy (on GPU, where the line is
+   the allocated peak's, fragmentation runs out before it meets the limit): the search bisects.
 6. With the estimate's curve (`Prior`, task=max_batch's max_batch.estimate): until two
    probes past the flat start show the growth, the curve moved through the largest probe
    that fit places the next probe at its crossing (and its growth scaled to the probes'
@@ -116,6 +121,7 @@ REACH = 64  # a line is followed at most this many times its rise so far
 MISS_NOISE = 0.003  # after a miss, the prediction is widened by what this noise in peaks gives
 SPLIT_NOISE = 0.0005  # near the end, peaks scatter by at least this share, when the probes show less
 PRIOR_ERROR = 0.1  # the estimate's growth from a probe to the limit may be off by this share (docs/BENCHMARKS.md)
+START_TRIES = 3  # doublings of the first size tried when it fails for a reason other than memory
 NEAR_THE_END = 16  # a bracket within this many times the line's noise, in samples, is split where the boundary is as likely above as below
 
 
@@ -125,8 +131,23 @@ class Outcome:
 
     batch_size: int
     fits: bool
-    peak_gb: float | None = None  # the largest peak over the ranks, as the limit counts it
+    peak_gb: float | None = None  # the largest peak over the ranks, as the search judges it
     held_gb: float | None = None  # held between steps: parameters and optimizer state
+    failed_otherwise: bool = False  # did not train, for a reason other than memory or a timeout
+
+
+def too_small(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """The probes below the smallest size that trained which failed for a reason other than
+    memory: sizes too small to train (BatchNorm at batch 1), which the search starts above.
+    Before any size has trained, every such failure."""
+    first = min((o.batch_size for o in outcomes if o.fits), default=math.inf)
+    return [o for o in outcomes if o.failed_otherwise and o.batch_size < first]
+
+
+def _searched(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """The probes the search reads: all but those too small to train."""
+    small = {id(o) for o in too_small(outcomes)}
+    return [o for o in outcomes if id(o) not in small]
 
 
 @dataclass(frozen=True)
@@ -225,6 +246,7 @@ def fit_memory(outcomes: Sequence[Outcome]) -> MemoryModel | None:
     """The activation line through the probes that fit below the smallest that did not;
     while the peak is still flat, least squares through them all. From a single probe, the
     slope is estimated as its peak minus its held memory per sample."""
+    outcomes = _searched(outcomes)
     points = _peaks(outcomes)
     line, _ = _activation_line(points)
     if line is not None:
@@ -307,6 +329,7 @@ class BatchSearch:
 
     def bracket(self, outcomes: Sequence[Outcome]) -> tuple[int, int | None]:
         """(largest size that fit below the smallest that did not, smallest that did not)."""
+        outcomes = _searched(outcomes)
         failed = [o.batch_size for o in outcomes if not self._fits(o)]
         hi = min(failed) if failed else None
         fit = [o.batch_size for o in outcomes if self._fits(o) and (hi is None or o.batch_size < hi)]
@@ -315,6 +338,11 @@ class BatchSearch:
     def next_size(self, outcomes: Sequence[Outcome]) -> int | None:
         """The batch size to probe next, or None when the boundary is known (or the
         smallest size does not fit at all)."""
+        small = too_small(outcomes)
+        if small and len(small) == len(outcomes):  # nothing has trained, nor run out of memory
+            larger = 2 * max(o.batch_size for o in small)
+            return larger if len(small) <= START_TRIES and larger <= self.up_to else None
+        outcomes = _searched(outcomes)
         # The safeguards count how earlier predictions fared, so replay the decisions that led here.
         expected: list[tuple[str, bool]] = []
         for k in range(len(outcomes)):
@@ -393,7 +421,10 @@ class BatchSearch:
             # The residuals of a few points understate their scatter, by 1 + 1/(degrees of freedom) here.
             scatter = max(line.scatter_gb * (1 + 1 / (line.points - 2)), self.noise_gb / 2, SPLIT_NOISE * points[-1][1])
             noise = line.uncertainty(crossing, scatter)
-            if top - lo <= NEAR_THE_END * max(noise, r):
+            # A size that failed though the line puts it under the limit by more than its noise
+            # says something other than the line runs out first (on GPU, fragmentation: the
+            # line is the allocated peak's): bisect, rather than split by a line that is off.
+            if top - lo <= NEAR_THE_END * max(noise, r) and crossing - top <= max(noise, r):
                 spread = max(noise, r / 2, 2 * (crossing - top), 2 * (lo - crossing))
                 return self._splitting(lo, top, crossing, spread * 2 ** misses) or bisect
         if hi is not None and below >= top:  # the line says the size that failed fits

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -41,6 +41,7 @@ from fsdp_exp.tasks.batch_search import (
     Outcome,
     fit_memory,
     recommended_size,
+    too_small,
 )
 from fsdp_exp.tasks.probe import Probe, fingerprint, probe_config, run_probe
 
@@ -60,7 +61,7 @@ class MaxBatchSettings:
     probe_timeout: float = 600  # seconds; a probe past it is killed and recorded as failed
     resolution: int = 1  # the answer is exact to this; every probed size is a multiple of it
     margin: float = 0.1  # the recommended size keeps this share of the memory limit free
-    search_up_to: int = 4096  # the largest batch size tried
+    search_up_to: int = 4096  # the largest batch size tried (at most each rank's share of a fixed data set)
     estimate: bool = True  # place the probes by task=estimate's curve (one trace on fake tensors) as well
 
     def __post_init__(self) -> None:
@@ -131,19 +132,37 @@ class Sweep:
         self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.batch_prior), once traced
         self.reused = 0
         self.start = time.perf_counter()
+        self.data_share = self.data_share_per_rank()
+
+    def data_share_per_rank(self) -> int | None:
+        """The samples each rank reads an epoch, when the data is a fixed set that this
+        machine can read: no batch above it can train, so the search stops there. None for
+        generated data (a probe makes as much as its batch needs) and on a cluster, whose
+        data files are the cluster's."""
+        if not self.launcher.runs_here:
+            return None
+        share = self.cfg.data.share_per_rank(self.nproc)
+        if share is not None and share < self.cfg.max_batch.resolution:
+            raise ConfigError(f"max_batch.resolution={self.cfg.max_batch.resolution}: larger than each rank's share "
+                              f"of the data ({share} samples on each of {self.nproc} ranks); lower it or use more data")
+        return share
+
+    def up_to(self) -> int:
+        """The largest size the search tries: max_batch.search_up_to, or the data's share."""
+        up_to = self.cfg.max_batch.search_up_to
+        return up_to if self.data_share is None else min(up_to, self.data_share)
 
     def search(self) -> BatchSearch:
         """The search for the largest size that fits with the noise band to spare."""
         settings = self.cfg.max_batch
-        return BatchSearch(self.limit_gb, settings.resolution, settings.search_up_to, self.noise_gb(),
-                           prior(self.estimated))
+        return BatchSearch(self.limit_gb, settings.resolution, self.up_to(), self.noise_gb(), prior(self.estimated))
 
     def noise_gb(self) -> float:
         return noise_band_gb([p for p in self.probes if not p.killed], self.limit_gb)
 
     def outcomes(self) -> list[Outcome]:
         """The probes as the search reads them (it counts one that trained inside the noise
-        band as not fitting)."""
+        band as not fitting, and starts above sizes too small to train)."""
         return [p.outcome() for p in self.probes if not p.killed]
 
     def next_size(self) -> int | None:
@@ -154,12 +173,26 @@ class Sweep:
         if self.estimated is None and self.cfg.max_batch.estimate and any(o.fits for o in self.outcomes()):
             # After the first probe: nothing to place when it does not fit, and the limit is known.
             estimate_cfg = probe_config(self.cfg, self.cfg.max_batch.resolution, self.steps, self.nproc)
+            estimate_cfg.max_batch = replace(estimate_cfg.max_batch, search_up_to=self.up_to())  # traced no further
             self.estimated = estimate_curve(estimate_cfg, self.nproc, self.limit_gb)
             self.save(None)
         return self.search().next_size(self.outcomes())
 
     def boundary(self) -> int:
         return self.search().bracket(self.outcomes())[0]
+
+    def too_small(self) -> list[Probe]:
+        """Probes at sizes too small to train (they failed for a reason other than memory,
+        below the smallest size that trained), which the search started above."""
+        sizes = {o.batch_size for o in too_small(self.outcomes())}
+        return [p for p in self.probes if p.batch_size in sizes and not p.killed]
+
+    def searched_from(self) -> int:
+        """The smallest size the search read: max_batch.resolution, or the first size past
+        those too small to train."""
+        small = {p.batch_size for p in self.too_small()}
+        return min((p.batch_size for p in self.probes if not p.killed and p.batch_size not in small),
+                   default=self.cfg.max_batch.resolution)
 
     def run(self) -> dict:
         self.probes = self.recorded_probes()
@@ -176,6 +209,10 @@ class Sweep:
                              "apart", size, SPACING)
             if size is None:
                 break
+            small = self.too_small()
+            if small and len(small) == len([p for p in self.probes if not p.killed]):
+                log.info("batch %d failed for a reason other than memory; trying %d, in case it is too small to "
+                         "train (as BatchNorm is with one value per channel)", small[-1].batch_size, size)
             probe = self.probe(size, for_fastest=for_fastest)
             if probe.killed:  # stopped from outside: the batch may well fit; try it once more
                 log.warning("batch %d was killed from outside; trying it once more", size)
@@ -258,7 +295,12 @@ class Sweep:
         """None fits. What the smallest size needs is a result: a probe at it that trained
         within the noise band says it; after one that ran out of memory, one more probe under
         all the memory this device gives each rank measures it. Any other failure is an error."""
-        size = self.cfg.max_batch.resolution
+        small = self.too_small()
+        if small and len(small) == len([p for p in self.probes if not p.killed]):
+            tried = ", ".join(str(p.batch_size) for p in small[1:])
+            raise RunFailed(f"batch {small[0].batch_size} does not train: {small[0].reason}"
+                            + (f" (nor does batch {tried}, for a reason other than memory)" if tried else ""))
+        size = self.searched_from()
         tried = [p for p in self.probes if p.batch_size == size and not p.killed]
         failed = next((p for p in tried if p.status == "failed"), None)
         if failed is not None:
@@ -274,7 +316,7 @@ class Sweep:
             raise RunFailed(f"batch {size} runs out of memory under memory.limit_gb, and without it: {need.reason}")
 
     def smallest_batch_needs_gb(self) -> float | None:
-        size = self.cfg.max_batch.resolution
+        size = self.searched_from()
         peaks = [p.limited_peak_gb() for p in [*self.probes, self.need] if p is not None and p.batch_size == size
                  and p.status == "ok" and not p.killed]
         return max((p for p in peaks if p is not None), default=None)
@@ -290,8 +332,9 @@ class Sweep:
             probe.estimated_peak_gb = self.estimated_peak_gb(probe.batch_size)
             probe.margin_gb = margin_gb(probe, self.limit_gb)
             probe.within_noise = probe.status == "ok" and not fits_with_room(probe, self.limit_gb, noise)
-        measure = next((m for m in ("peak_under_limit_gb", "peak_reserved_gb", "peak_mem_gb")
-                        if any(getattr(p, m) is not None for p in self.probes)), "peak_mem_gb")
+        # The peak the search judges by (Probe.judged_peak_gb): allocated on GPU, not reserved.
+        measure = "peak_under_limit_gb" if any(p.peak_under_limit_gb is not None for p in self.probes) \
+            else "peak_mem_gb"
         _, hi = self.search().bracket(outcomes)
         at_max = next((p for p in reversed(self.probes) if boundary and p.batch_size == boundary
                        and p.status == "ok"), None)
@@ -308,13 +351,18 @@ class Sweep:
             "recommended_batch_size": boundary and recommended_size(
                 model, self.limit_gb, max(settings.margin, noise / self.limit_gb), boundary, settings.resolution),
             "bounded_by": None if boundary is None else (
-                "search_up_to" if not past else "oom" if "oom" in past else "failed" if "failed" in past else "noise"),
+                ("data" if self.up_to() < settings.search_up_to else "search_up_to") if not past
+                else "oom" if "oom" in past else "failed" if "failed" in past else "noise"),
+            "data_share_per_rank": self.data_share,
+            "searched_from": self.searched_from(),
+            "too_small_to_train": [{"batch_size": p.batch_size, "reason": p.reason} for p in self.too_small()],
             "noise_band_gb": noise,
             # how far the boundary moves between runs of this setup, in samples
             "noise_band_samples": noise / model.slope_gb_per_sample if model and model.slope_gb_per_sample > 0 else None,
             "peak_under_limit_gb": at_max.limited_peak_gb() if at_max else None,
             "peak_mem_gb": at_max.peak_mem_gb if at_max else None,
             "peak_mem_gb_per_rank": at_max.peak_mem_gb_per_rank if at_max else None,
+            "alloc_retries": at_max.alloc_retries if at_max else None,  # GPU: the allocator freed its cache to fit it
             "samples_per_s": at_max.samples_per_s if at_max else None,
             "fastest_batch_size": fastest_size,
             "fastest_samples_per_s": fastest_speed,
@@ -353,8 +401,9 @@ def setup_line(cfg: Experiment) -> str:
 
 def summary_figures(record: dict) -> dict:
     keys = ("max_batch_size", "recommended_batch_size", "bounded_by", "resolution", "limit_gb", "peak_under_limit_gb",
-            "noise_band_gb", "noise_band_samples", "smallest_batch_needs_gb", "fastest_batch_size", "fastest_samples_per_s",
-            "near_fastest_batch_size", "samples_per_s", "peak_mem_gb", "peak_mem_gb_per_rank", "world_size")
+            "noise_band_gb", "noise_band_samples", "smallest_batch_needs_gb", "searched_from", "data_share_per_rank",
+            "fastest_batch_size", "fastest_samples_per_s", "near_fastest_batch_size", "samples_per_s", "peak_mem_gb",
+            "peak_mem_gb_per_rank", "world_size")
     return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"]}
 
 

@@ -50,6 +50,7 @@ class Probe:
     startup_s: float | None = None  # from the launch to the first step's start: forked ranks, process group, build
     dir: str = ""
     killed: bool = False  # stopped by a signal from outside, not by its own error
+    timed_out: bool = False  # ran past max_batch.probe_timeout (a larger batch would not train sooner)
 
     def limited_peak_gb(self) -> float | None:
         """The peak that the memory limit caps: reserved memory on GPU, the limit's own
@@ -59,14 +60,22 @@ class Probe:
                 return peak
         return None
 
-    def limited_peak_gb_per_rank(self) -> list[float]:
-        for peaks in (self.peak_under_limit_gb_per_rank, self.peak_reserved_gb_per_rank, self.peak_mem_gb_per_rank):
-            if peaks:
-                return peaks
-        return []
+    def judged_peak_gb(self) -> float | None:
+        """The peak the search judges a probe by and fits its line to: on CPU the limit's own
+        count; on GPU the allocated peak (peak_mem_gb), not the reserved one the cap limits.
+        Near the cap the caching allocator frees its cache and retries (alloc_retries) before
+        it raises, so the reserved peaks of sizes that still train flatten just under the cap:
+        judged by them, those sizes would read as inside the noise band. Allocated memory
+        keeps growing with the batch, so a GPU probe that trained fits, and the size that
+        really runs out of memory sets the boundary."""
+        return self.peak_under_limit_gb if self.peak_under_limit_gb is not None else self.peak_mem_gb
+
+    def judged_peak_gb_per_rank(self) -> list[float]:
+        return self.peak_under_limit_gb_per_rank or self.peak_mem_gb_per_rank or []
 
     def outcome(self) -> Outcome:
-        return Outcome(self.batch_size, self.status == "ok", self.limited_peak_gb(), self.held_mem_gb)
+        return Outcome(self.batch_size, self.status == "ok", self.judged_peak_gb(), self.held_mem_gb,
+                       failed_otherwise=self.status == "failed" and not self.timed_out)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -81,7 +90,8 @@ class Probe:
         if self.status != "ok":
             return (f"batch {self.batch_size}: {self.status} ({self.reason})"
                     f"{f' ({estimated})' if estimated else ''} [{self.wall_s:.0f} s]")
-        return (f"batch {self.batch_size}: ok, peak {self.limited_peak_gb():.3f} GB"
+        reserved = "" if self.peak_reserved_gb is None else f" ({self.peak_reserved_gb:.3f} GB reserved)"
+        return (f"batch {self.batch_size}: ok, peak {self.judged_peak_gb():.3f} GB{reserved}"
                 f"{f' ({estimated})' if estimated else ''}, {self.samples_per_s:,.1f} samples/s [{self.wall_s:.0f} s]")
 
 
@@ -150,7 +160,8 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Any, 
     except RunFailed as err:
         status = "oom" if err.out_of_memory else "failed"
         reason = f"ran past max_batch.probe_timeout={timeout_s:g} s" if err.timed_out else str(err)
-        probe = Probe(batch_size, status, reason=reason, killed=err.killed_by is not None and not err.timed_out)
+        probe = Probe(batch_size, status, reason=reason, killed=err.killed_by is not None and not err.timed_out,
+                      timed_out=err.timed_out)
         summary = {"status": status, "error": reason}
     probe.wall_s = time.perf_counter() - start
     probe.dir = f"{probe_dir.parent.name}/{probe_dir.name}"

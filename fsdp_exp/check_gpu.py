@@ -102,7 +102,9 @@ def check_all(setup: Setup, workdir: Path, run=run_fsdp_exp, out=print) -> bool:
         start = time.perf_counter()
         for name in check.runs:
             if name not in done:
-                done[name] = run(plan[name], workdir / name)
+                overrides = plan[name](done) if callable(plan[name]) else plan[name]
+                done[name] = (run(overrides, workdir / name) if overrides is not None else
+                              RunResult(workdir / name, None, {}, [], "not run: the run it follows did not finish"))
         try:
             passed, detail = check.judge(*(done[name] for name in check.runs))
         except Exception as err:  # noqa: BLE001 - a summary the judge did not expect is a failed check, not a crash
@@ -128,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         print("fsdp_exp.check_gpu: no GPU here (torch.cuda.is_available() is False), so nothing to check",
               file=sys.stderr)
         return EXIT_NO_GPU
-    setup = setup_for(args.device, torch.cuda.device_count(), args.peak_tflops)
+    gpus = torch.cuda.device_count()
+    smallest_gb = min((torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(gpus)), default=80.0)
+    setup = setup_for(args.device, gpus, args.peak_tflops, smallest_gb)
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="fsdp_exp_check_gpu_"))
     print(title(setup))
     passed = check_all(setup, workdir.resolve())

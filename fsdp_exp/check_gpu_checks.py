@@ -36,25 +36,50 @@ class Setup:
     # On a GPU the kernels choose their algorithm by shape and some add atomically, so one
     # process's batch and the ranks' halves round differently: 10x the CPU's tolerance.
     tolerance: float
-    gpt: tuple[str, ...]  # the GPT of the MFU and memory checks
+    gpt: tuple[str, ...]  # the GPT of the MFU check
     mfu_batch: int
-    limit_gb: float  # memory.limit_gb of both memory checks
+    limit_gb: float  # memory.limit_gb of the memory checks
     limit_batch: int  # trains well under limit_gb
     oom_batch: int  # far too big for limit_gb
     peak_tflops: float | None = None  # metrics.peak_tflops, when given
+    memory_gpt: tuple[str, ...] = ()  # the GPT of the memory checks; () the MFU check's
 
 
-def setup_for(device: str, gpus: int, peak_tflops: float | None = None) -> Setup:
+TINY_GPT = ("model=gpt", "model.size=tiny", "model.vocab_size=256", "data=synthetic_tokens", "data.seq_len=128",
+            "model.block_size=128", "data.num_samples=8192")
+
+
+# What GPT-2 small needs on one GPU, as task=estimate predicts it (reserved GB, 1 rank,
+# sharding=full, AdamW, 1024 tokens a sample; the commands in docs/BENCHMARKS.md, "check_gpu's
+# sizes"). They size the checks to the GPU, so that a check fails for what it checks, not
+# because a 12 GB card or a MIG slice had less room than an 80 GB one.
+GPT2_SMALL_BF16_GB = {8: 10.52, 4: 6.30, 2: 4.26, 1: 3.27}  # by batch: the MFU run
+GPT2_SMALL_FP32_GB = {2: 4.76, 1: 3.49}  # by batch: the run under memory.limit_gb
+OUTSIDE_ALLOCATOR_GB = 1.5  # the CUDA context and NCCL's buffers (0.5-0.7 GB a communicator), with room
+MAX_LIMIT_GB = 8.0
+
+
+def setup_for(device: str, gpus: int, peak_tflops: float | None = None, memory_gb: float = 80.0) -> Setup:
+    """The checks' sizes for `gpus` GPUs of `memory_gb` each (the smallest, when they differ)."""
     if device == "cuda":
         gpt = ("model=gpt", "model.size=small", "data=synthetic_tokens", "data.vocab_size=50257",
                "data.seq_len=1024", "model.block_size=1024")
-        return Setup("cuda", max(gpus, 1), 1e-4, gpt, mfu_batch=8, limit_gb=8.0, limit_batch=2, oom_batch=64,
-                     peak_tflops=peak_tflops)
-    gpt = ("model=gpt", "model.size=tiny", "model.vocab_size=256", "data=synthetic_tokens", "data.seq_len=128",
-           "model.block_size=128", "data.num_samples=8192")
+        room = 0.9 * memory_gb - OUTSIDE_ALLOCATOR_GB
+        mfu_batch = max((b for b, need in GPT2_SMALL_BF16_GB.items() if need <= room), default=0)
+        if not mfu_batch:  # a MIG slice of 5 GB: 256 tokens a sample
+            gpt, mfu_batch = (*gpt[:4], "data.seq_len=256", "model.block_size=256"), 1
+        limit_gb = min(MAX_LIMIT_GB, memory_gb / 2)  # half the card: the limit, not the card, bounds the runs
+        # the largest batch that leaves an eighth of the limit free, by the estimate
+        limit_batch = max((b for b, need in GPT2_SMALL_FP32_GB.items() if need <= 0.875 * limit_gb), default=0)
+        if limit_batch:
+            return Setup("cuda", max(gpus, 1), 1e-4, gpt, mfu_batch=mfu_batch, limit_gb=limit_gb,
+                         limit_batch=limit_batch, oom_batch=64, peak_tflops=peak_tflops)
+        # under 8 GB a card: the memory checks on the development run's small GPT
+        return Setup("cuda", max(gpus, 1), 1e-4, gpt, mfu_batch=mfu_batch, limit_gb=min(1.5, limit_gb),
+                     limit_batch=4, oom_batch=2048, peak_tflops=peak_tflops, memory_gpt=TINY_GPT)
     # A CPU has no peak TFLOP/s; a nominal 1 keeps the MFU plumbing running, and the summary
     # names it as metrics.peak_tflops.
-    return Setup("cpu", 2, 1e-5, gpt, mfu_batch=4, limit_gb=1.5, limit_batch=4, oom_batch=2048,
+    return Setup("cpu", 2, 1e-5, TINY_GPT, mfu_batch=4, limit_gb=1.5, limit_batch=4, oom_batch=2048,
                  peak_tflops=peak_tflops or 1.0)
 
 
@@ -65,12 +90,22 @@ VIT = ["model.num_layers=2", "train.batch_size=16", "train.log_every=1", "train.
        "optimizer._target_=torch.optim.SGD", "+optimizer.momentum=0.9", "checkpoint.export_full=true"]
 
 
-def runs(setup: Setup, workdir: Path) -> dict[str, list[str]]:
-    """Every run the checks read, by name: the overrides of `python -m fsdp_exp`."""
+# A model with buffers (BatchNorm's running statistics), built on the meta device and
+# offloaded, against the same run built plainly: the same initial weights, so the same losses.
+RESNET = ["model=resnet", "sharding=full", "offload=true", "train.batch_size=8", "train.steps=4", "train.log_every=1",
+          "precision.tf32=false", "optimizer._target_=torch.optim.SGD", "train.lr=0.05"]
+
+Overrides = list[str] | Callable[[dict[str, RunResult]], list[str] | None]  # a run made from earlier runs' results
+
+
+def runs(setup: Setup, workdir: Path) -> dict[str, Overrides]:
+    """Every run the checks read, by name: the overrides of `python -m fsdp_exp`, or how to
+    make them from the runs before it (None: it cannot run)."""
     common = [f"device={setup.device}", f"launcher.nproc_per_node={setup.ranks}", "wandb.mode=disabled"]
     vit = [*common, *VIT, f"train.steps={PARITY_STEPS}", "precision.tf32=false"]
     checkpoint = ["checkpoint=dcp", f"checkpoint.dir={workdir / 'checkpoints'}"]
     gpt = [*common, *setup.gpt, "sharding=full", "train.log_every=5"]
+    memory_gpt = [*common, *(setup.memory_gpt or setup.gpt), "sharding=full", "train.log_every=5"]
     peak = [f"metrics.peak_tflops={setup.peak_tflops:g}"] if setup.peak_tflops else []
     return {
         "none": [*vit, "sharding=none"],
@@ -85,11 +120,24 @@ def runs(setup: Setup, workdir: Path) -> dict[str, list[str]]:
         "resumed": [*vit, "sharding=full", *checkpoint, "resume=auto"],
         "gpt": [*gpt, "precision=bf16", f"train.batch_size={setup.mfu_batch}", "train.steps=20",
                 "metrics.warmup_steps=5", *peak],
-        "under_limit": [*gpt, f"memory.limit_gb={setup.limit_gb:g}", f"train.batch_size={setup.limit_batch}",
+        "under_limit": [*memory_gpt, f"memory.limit_gb={setup.limit_gb:g}", f"train.batch_size={setup.limit_batch}",
                         "train.steps=4"],
-        "oom": [*gpt, f"memory.limit_gb={setup.limit_gb:g}", f"train.batch_size={setup.oom_batch}",
+        "oom": [*memory_gpt, f"memory.limit_gb={setup.limit_gb:g}", f"train.batch_size={setup.oom_batch}",
                 "train.steps=2"],
+        "resnet_offload": [*common, *RESNET],
+        "resnet_meta_offload": [*common, *RESNET, "model.init_device=meta"],
+        "max_batch": [*memory_gpt, f"memory.limit_gb={setup.limit_gb:g}", "task=max_batch"],
+        "at_max_batch": lambda done: at_max_batch(done["max_batch"], memory_gpt, setup.limit_gb),
     }
+
+
+def at_max_batch(search: RunResult, memory_gpt: list[str], limit_gb: float) -> list[str] | None:
+    """The search's answer trained once more, directly, under the same limit."""
+    size = (search.summary or {}).get("max_batch_size")
+    if not size:
+        return None
+    return [*memory_gpt, f"memory.limit_gb={limit_gb:g}", f"train.batch_size={size}", "train.steps=3",
+            "metrics.warmup_steps=1"]
 
 
 @dataclass
@@ -111,6 +159,10 @@ def checks(setup: Setup) -> list[Check]:
         Check("peak under memory.limit_gb", ("under_limit",), lambda run: under_limit(run, setup.limit_gb)),
         Check("forced OOM is status oom", ("oom",), out_of_memory),
         Check("device and peak", ("gpt",), lambda run: device(run, setup.device)),
+        Check("meta init + offload, a model with buffers", ("resnet_offload", "resnet_meta_offload"),
+              lambda plain, meta: same_training(plain, meta, tol)),
+        Check("max_batch's answer trains under the limit", ("max_batch", "at_max_batch"),
+              lambda search, run: answer_trains(search, run, setup.limit_gb)),
     ]
 
 
@@ -250,6 +302,33 @@ def under_limit(run: RunResult, limit_gb: float) -> tuple[bool, str]:
     if peak is None:
         return False, "no peak memory in summary.json"
     return 0 < peak <= limit_gb, f"peak {peak:.3f} GB ({what}) under memory.limit_gb={limit_gb:g}"
+
+
+def same_training(reference: RunResult, run: RunResult, tolerance: float) -> tuple[bool, str]:
+    """The run logs the reference's loss at every step, and learns."""
+    problem = not_ok(reference, "reference") or not_ok(run)
+    if problem:
+        return False, problem
+    worst, problem = same_losses(reference.losses, run.losses, tolerance)
+    if problem:
+        return False, f"{problem} (tolerance {tolerance:g})"
+    learned, detail = trains(run)
+    return learned, f"{len(reference.losses)} steps within {worst:.1e} of the plain build; {detail}"
+
+
+def answer_trains(search: RunResult, run: RunResult, limit_gb: float) -> tuple[bool, str]:
+    """task=max_batch found a size bounded by memory, and training at it fits under the limit."""
+    problem = not_ok(search, "task=max_batch")
+    if problem:
+        return False, problem
+    size, bounded_by = search.summary.get("max_batch_size"), search.summary.get("bounded_by")
+    if not size:
+        return False, f"task=max_batch found no size that fits under memory.limit_gb={limit_gb:g}"
+    problem = not_ok(run, f"train.batch_size={size}")
+    if problem:
+        return False, problem
+    fits, detail = under_limit(run, limit_gb)
+    return fits and bounded_by == "oom", f"max batch {size} (bounded by {bounded_by}); trained at it: {detail}"
 
 
 def out_of_memory(run: RunResult) -> tuple[bool, str]:

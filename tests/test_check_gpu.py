@@ -78,8 +78,9 @@ def test_every_run_composes_and_passes_the_plan(setup, tmp_path: Path, monkeypat
     on a (pretended) 2-GPU machine with 80 GB each, and on CPU."""
     monkeypatch.setattr(memory, "device_memory_gb", lambda device: 80.0)
     gpus = 2 if setup.device == "cuda" else 0
+    made = {"max_batch": RunResult(tmp_path, {"status": "ok", "max_batch_size": 3}, {}, [])}
     for name, overrides in runs(setup, tmp_path).items():
-        line = command(overrides, tmp_path / name)
+        line = command(overrides(made) if callable(overrides) else overrides, tmp_path / name)
         assert line[1:3] == ["-m", "fsdp_exp"] and line[-1] == f"hydra.run.dir={tmp_path / name}"
         plan = prepare(compose_config(line[3:]), gpus)
         assert plan.exp.device.value == setup.device, name
@@ -256,6 +257,11 @@ def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_p
             return result(steps=6, resumed_from_step=3)
         if out.name == "under_limit":
             return result(peak_reserved_gb=3.0)
+        if out.name == "max_batch":
+            return result(max_batch_size=5, bounded_by="oom")
+        if out.name == "at_max_batch":
+            assert "train.batch_size=5" in overrides
+            return result(peak_reserved_gb=7.5)
         return result(**GPT)
 
     lines: list[str] = []
@@ -294,3 +300,48 @@ def test_every_check_passes_on_two_cpu_ranks(tmp_path: Path) -> None:
     assert "CPU, 2 gloo ranks: a development run" in lines[0]
     rows = [line for line in lines if line.startswith("| ") and not line.startswith(("| check", "| ---"))]
     assert len(rows) == len(checks(setup_for("cpu", 0))) and all(" | pass | " in row for row in rows), rows
+
+
+@pytest.mark.parametrize("memory_gb", [80, 40, 24, 16, 12, 10, 8, 6, 5])
+def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a card or MIG slice of any size, every run's limit is one the plan accepts, the
+    run meant to fit leaves room under it, and the MFU run fits the card, by task=estimate's
+    figures for GPT-2 small (GPT2_SMALL_*_GB)."""
+    from fsdp_exp.check_gpu_checks import GPT2_SMALL_BF16_GB, GPT2_SMALL_FP32_GB, OUTSIDE_ALLOCATOR_GB
+
+    monkeypatch.setattr(memory, "device_memory_gb", lambda device: float(memory_gb))
+    setup = setup_for("cuda", gpus=2, memory_gb=memory_gb)
+    plan = runs(setup, tmp_path)
+    made = {"max_batch": RunResult(tmp_path, {"status": "ok", "max_batch_size": 3}, {}, [])}
+    for name, overrides in plan.items():
+        overrides = overrides(made) if callable(overrides) else overrides
+        prepare(compose_config(command(overrides, tmp_path / name)[3:]), 2)  # a limit above the card is refused
+    assert setup.limit_gb <= memory_gb / 2
+    if "model.size=small" in plan["under_limit"]:
+        assert GPT2_SMALL_FP32_GB[setup.limit_batch] <= 0.875 * setup.limit_gb
+    if "data.seq_len=1024" in plan["gpt"]:
+        assert GPT2_SMALL_BF16_GB[setup.mfu_batch] + OUTSIDE_ALLOCATOR_GB <= 0.9 * memory_gb
+    assert setup.mfu_batch >= 1 and setup.limit_batch >= 1 and setup.oom_batch > 4 * setup.limit_batch
+
+
+def test_the_search_answer_check_trains_at_the_answer_and_needs_a_memory_bound() -> None:
+    from fsdp_exp.check_gpu_checks import answer_trains, at_max_batch
+
+    search = result(max_batch_size=6, bounded_by="oom")
+    assert at_max_batch(search, ["model=gpt"], 8.0) == ["model=gpt", "memory.limit_gb=8", "train.batch_size=6",
+                                                       "train.steps=3", "metrics.warmup_steps=1"]
+    assert at_max_batch(result("failed"), [], 8.0) is None and at_max_batch(result(max_batch_size=0), [], 8.0) is None
+    assert answer_trains(search, result(peak_reserved_gb=7.9), 8.0) == (
+        True, "max batch 6 (bounded by oom); trained at it: peak 7.900 GB (reserved) under memory.limit_gb=8")
+    assert not answer_trains(search, result("oom", error="rank 0 failed: OutOfMemory"), 8.0)[0]
+    assert not answer_trains(result(max_batch_size=6, bounded_by="noise"), result(peak_reserved_gb=7.0), 8.0)[0]
+
+
+def test_a_meta_build_must_train_as_the_plain_build() -> None:
+    from fsdp_exp.check_gpu_checks import same_training
+
+    assert same_training(result(), result(), 1e-4)[0]
+    assert same_training(result(), result(losses={**LOSSES, 1: 2.5}), 1e-4) == (
+        False, "step 1: loss 2.5, the reference 2.3 (tolerance 0.0001)")
+    assert same_training(result(), result("failed", error="Expected all tensors to be on the same device"),
+                         1e-4)[1] == "failed: Expected all tensors to be on the same device"

@@ -139,6 +139,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         batch_size=train.batch_size,
         log_every=train.log_every,
         warmup_steps=cfg.metrics.warmup_steps,
+        phase_peaks=cfg.metrics.phase_peaks,
         grad_accum=train.grad_accum,
         grad_scaler=grad_scaler,
         lr_schedule=schedule,

@@ -431,3 +431,27 @@ def test_without_phase_peaks_a_step_reads_no_stats_and_a_window_one(fake_gpu: Fa
     assert peaks == {"peak_mem_gb": 1.0, "peak_active_gb": 1.0, "peak_reserved_gb": 1.0,
                      "alloc_retries": 1.0, "ooms": 0.0}
 
+
+# ---- the peak memory.limit_gb caps, in the summary ----------------------------------------
+
+
+def test_under_a_limit_a_gpu_run_records_the_reserved_peak_the_limit_caps(fake_gpu: FakeCachingAllocator) -> None:
+    """set_per_process_memory_fraction caps the caching allocator's reserved memory, so under
+    memory.limit_gb a GPU run's summary holds its reserved peak as `peak_under_limit_gb`;
+    a CPU run's is the limit's own count, gathered from the ranks."""
+    from fsdp_exp.memory import under_limit_figures
+
+    def step_allocates(step: int) -> None:  # 1.5 GB in a step; freed after it, it stays reserved
+        fake_gpu.alloc(3 * GB // 2)
+        fake_gpu.free(3 * GB // 2)
+
+    hook = SimpleNamespace(before_step=step_allocates, after_step=lambda step: None)
+    trainer = tiny_trainer(steps=4, log_every=2, hooks=(hook,))
+    trainer.memory = MemoryMonitor(torch.device("cuda", 0))
+    summary = trainer.fit()
+    assert under_limit_figures(8.0, "cuda", summary) == {
+        "limit_gb": 8.0, "peak_under_limit_gb": 1.5, "peak_under_limit_gb_per_rank": [1.5]}
+    assert under_limit_figures(None, "cuda", summary) == {}
+    assert under_limit_figures(1.0, "cpu", {"peak_mem_gb": 0.9}, [0.7, 0.8], [0.4, 0.5]) == {
+        "limit_gb": 1.0, "peak_under_limit_gb": 0.8, "peak_under_limit_gb_per_rank": [0.7, 0.8],
+        "held_before_limit_gb_per_rank": [0.4, 0.5]}

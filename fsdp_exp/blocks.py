@@ -37,6 +37,14 @@ def compile_blocks(model: nn.Module, names: list[str]) -> None:
         model.get_submodule(name).compile()
 
 
+def warmup_steps_to_skip(compile: bool) -> int:
+    """The fewest warm-up steps that keep one-time costs out of the measured steps: the
+    first step, whose first micro-batch is counted (FlopCounterMode: fsdp_exp.rank.build.
+    CountedFirstMicroBatch), and with train.compile also the second, which compiles: Dynamo
+    skips frames while a dispatch mode is active, so the counted step runs eagerly."""
+    return 2 if compile else 1
+
+
 def check_compile(device_type: str) -> None:
     """Refuse train.compile=true where torch.compile cannot run."""
     problem = None

@@ -7,6 +7,7 @@ pass or fail, with one line of what it saw.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -128,6 +129,9 @@ def runs(setup: Setup, workdir: Path) -> dict[str, Overrides]:
         "resnet_meta_offload": [*common, *RESNET, "model.init_device=meta"],
         "max_batch": [*memory_gpt, f"memory.limit_gb={setup.limit_gb:g}", "task=max_batch"],
         "at_max_batch": lambda done: at_max_batch(done["max_batch"], memory_gpt, setup.limit_gb),
+        # one probe (batch 1) of task=max_batch with train.compile=true
+        "compiled_probe": [*memory_gpt, "task=max_batch", f"memory.limit_gb={setup.limit_gb:g}", "train.compile=true",
+                           "max_batch.search_up_to=1", "max_batch.estimate=false"],
     }
 
 
@@ -163,6 +167,8 @@ def checks(setup: Setup) -> list[Check]:
               lambda plain, meta: same_training(plain, meta, tol)),
         Check("max_batch's answer trains under the limit", ("max_batch", "at_max_batch"),
               lambda search, run: answer_trains(search, run, setup.limit_gb)),
+        Check("peak_under_limit_gb present", ("under_limit",), lambda run: limit_recorded(run, setup.limit_gb)),
+        Check("a compiled max_batch probe", ("compiled_probe",), compiled_probe),
     ]
 
 
@@ -348,3 +354,38 @@ def device(run: RunResult, expected: str) -> tuple[bool, str]:
     detail = (f"{s.get('device')}: {env.get('device')} (x{env.get('device_count')}"
               f"{f', {memory:.0f} GB' if memory else ''}), seen by {env.get('device_seen_by')}; {versions}; {peak}")
     return s.get("device") == expected and env.get("device_seen_by") == "rank 0", detail
+
+
+def limit_recorded(run: RunResult, limit_gb: float) -> tuple[bool, str]:
+    """Under memory.limit_gb the summary holds the limit and the peak it caps, per rank too;
+    on a GPU that peak is the reserved one (set_per_process_memory_fraction caps it)."""
+    problem = not_ok(run)
+    if problem:
+        return False, problem
+    s = run.summary
+    peak, per_rank = s.get("peak_under_limit_gb"), s.get("peak_under_limit_gb_per_rank") or []
+    if s.get("limit_gb") != limit_gb or peak is None or len(per_rank) != s.get("world_size"):
+        return False, (f"summary.json: limit_gb {s.get('limit_gb')}, peak_under_limit_gb {peak}, "
+                       f"{len(per_rank)} rank(s) of {s.get('world_size')} in peak_under_limit_gb_per_rank")
+    detail = f"limit_gb {limit_gb:g}, peak_under_limit_gb {peak:.3f} GB (per rank {', '.join(f'{p:.3f}' for p in per_rank)})"
+    if s.get("device") == "cuda" and peak != s.get("peak_reserved_gb"):
+        return False, f"{detail}: not the reserved peak, {s.get('peak_reserved_gb')} GB"
+    return True, detail
+
+
+def compiled_probe(run: RunResult) -> tuple[bool, str]:
+    """A probe with train.compile=true times training, not the compiler: compiling falls in
+    its warm-up, so a measured step is a small part of the probe's wall time."""
+    problem = not_ok(run)
+    if problem:
+        return False, problem
+    summaries = [json.loads(f.read_text()) for f in sorted((run.dir / "probes").glob("*/summary.json"))]
+    ok = [p for p in summaries if p.get("status") == "ok"]
+    if not ok:
+        return False, f"no probe trained ({[p.get('error') for p in summaries]})"[:300]
+    lines = [f"batch {p['batch_size']}: {p['step_time_s']:.3f} s a step after {p['steps']} steps in "
+             f"{p['wall_s']:.0f} s" for p in ok]
+    slow = [p for p in ok if not p["step_time_s"] < 0.05 * p["wall_s"]]
+    if slow:
+        return False, f"the compiler is in the measured steps: {'; '.join(lines)}"
+    return True, f"{'; '.join(lines)} (compiling in the warm-up)"

@@ -138,6 +138,32 @@ def peak_under_limit_gb() -> float | None:
     return (resident + peak_data - data) / GB
 
 
+def under_limit_figures(limit_gb: float | None, device_type: str, run: dict,
+                        counted_gb_per_rank: list[float] | None = None,
+                        held_gb_per_rank: list[float] | None = None) -> dict:
+    """The summary's figures under memory.limit_gb: the limit, and the peak it caps per rank
+    and the largest (`peak_under_limit_gb`), the figure to hold against it.
+
+    GPU: set_per_process_memory_fraction caps what the caching allocator reserves (it
+    refuses a new segment that would take its reserved bytes past the fraction, in
+    c10/cuda/CUDACachingAllocator.cpp), so the peak is the run's reserved peak, from `run`
+    (the trainer's figures). CPU: the limit's own count on each rank
+    (`peak_under_limit_gb()`, gathered), with what each rank held when its limit was set.
+    """
+    if limit_gb is None:
+        return {}
+    if device_type == "cuda":
+        per_rank, held = run.get("peak_reserved_gb_per_rank"), None
+    else:
+        per_rank, held = counted_gb_per_rank, held_gb_per_rank
+    if not per_rank:
+        return {}
+    figures = {"limit_gb": limit_gb, "peak_under_limit_gb": max(per_rank), "peak_under_limit_gb_per_rank": per_rank}
+    if held:
+        figures["held_before_limit_gb_per_rank"] = held
+    return figures
+
+
 def held_before_limit_gb() -> float | None:
     """CPU under memory.limit_gb: what this rank held when its limit was set (torch, the
     process group, the data). It varies a little from run to run, and the room left for

@@ -27,7 +27,9 @@ from fsdp_exp.check_gpu_checks import (
     PARITY_STEPS,
     RunResult,
     checks,
+    compiled_probe,
     device,
+    limit_recorded,
     mfu,
     out_of_memory,
     parity,
@@ -208,6 +210,35 @@ def test_peak_memory_is_judged_as_the_limit_counts_it() -> None:
         False, "oom: rank 0 failed: OutOfMemory")
 
 
+def test_the_limit_and_the_peak_it_caps_are_in_the_summary() -> None:
+    gpu = {"peak_reserved_gb": 3.4, "limit_gb": 8.0, "peak_under_limit_gb": 3.4, "peak_under_limit_gb_per_rank": [3.2, 3.4]}
+    assert limit_recorded(result(**gpu), 8.0) == (
+        True, "limit_gb 8, peak_under_limit_gb 3.400 GB (per rank 3.200, 3.400)")
+    assert limit_recorded(result(peak_reserved_gb=3.4), 8.0) == (  # what a GPU run recorded before
+        False, "summary.json: limit_gb None, peak_under_limit_gb None, 0 rank(s) of 2 in peak_under_limit_gb_per_rank")
+    assert not limit_recorded(result(**{**gpu, "peak_under_limit_gb": 2.9}), 8.0)[0]  # not the reserved peak
+    cpu = {"device": "cpu", "peak_mem_gb": 1.7, "limit_gb": 1.5, "peak_under_limit_gb": 1.2,
+           "peak_under_limit_gb_per_rank": [1.1, 1.2]}
+    assert limit_recorded(result(**cpu), 1.5)[0]
+
+
+def probe_run(tmp_path: Path, step_time_s: float, wall_s: float) -> RunResult:
+    probe = tmp_path / "run" / "probes" / "01_b1"
+    probe.mkdir(parents=True, exist_ok=True)
+    (probe / "summary.json").write_text(json.dumps({"status": "ok", "batch_size": 1, "steps": 3,
+                                                    "step_time_s": step_time_s, "wall_s": wall_s}))
+    return RunResult(tmp_path / "run", {"status": "ok"}, {}, [])
+
+
+def test_a_compiled_probe_passes_when_compiling_is_in_its_warmup(tmp_path: Path) -> None:
+    assert compiled_probe(probe_run(tmp_path / "a", 0.12, 61.0)) == (
+        True, "batch 1: 0.120 s a step after 3 steps in 61 s (compiling in the warm-up)")
+    assert compiled_probe(probe_run(tmp_path / "b", 24.0, 61.0)) == (
+        False, "the compiler is in the measured steps: batch 1: 24.000 s a step after 3 steps in 61 s")
+    assert compiled_probe(RunResult(tmp_path / "c", {"status": "failed"}, {}, [], "rank 0 failed")) == (
+        False, "failed: rank 0 failed")
+
+
 def test_a_forced_oom_passes_only_as_status_oom() -> None:
     error = "rank 1 failed: OutOfMemory: ran out of memory under memory.limit_gb=8: CUDA out of memory."
     assert out_of_memory(result("oom", error=error)) == (True, f"status oom: {error}")
@@ -256,12 +287,15 @@ def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_p
         if out.name == "resumed":
             return result(steps=6, resumed_from_step=3)
         if out.name == "under_limit":
-            return result(peak_reserved_gb=3.0)
+            return result(peak_reserved_gb=3.0, limit_gb=8.0, peak_under_limit_gb=3.0,
+                          peak_under_limit_gb_per_rank=[2.9, 3.0])
         if out.name == "max_batch":
             return result(max_batch_size=5, bounded_by="oom")
         if out.name == "at_max_batch":
             assert "train.batch_size=5" in overrides
             return result(peak_reserved_gb=7.5)
+        if out.name == "compiled_probe":
+            return probe_run(tmp_path, step_time_s=0.1, wall_s=60.0)
         return result(**GPT)
 
     lines: list[str] = []

@@ -106,14 +106,16 @@ class FakeCachingAllocator:
         self.retries = self.ooms = 0
 
     def memory_stats(self, device: object = None) -> dict:
+        self.calls.append("memory_stats")  # builds the whole dict of the allocator's stats
         return {"allocated_bytes.all.peak": self.peak_allocated, "active_bytes.all.peak": self.peak_allocated,
                 "reserved_bytes.all.peak": self.peak_reserved, "num_alloc_retries": self.retries,
                 "num_ooms": self.ooms}
 
     def max_memory_allocated(self, device: object = None) -> int:
-        return self.peak_allocated
+        return self.memory_stats(device)["allocated_bytes.all.peak"]  # torch reads it from memory_stats
 
     def memory_allocated(self, device: object = None) -> int:
+        self.calls.append("memory_stats")
         return self.allocated
 
 
@@ -382,3 +384,74 @@ def test_a_runs_retries_are_the_sum_of_its_windows(monkeypatch: pytest.MonkeyPat
     assert [r["alloc_retries"] for r in records.logged] == [2.0, 2.0, 2.0]
     assert summary["alloc_retries"] == 6.0 and summary["ooms"] == 3.0
     assert summary["peak_mem_gb"] == 1.0 and summary["peak_reserved_gb"] == 1.5
+
+
+# ---- what measuring memory costs a step ---------------------------------------------------
+
+
+def stats_reads_per_step(fake_gpu: FakeCachingAllocator, phase_peaks: bool, grad_accum: int = 1) -> list[int]:
+    """The reads of the allocator's stats (memory_stats, and the calls built on it) in each
+    step of a short run, with the trainer's monitor watching the fake GPU."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    steps = 4
+    batches = [(torch.randn(2, 4), torch.randint(0, 3, (2,))) for _ in range(steps * grad_accum)]
+    ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    reads: list[int] = []
+    hook = SimpleNamespace(before_step=lambda step: reads.append(-fake_gpu.calls.count("memory_stats")),
+                           after_step=lambda step: reads.__setitem__(-1, reads[-1] + fake_gpu.calls.count("memory_stats")))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, ranks, steps=steps,
+                      batch_size=2 * grad_accum, grad_accum=grad_accum, log_every=2, hooks=(hook,),
+                      phase_peaks=phase_peaks)
+    trainer.memory = MemoryMonitor(torch.device("cuda", 0), phase_peaks=phase_peaks)
+    summary = trainer.fit()
+    assert summary["peak_reserved_gb"] >= 0 and summary["alloc_retries"] == 0  # the window's figures stay
+    return reads
+
+
+def test_a_step_reads_the_allocators_stats_once_per_phase_boundary(fake_gpu: FakeCachingAllocator) -> None:
+    """Each read builds the allocator's whole dict of stats: on a small, launch-bound model that
+    costs throughput. Per-phase peaks read once where a phase starts, and once after the
+    optimizer step; with grad_accum, once more per micro-batch's forward and backward."""
+    assert stats_reads_per_step(fake_gpu, phase_peaks=True) == [4] * 4
+    assert stats_reads_per_step(fake_gpu, phase_peaks=True, grad_accum=2) == [6] * 4
+
+
+def test_without_phase_peaks_a_step_reads_no_stats_and_a_window_one(fake_gpu: FakeCachingAllocator) -> None:
+    assert stats_reads_per_step(fake_gpu, phase_peaks=False) == [0] * 4
+    monitor = MemoryMonitor(torch.device("cuda", 0), phase_peaks=False)
+    monitor.start_run()
+    fake_gpu.alloc(GB, retry=True)
+    fake_gpu.calls.clear()
+    for phase in ("forward", "backward", "optimizer_step"):
+        monitor.start_phase(phase)
+    monitor.end_phase()
+    peaks = monitor.window_peaks()
+    assert fake_gpu.calls.count("memory_stats") == 1
+    assert peaks == {"peak_mem_gb": 1.0, "peak_active_gb": 1.0, "peak_reserved_gb": 1.0,
+                     "alloc_retries": 1.0, "ooms": 0.0}
+
+
+# ---- the peak memory.limit_gb caps, in the summary ----------------------------------------
+
+
+def test_under_a_limit_a_gpu_run_records_the_reserved_peak_the_limit_caps(fake_gpu: FakeCachingAllocator) -> None:
+    """set_per_process_memory_fraction caps the caching allocator's reserved memory, so under
+    memory.limit_gb a GPU run's summary holds its reserved peak as `peak_under_limit_gb`;
+    a CPU run's is the limit's own count, gathered from the ranks."""
+    from fsdp_exp.memory import under_limit_figures
+
+    def step_allocates(step: int) -> None:  # 1.5 GB in a step; freed after it, it stays reserved
+        fake_gpu.alloc(3 * GB // 2)
+        fake_gpu.free(3 * GB // 2)
+
+    hook = SimpleNamespace(before_step=step_allocates, after_step=lambda step: None)
+    trainer = tiny_trainer(steps=4, log_every=2, hooks=(hook,))
+    trainer.memory = MemoryMonitor(torch.device("cuda", 0))
+    summary = trainer.fit()
+    assert under_limit_figures(8.0, "cuda", summary) == {
+        "limit_gb": 8.0, "peak_under_limit_gb": 1.5, "peak_under_limit_gb_per_rank": [1.5]}
+    assert under_limit_figures(None, "cuda", summary) == {}
+    assert under_limit_figures(1.0, "cpu", {"peak_mem_gb": 0.9}, [0.7, 0.8], [0.4, 0.5]) == {
+        "limit_gb": 1.0, "peak_under_limit_gb": 0.8, "peak_under_limit_gb_per_rank": [0.7, 0.8],
+        "held_before_limit_gb_per_rank": [0.4, 0.5]}

@@ -427,3 +427,42 @@ def test_a_resolution_above_each_ranks_share_of_the_data_is_one_line_before_any_
     assert str(err.value) == ("max_batch.resolution=4: larger than each rank's share of the data (3 samples on each "
                               "of 2 ranks); lower it or use more data")
     assert not (tmp_path / "search").exists()
+
+
+# ---- a compiled probe times training, not the compiler ------------------------------------
+
+
+@pytest.mark.parametrize("compile, steps_per_probe, warmup, steps", [
+    (False, 3, 1, 3),  # the first step is counted (FlopCounterMode); 2 steps time training
+    (False, 2, 1, 2),
+    (True, 3, 2, 3),  # step 1 runs eagerly while it is counted, so step 2 compiles
+    (True, 2, 2, 3),  # at least one step after the compiling one
+])
+def test_a_probes_warmup_covers_the_step_that_compiles(compile: bool, steps_per_probe: int, warmup: int,
+                                                      steps: int) -> None:
+    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.driver.plan import prepare
+    from fsdp_exp.tasks.probe import probe_config
+
+    exp = prepare(compose_checked(["task=max_batch", LIMIT, f"train.compile={compile}".lower()]), 0).exp
+    probe = probe_config(exp, batch_size=4, steps=steps_per_probe, world_size=2)
+    assert (probe.metrics.warmup_steps, probe.train.steps, probe.train.log_every) == (warmup, steps, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_compiled_probe_measures_its_samples_per_s_after_compiling(tmp_path: Path) -> None:
+    """One probe (search_up_to=1) with train.compile=true: compiling (30 s or more on 2 cores)
+    falls in the probe's warm-up, so its samples/s times steps of training: one step is a
+    small part of the probe's wall time, which holds the compiler."""
+    run_dir = tmp_path / "search"
+    found = run_cli("task=max_batch", "memory.limit_gb=3", "model.num_layers=1", "train.compile=true",
+                    "max_batch.search_up_to=1", "max_batch.estimate=false", "wandb.mode=disabled",
+                    f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=800)
+    assert found.returncode == 0, found.stderr[-3000:]
+    (probe,) = read_json(run_dir / "max_batch.json")["probes"]
+    assert probe["status"] == "ok"
+    summary = read_json(run_dir / "probes" / probe_dirs(run_dir)[0] / "summary.json")
+    assert summary["steps"] == 3 and summary["warmup_only"] is False
+    assert summary["step_time_s"] < 0.05 * probe["wall_s"], (summary["step_time_s"], probe["wall_s"])
+    assert probe["samples_per_s"] == pytest.approx(summary["samples_per_s"])

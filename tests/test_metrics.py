@@ -46,6 +46,42 @@ def test_samples_per_s_agrees_with_wall_time(one_rank_group: Ranks) -> None:
     assert summary["warmup_only"] is False
 
 
+@pytest.mark.parametrize("phase_peaks", [True, False])
+def test_each_phase_has_its_peak_unless_turned_off(one_rank_group: Ranks, phase_peaks: bool) -> None:
+    """metrics.phase_peaks: on a GPU each phase costs a read of the allocator's stats."""
+    torch.manual_seed(0)
+    model = build_vit(28, 7, 4, 2, 128, 128, 10)
+    batches = SyntheticImages(num_samples=512).batches(64, 0, 1, seed=0)
+    summary = Trainer(model, torch.optim.AdamW(model.parameters()), batches, one_rank_group, steps=3,
+                      batch_size=64, log_every=3, phase_peaks=phase_peaks).fit()
+    phases = {k: v for k, v in summary.items() if k.startswith("peak_") and k.endswith("_gb") and k != "peak_mem_gb"}
+    if phase_peaks:
+        assert phases.keys() == {"peak_forward_gb", "peak_backward_gb", "peak_optimizer_step_gb"}
+        assert all(0 < v <= summary["peak_mem_gb"] for v in phases.values()), (phases, summary["peak_mem_gb"])
+    else:
+        assert phases == {} and summary["peak_mem_gb"] > 0
+
+
+@pytest.mark.parametrize("warmup_steps, warned", [(1, True), (2, False)])
+def test_a_compiled_run_whose_warmup_ends_before_compiling_is_warned(one_rank_group: Ranks, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture,
+                                                                     warmup_steps: int, warned: bool) -> None:
+    """Step 1 runs eagerly while its FLOPs are counted, so step 2 compiles: a warm-up of one
+    step leaves the compiler in the summary's throughput. Building compiles nothing yet."""
+    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.driver.plan import prepare
+    from fsdp_exp.rank.build import build_experiment
+
+    exp = prepare(compose_checked([*SMALL_VIT, "sharding=none", "train.compile=true",
+                                   f"metrics.warmup_steps={warmup_steps}"]), 0).exp
+    with caplog.at_level("WARNING", logger="fsdp_exp"):
+        build_experiment(exp, one_rank_group, tmp_path).jsonl.close()
+    warnings = [r.getMessage() for r in caplog.records if "train.compile=true" in r.getMessage()]
+    assert warnings == ([f"metrics.warmup_steps=1 with train.compile=true: compiling comes after step 1's first "
+                         "micro-batch, which runs eagerly while its FLOPs are counted, so the summary's throughput "
+                         "includes the compiler; set metrics.warmup_steps=2 or more"] if warned else [])
+
+
 @pytest.mark.slow
 def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
     out = tmp_path / "run"

@@ -9,6 +9,11 @@ also has its own peak, `peak_<phase>_gb`: at small batches the optimizer step se
 step's peak, while the forward and backward peak already grows with every sample. On CPU
 under memory.limit_gb a phase's peak is counted as the limit counts memory: what it counted
 when the phase began, plus the growth of resident memory during the phase.
+`metrics.phase_peaks=false` leaves them out: on GPU each phase boundary reads the
+allocator's whole dict of stats (torch.cuda.memory_stats; max_memory_allocated reads it too)
+and resets its peaks, which a small, launch-bound model feels. With them, a step reads the
+stats where each phase starts and after the optimizer step (4 reads at grad_accum=1);
+without, none, and a window once.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ GB = 2**30
 class MemoryMonitor:
     COUNTS = ("alloc_retries", "ooms")  # events within a window: a run's figure is their sum, not the largest
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, phase_peaks: bool = True):
+        """`phase_peaks`: also each phase's peak (metrics.phase_peaks)."""
         self.device = device
         self.cpu_resets = device.type == "cpu" and _reset_cpu_peak()
+        self.phase_peaks = phase_peaks and (device.type == "cuda" or self.cpu_resets)
         self.window: dict[str, float] = {}  # the window's peaks over the phases that ended
         self.phase: tuple[str, float, float] | None = None  # name, counted and resident GB at its start
 
@@ -52,40 +59,41 @@ class MemoryMonitor:
             torch.cuda.reset_accumulated_memory_stats(self.device)
 
     def start_phase(self, name: str) -> None:
-        """Begin a phase of the step; its peak is `peak_<name>_gb` in the window's peaks."""
-        if not (self.device.type == "cuda" or self.cpu_resets):
+        """Begin a phase of the step, ending the one before; its peak is `peak_<name>_gb` in
+        the window's peaks."""
+        if not self.phase_peaks:
             return
-        self.end_phase()
-        self._fold(self._peaks())  # what came before the phase, in the window's peaks
+        status = self._boundary()
         if self.device.type == "cuda":
             self.phase = (name, 0.0, 0.0)
         else:
-            resident = _status_kb("VmRSS:") * 1024 / GB
-            counted = _counted_now_gb()
+            resident = status["VmRSS:"] * 1024 / GB
+            counted = _counted_now_gb(status)
             self.phase = (name, resident if counted is None else counted, resident)
-        self._reset_peaks()
 
     def end_phase(self) -> None:
-        if self.phase is None:
-            return
-        name, counted, resident = self.phase
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) / GB
-        else:
-            peak = counted + _cpu_peak_bytes() / GB - resident
-        self._fold({f"peak_{name}_gb": peak})
-        self.phase = None
+        if self.phase is not None:
+            self._boundary()
 
     def window_peaks(self) -> dict[str, float]:
         """`peak_mem_gb` (allocated on GPU, resident on CPU), on GPU the other peaks and the
         window's counts, and each phase's peak."""
-        self.end_phase()
-        self._fold(self._peaks())
-        if self.device.type != "cuda":
-            return dict(self.window)
-        stats = torch.cuda.memory_stats(self.device)
-        return {**self.window, "alloc_retries": float(stats.get("num_alloc_retries", 0)),
-                "ooms": float(stats.get("num_ooms", 0))}
+        self._boundary()
+        return dict(self.window)
+
+    def _boundary(self) -> dict[str, int]:
+        """Fold what the peaks hold since their last reset (the phase that ends, or what ran
+        between phases) into the window, then reset them: one read of the allocator's stats
+        (of /proc/self/status on CPU, which it returns)."""
+        peaks, status = self._peaks()
+        if self.phase is not None:
+            name, counted, resident = self.phase
+            # CPU: under a limit, what the limit counted at the phase's start plus its growth
+            peaks[f"peak_{name}_gb"] = peaks["peak_mem_gb"] + counted - resident
+            self.phase = None
+        self._fold(peaks)
+        self._reset_peaks()
+        return status
 
     def _fold(self, peaks: dict[str, float]) -> None:
         for key, value in peaks.items():
@@ -97,43 +105,50 @@ class MemoryMonitor:
         elif self.cpu_resets:
             _reset_cpu_peak()
 
-    def _peaks(self) -> dict[str, float]:
+    def _peaks(self) -> tuple[dict[str, float], dict[str, int]]:
+        """The peaks since the last reset; on GPU the window's counts too (they only grow
+        within a window, so the largest read is the last)."""
         if self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
             return {
                 "peak_mem_gb": stats.get("allocated_bytes.all.peak", 0) / GB,
                 "peak_active_gb": stats.get("active_bytes.all.peak", 0) / GB,
                 "peak_reserved_gb": stats.get("reserved_bytes.all.peak", 0) / GB,
-            }
-        return {"peak_mem_gb": _cpu_peak_bytes() / GB}
+                "alloc_retries": float(stats.get("num_alloc_retries", 0)),
+                "ooms": float(stats.get("num_ooms", 0)),
+            }, {}
+        status = _status()
+        return {"peak_mem_gb": _cpu_peak_bytes(status) / GB}, status
 
     def held_gb(self) -> float:
         """Memory in use now; between steps that is parameters and optimizer state."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) / GB
-        return _status_kb("VmRSS:") * 1024 / GB
+        return _status()["VmRSS:"] * 1024 / GB
 
 
-def _status_kb(key: str) -> int | None:
+def _status() -> dict[str, int]:
+    """/proc/self/status's figures in kB, read once."""
+    figures = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1])
-    return None
+        key, _, value = line.partition("\t")
+        if value.strip().endswith("kB"):
+            figures[key] = int(value.split()[0])
+    return figures
 
 
-def _counted_now_gb() -> float | None:
+def _counted_now_gb(status: dict[str, int]) -> float | None:
     """CPU under memory.limit_gb: what the limit counts now, its peak count less how far
     the address space now is below its peak (see fsdp_exp.memory.peak_under_limit_gb)."""
     peak = peak_under_limit_gb()
     if peak is None:
         return None
-    return peak - (_status_kb("VmPeak:") - _status_kb("VmSize:")) * 1024 / GB
+    return peak - (status["VmPeak:"] - status["VmSize:"]) * 1024 / GB
 
 
-def _cpu_peak_bytes() -> int:
-    kb = _status_kb("VmHWM:")
-    if kb is not None:
-        return kb * 1024
+def _cpu_peak_bytes(status: dict[str, int]) -> int:
+    if "VmHWM:" in status:
+        return status["VmHWM:"] * 1024
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks
+from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks, warmup_steps_to_skip
 from fsdp_exp.checkpoint import TrainState
 from fsdp_exp.metrics.flops import (
     counting_flops,
@@ -172,6 +172,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         batch_size=train.batch_size,
         log_every=train.log_every,
         warmup_steps=cfg.metrics.warmup_steps,
+        phase_peaks=cfg.metrics.phase_peaks,
         grad_accum=train.grad_accum,
         grad_scaler=grad_scaler,
         lr_schedule=schedule,
@@ -201,6 +202,12 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
             log.info("FSDP units: %s", ", ".join(f"{u['module']} ({u['params']:,})" for u in fsdp_units))
         if peak.warning:
             log.warning(peak.warning)
+        compiled_warmup = warmup_steps_to_skip(compile=True)
+        if train.compile and cfg.metrics.warmup_steps < compiled_warmup:
+            log.warning("metrics.warmup_steps=%d with train.compile=true: compiling comes after step 1's first "
+                        "micro-batch, which runs eagerly while its FLOPs are counted, so the summary's "
+                        "throughput includes the compiler; set metrics.warmup_steps=%d or more",
+                        cfg.metrics.warmup_steps, compiled_warmup)
         jsonl = JsonLines(run_dir / "metrics.jsonl")
         if resume is not None:  # earlier records stay; readers take the last record of a step
             jsonl.log({"event": "resumed", "step": trainer.start_step, "checkpoint": str(resume)})

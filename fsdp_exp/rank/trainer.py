@@ -80,6 +80,7 @@ class Trainer:
         checkpoint: Checkpointer | None = None,
         start_step: int = 0,
         start_loss: float | None = None,
+        phase_peaks: bool = True,
     ):
         """`batches` yields micro-batches of `batch_size // grad_accum` samples; one step
         takes `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
@@ -87,7 +88,8 @@ class Trainer:
         `hardware_flops_per_step`: what ran, with the forward activation checkpointing
         recomputes; with `peak_tflops`, HFU.
         `start_step`: the step a resumed run continues after (its first `warmup_steps`
-        steps are warm-up again); `start_loss`: the loss the checkpoint saved at it."""
+        steps are warm-up again); `start_loss`: the loss the checkpoint saved at it.
+        `phase_peaks`: each phase's peak memory as well as the window's (metrics.phase_peaks)."""
         self.model = model
         self.optimizer = optimizer
         self.batches = batches
@@ -109,7 +111,7 @@ class Trainer:
         self.start_step = start_step
         self.start_loss = start_loss
         self.first_micro_batch: FirstMicroBatch | None = None
-        self.memory = MemoryMonitor(ranks.device)
+        self.memory = MemoryMonitor(ranks.device, phase_peaks)
         self.host_data_wait_s = 0.0
 
     def loss_of(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -143,7 +145,8 @@ class Trainer:
                 self.memory.start_phase("backward")
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             total += loss.detach()
-        self.memory.end_phase()
+        # The backward ends where the optimizer step starts (one read of the allocator's stats,
+        # not two): waiting for a save's staging, which runs in its own thread, allocates nothing.
         if self.checkpoint is not None:
             self.checkpoint.before_update()
         self.memory.start_phase("optimizer_step")

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_exp.blocks import warmup_steps_to_skip
 from fsdp_exp.checkpoint import NoCheckpoint
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.sinks import WandbMode, write_summary
@@ -98,10 +99,14 @@ class Probe:
 def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
                  limit_gb: Any = "same") -> Experiment:
     """The run's config, trimmed to a probe: `steps` steps at `batch_size`, the first of
-    them warm-up, no profile, export or wandb run of its own."""
+    them warm-up (with train.compile the first two, and then at least 3 steps, so that the
+    probe's samples/s times training, not the compiler), no profile, export or wandb run of
+    its own."""
     probe = copy.deepcopy(cfg)
+    warmup = warmup_steps_to_skip(cfg.train.compile)
+    steps = max(steps, warmup + 1)
     probe.train = replace(probe.train, batch_size=batch_size, steps=steps, log_every=steps)
-    probe.metrics.warmup_steps = 1
+    probe.metrics.warmup_steps = warmup
     probe.profile = NoProfile()
     probe.checkpoint = NoCheckpoint()
     probe.wandb.mode = WandbMode.disabled

@@ -17,6 +17,7 @@ from fsdp_exp.memory import (
     held_before_limit_gb,
     is_out_of_memory,
     peak_under_limit_gb,
+    under_limit_figures,
 )
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
 from fsdp_exp.metrics.startup import in_order, process_started
@@ -85,13 +86,12 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
         cfg.startup["ready"] = time.time()
         try:
             summary = exp.trainer.fit() | exp.figures | {"startup": in_order(cfg.startup)}
-            under_limit = peak_under_limit_gb()
-            if under_limit is not None:
-                per_rank = distributed.gather(under_limit, ranks.device)
-                summary["limit_gb"] = limit_gb
-                summary["peak_under_limit_gb"] = max(per_rank)
-                summary["peak_under_limit_gb_per_rank"] = per_rank
-                summary["held_before_limit_gb_per_rank"] = distributed.gather(held_before_limit_gb(), ranks.device)
+            counted = held = None
+            mine = peak_under_limit_gb()
+            if mine is not None:  # CPU under a limit, on every rank alike
+                counted = distributed.gather(mine, ranks.device)
+                held = distributed.gather(held_before_limit_gb(), ranks.device)
+            summary |= under_limit_figures(limit_gb, ranks.device.type, summary, counted, held)
         finally:
             if exp.progress is not None:
                 exp.progress.close()

@@ -57,7 +57,7 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["train.grad_accum=3"], "train.grad_accum=3: must divide train.batch_size=32"),
         (["train.grad_accum=0"], "train.grad_accum=0: must be at least 1"),
         (["model=gpt", "data=synthetic_tokens", "model.size=huge"], "model.size=huge: choose one of: tiny, small, medium, large, xl"),
-        (["model=gpt"], "data: model fsdp_exp.models.gpt.build_gpt cannot read this data's inputs (samples of "
+        (["model=gpt", "data=synthetic"], "data: model fsdp_exp.models.gpt.build_gpt cannot read this data's inputs (samples of "
                         "shape [1, 28, 28], float32)"),
         (["data=text"], "data.seq_len=128: model fsdp_exp.models.vit.build_vit cannot read this data's inputs "
                         "(token ids of shape [128], int64)"),
@@ -174,3 +174,23 @@ def test_weights_of_another_model_are_refused_before_eval(tmp_path: Path) -> Non
     save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match="saved from a different model: class_token is absent there"):
         precheck(["task=eval", f"task.weights={tmp_path / 'model.safetensors'}"])
+
+
+@pytest.mark.parametrize("model", ["gpt", "hf"])
+def test_a_language_model_brings_token_data_unless_the_command_line_names_other_data(model: str) -> None:
+    """`model=gpt` alone (as the README's estimate command types it) reads token data; a
+    data option on the command line, before or after the model, still wins."""
+    from fsdp_exp.cli import compose_config
+
+    assert compose_config([f"model={model}"]).hydra.runtime.choices.data == "synthetic_tokens"
+    assert compose_config(["data=text", f"model={model}"]).hydra.runtime.choices.data == "text"
+    assert compose_config([f"model={model}", "data=text"]).hydra.runtime.choices.data == "text"
+    assert compose_config([]).hydra.runtime.choices.data == "synthetic"
+
+
+def test_the_readmes_estimate_command_is_accepted_as_typed() -> None:
+    from fsdp_exp.cli import precheck
+
+    plans = precheck(["task=estimate", "model=gpt", "model.size=xl", "task.world_size=64"])
+    (plan,) = plans.values()
+    assert plan.exp.data.tokens_per_sample > 0

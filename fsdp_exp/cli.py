@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
+from fsdp_exp.metrics.sinks import write_summary
 from fsdp_exp.metrics.startup import process_started
 
 
@@ -78,7 +80,7 @@ def main() -> None:
         side_by_side.close()  # runs still in flight (Ctrl-C) stop their jobs before the command ends
 
 
-def run_function(plans: dict[tuple[str, ...], RunPlan], side_by_side: SideBySide) -> Callable[[DictConfig], Any]:
+def run_function(plans: dict[tuple[str, ...], RunPlan | Refused], side_by_side: SideBySide) -> Callable[[DictConfig], Any]:
     """Hydra's task function: one run, from the plan the check made of it (`plans`, by its
     overrides); composed and checked again only where the check did not see the run (a run
     that Hydra's launcher plugin starts in another process). A sweep's run on a launcher
@@ -97,8 +99,12 @@ def run_function(plans: dict[tuple[str, ...], RunPlan], side_by_side: SideBySide
         group = Path(hc.sweep.dir).as_posix().replace("/", "_") if sweep else None
         overrides = list(hc.overrides.task)
         plan = plans.pop(run_key(overrides), None) or prepare(cfg, torch.cuda.device_count())
-        plan.exp.startup.update(command=process_started(), imported=IMPORTED, composed=time.time())
         run_dir = Path(hc.runtime.output_dir)
+        if isinstance(plan, Refused):  # one bad combination of a sweep: a row of its own, the others run
+            summary = {"status": "refused", "error": plan.reason, "overrides": overrides, "choices": choices}
+            write_summary(run_dir, summary)
+            return summary
+        plan.exp.startup.update(command=process_started(), imported=IMPORTED, composed=time.time())
         launcher = plan.launcher
         if plan.task.runs_in_driver or not (sweep and launcher.max_parallel > 1
                                             and str(hc.launcher._target_).endswith(".BasicLauncher")):
@@ -127,9 +133,17 @@ def run_key(overrides: list[str]) -> tuple[str, ...]:
     return tuple(o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/")))
 
 
-def precheck(argv: list[str]) -> dict[tuple[str, ...], RunPlan]:
-    """Compose and check every run the command line asks for; raise ConfigError on the
-    first bad one. The plan of each run, by its overrides (`run_key`)."""
+@dataclass(frozen=True)
+class Refused:
+    """A run of a sweep that its check refused: the sweep runs the others."""
+
+    reason: str
+
+
+def precheck(argv: list[str]) -> dict[tuple[str, ...], RunPlan | Refused]:
+    """Compose and check every run the command line asks for. The plan of each run, by its
+    overrides (`run_key`). A single run, or a sweep whose every run is refused, raises the
+    first run's ConfigError; a sweep's refused runs are named on stderr and the rest run."""
     args = get_args_parser().parse_args(argv)  # Hydra's own parser: no public API gives it
     if args.help or args.hydra_help or args.shell_completion or args.info:
         return {}
@@ -138,11 +152,25 @@ def precheck(argv: list[str]) -> dict[tuple[str, ...], RunPlan]:
     config_name = args.config_name or "config"
     parsed = [parse_override(text) for text in args.overrides]
     runs = sweep_runs(parsed) if args.multirun else [args.overrides]
-    plans = {}
+    plans: dict[tuple[str, ...], RunPlan | Refused] = {}
+    refused: list[tuple[list[str], ConfigError]] = []
     for overrides in runs:
-        cfg = compose_config(list(overrides), config_name)
-        plans[run_key(list(overrides))] = prepare(cfg, torch.cuda.device_count())
-        check_launcher_plugin(cfg)
+        try:
+            cfg = compose_config(list(overrides), config_name)
+            plans[run_key(list(overrides))] = prepare(cfg, torch.cuda.device_count())
+            check_launcher_plugin(cfg)
+        except ConfigError as err:
+            if not args.multirun:
+                raise
+            plans[run_key(list(overrides))] = Refused(str(err))
+            refused.append((list(overrides), err))
+    if refused and len(refused) == len(runs):
+        raise refused[0][1]
+    swept = swept_keys(list(plans))
+    for overrides, err in refused:
+        shown = " ".join(o for o in overrides if o.partition("=")[0] in swept)
+        print(f"fsdp_exp: refused {shown}: {err}; the sweep runs the other {len(runs) - len(refused)}",
+              file=sys.stderr)
     return plans
 
 

@@ -110,3 +110,24 @@ def test_a_sweep_runs_every_combination_in_hydras_order() -> None:
                                                       ["train.batch_size=24"]]
     with pytest.raises(ConfigError, match=r"^train.lr=interval\(0,1\): a range sweep needs a sweeper plugin"):
         runs("train.lr=interval(0,1)")
+
+
+def test_a_grid_sweep_runs_its_valid_runs_and_shows_the_invalid_one_as_refused(tmp_path: Path) -> None:
+    """sharding=ddp with offload=true is refused (DDP keeps a full replica); the other run of
+    the grid still trains, and the refused one is a row of its own with its reason."""
+    result = run_cli("-m", *SMALL_VIT, "sharding=ddp", "offload=false,true", "train.steps=2", "train.log_every=1",
+                     "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    refused_line = next(line for line in result.stderr.splitlines() if "refused offload=true" in line.lower())
+    assert "offload=true: sharding=ddp keeps a full replica on every rank" in refused_line
+    summaries = {read_json(p)["choices"].get("sharding", "") + "/" + str(read_json(p).get("status")): read_json(p)
+                 for p in (tmp_path / "sweep").glob("*/summary.json")}
+    assert sorted(summaries) == ["ddp/ok", "ddp/refused"]
+    assert "sharding=ddp keeps a full replica" in summaries["ddp/refused"]["error"]
+
+
+def test_a_sweep_whose_every_run_is_refused_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = run_cli("-m", *SMALL_VIT, "sharding=ddp", "offload=true", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("fsdp_exp: offload=true: sharding=ddp keeps a full replica")
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -46,7 +46,11 @@ class RunOutcomes(Callback):
         ended = [(run_dir, outcome(summary)) for run_dir, summary in self.ended] or \
             self.ended_elsewhere(Path(config.hydra.sweep.dir).absolute())
         failed = [f"{run_dir}: {summary.get('error', summary['status'])}"
-                  for run_dir, summary in ended if summary["status"] != "ok"]
+                  for run_dir, summary in ended if summary["status"] not in ("ok", "refused")]
+        refused = [run_dir for run_dir, summary in ended if summary["status"] == "refused"]
+        if refused:  # each was named, with its reason, before the sweep started
+            print(f"fsdp_exp: {len(refused)} of {len(ended)} runs refused by their check (status refused): "
+                  f"{', '.join(refused)}", file=sys.stderr)
         if failed and (len(ended) > 1 or not self.ended):  # a single run here has already said why
             print(f"fsdp_exp: {len(failed)} of {len(ended)} runs failed:", file=sys.stderr)
             for line in failed:

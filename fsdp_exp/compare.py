@@ -1,9 +1,10 @@
 """`python -m fsdp_exp.compare PATH ...`: finished runs side by side, as a table, a CSV and a chart.
 
-A PATH is a run directory or a directory of them (a multirun sweep, or `outputs/`). A run is
-named by its setup: the overrides in which it differs from the others compared, so a sweep
-over `sharding=ddp,full` reads as two rows, `sharding=ddp` and `sharding=full`.
-Runs that did not finish are skipped with the reason; runs that failed are rows that say so.
+A PATH is a run directory or a directory holding runs at any depth (a multirun sweep, or
+`outputs/` with its `multirun/<date>/<time>/<n>/`). A run is named by its setup: the overrides
+whose values differ between the runs compared, so a sweep over `sharding=ddp,full` reads as
+two rows, `sharding=ddp` and `sharding=full`; the CSV keeps every override.
+Runs that did not finish are skipped with the reason; runs that failed are rows that say why.
 """
 
 from __future__ import annotations
@@ -27,16 +28,23 @@ NOT_FINISHED = "no summary.json: the run did not finish (interrupted or still ru
 INTERRUPTED = "interrupted: the run was stopped before it finished"
 COLUMNS = ["setup", "task", "status", "max_batch_size", "fastest_batch_size", "near_fastest_batch_size",
            "batch_size", "samples_per_s", "limit_gb", "peak_under_limit_gb", "peak_mem_gb", "world_size", "mfu",
-           "note", "run_dir"]
+           "final_loss", "eval_loss", "eval_accuracy", "note", "run_dir"]
+# The CSV only: a table cell of every override is what made rows unreadable.
+CSV_ONLY = ["overrides"]
 # Shown only when some run has them: most runs have no MFU (it needs a known peak FLOP/s),
-# and only max_batch runs have a fastest batch.
-OPTIONAL = {"fastest_batch_size", "near_fastest_batch_size", "limit_gb", "peak_under_limit_gb", "mfu", "note"}
+# only max_batch runs have a fastest batch, and max_batch runs have no loss.
+OPTIONAL = {"fastest_batch_size", "near_fastest_batch_size", "limit_gb", "peak_under_limit_gb", "mfu", "final_loss",
+            "eval_loss", "eval_accuracy", "note"}
 HEADINGS = {"max_batch_size": "max batch", "fastest_batch_size": "fastest batch",
             "near_fastest_batch_size": "within 5% of fastest from", "batch_size": "batch per rank",
             "samples_per_s": "samples/s", "limit_gb": "memory.limit_gb", "peak_under_limit_gb": "peak under the limit (GB)",
-            "peak_mem_gb": "peak memory (GB)", "world_size": "ranks", "mfu": "MFU", "run_dir": "run"}
+            "peak_mem_gb": "peak memory (GB)", "world_size": "ranks", "mfu": "MFU", "final_loss": "final loss",
+            "eval_loss": "eval loss", "eval_accuracy": "eval accuracy", "run_dir": "run"}
 FORMATS = {"max_batch_size": ",d", "fastest_batch_size": ",d", "near_fastest_batch_size": ",d", "batch_size": ",",
-           "samples_per_s": ",.1f", "limit_gb": "g", "peak_under_limit_gb": ".3f", "peak_mem_gb": ".2f", "mfu": ".1%"}
+           "samples_per_s": ",.1f", "limit_gb": "g", "peak_under_limit_gb": ".3f", "peak_mem_gb": ".2f", "mfu": ".1%",
+           "final_loss": ".4f", "eval_loss": ".4f", "eval_accuracy": ".2%"}
+# A failure's reason in a table cell; the CSV and comparison.md keep the whole first line.
+REASON_CHARS = 120
 
 
 class CompareError(Exception):
@@ -71,18 +79,26 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
     rows = comparison_rows(runs)
+    common = common_overrides(runs)
     out = Path(args.out) if args.out else default_out_dir(args.paths)
-    paths = out / "comparison.md", out / "comparison.csv", out / "comparison.png"
+    paths = [out / "comparison.md", out / "comparison.csv", out / "comparison.png"]
     try:
         out.mkdir(parents=True, exist_ok=True)
-        paths[0].write_text(markdown(rows, skipped))
+        paths[0].write_text(markdown(rows, skipped, common))
         write_csv(rows, paths[1])
     except OSError as err:
         print(f"fsdp_exp.compare: --out {out}: cannot write there ({err.strerror})", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from fsdp_exp.metrics.plots import plot_comparison
+    from fsdp_exp.metrics.plots import plot_comparison, plot_throughput_vs_memory
 
     plot_comparison(rows, paths[2])
+    points = memory_points(rows)
+    if points:
+        paths.append(out / "throughput_vs_memory.png")
+        plot_throughput_vs_memory(points, paths[-1], title=common_title(common) if len(runs) > 1 else None,
+                                  memory_label=memory_label(rows))
+    if len(runs) > 1 and common:
+        print(f"every run: {' '.join(common)}")
     print(markdown_table(rows))
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
@@ -129,7 +145,8 @@ def is_run_dir(path: Path) -> bool:
 
 
 def find_run_dirs(path: Path) -> list[Path]:
-    """`path` itself when it is a run, else the runs one and two levels below it."""
+    """`path` itself when it is a run, else every run below it, at any depth: `outputs/` holds
+    single runs at <date>/<time> and sweeps' runs at multirun/<date>/<time>/<n>."""
     if path.name == "summary.json" and path.is_file():
         path = path.parent
     if not path.exists():
@@ -138,11 +155,21 @@ def find_run_dirs(path: Path) -> list[Path]:
         raise CompareError(f"{path}: not a directory; give a run directory or a directory of runs")
     if is_run_dir(path):
         return [path]
+    found = runs_below(path, {path.resolve()})
+    if not found:
+        raise CompareError(f"{path}: holds no runs (no summary.json or .hydra/ in it or anywhere below it)")
+    return found
+
+
+def runs_below(path: Path, visited: set[Path]) -> list[Path]:
+    """The runs under `path`, not looking inside a run: a max_batch run's probes have summaries
+    of their own. `visited` guards against a symlink back up the tree."""
     found = []
     for child in subdirs(path):
-        found += [child] if is_run_dir(child) else [d for d in subdirs(child) if is_run_dir(d)]
-    if not found:
-        raise CompareError(f"{path}: holds no runs (no summary.json or .hydra/ in it, one or two levels down)")
+        if child.resolve() in visited:
+            continue
+        visited.add(child.resolve())
+        found += [child] if is_run_dir(child) else runs_below(child, visited)
     return found
 
 
@@ -213,6 +240,23 @@ def wandb_run(run: Any) -> Run | Skipped:
     return Run(run.url, summary, [t for t in run.tags if "=" in t], config)
 
 
+def memory_points(rows: list[dict]) -> list[tuple[str, float, float]]:
+    """(setup, samples/s, peak GB) of each run that has both: the peak the limit counts when
+    the run had a limit, else its peak memory."""
+    points = []
+    for r in rows:
+        peak = r["peak_under_limit_gb"] if r.get("peak_under_limit_gb") is not None else r.get("peak_mem_gb")
+        if r["status"] == "ok" and r.get("samples_per_s") is not None and peak is not None:
+            points.append((r["setup"], r["samples_per_s"], peak))
+    return points
+
+
+def memory_label(rows: list[dict]) -> str:
+    if any(r.get("peak_under_limit_gb") is not None for r in rows):
+        return "peak memory per rank (GB; as memory.limit_gb counts it where a run had a limit)"
+    return "peak memory per rank (GB)"
+
+
 def comparison_rows(runs: list[Run]) -> list[dict]:
     setups = setup_names(runs)
     return [row(run, setup) for run, setup in zip(runs, setups)]
@@ -231,9 +275,17 @@ def row(run: Run, setup: str) -> dict:
         "samples_per_s": s.get("samples_per_s"), "limit_gb": None if limit is MISSING else limit,
         "peak_under_limit_gb": s.get("peak_under_limit_gb"), "peak_mem_gb": s.get("peak_mem_gb"),
         "world_size": s.get("world_size"), "mfu": s.get("mfu"),
-        "note": none_fits(s) if task == "max_batch" and max_batch == 0 else None,
-        "run_dir": run.source, "error": s.get("error"),
+        **{k: s.get(k) for k in ("final_loss", "eval_loss", "eval_accuracy")},
+        "note": (failure_reason(s) if s["status"] != "ok"
+                 else none_fits(s) if task == "max_batch" and max_batch == 0 else None),
+        "run_dir": run.source, "error": s.get("error"), "overrides": " ".join(run.overrides),
     }
+
+
+def failure_reason(summary: dict) -> str:
+    """The first line of what a failed, out-of-memory or refused run recorded."""
+    text = str(summary.get("error") or summary.get("reason") or "").strip()
+    return text.splitlines()[0] if text else "no error recorded"
 
 
 def train_batch_size(run: Run) -> int | float | None:
@@ -260,30 +312,97 @@ def lookup(config: dict, dotted_key: str) -> Any:
 
 
 def setup_names(runs: list[Run]) -> list[str]:
-    """Each run's overrides that differ between the runs; all its overrides when none differ.
+    """Each run's settings whose values differ between the runs; a lone run's overrides.
 
-    A run that leaves an overridden key at its default is compared by that default (from
-    its recorded group choices or config), so `sharding=full` matches a run left at full."""
-    keys = list(dict.fromkeys(override_key(o) for run in runs for o in run.overrides))
+    A run that leaves an overridden key at its default is compared by that default (from its
+    recorded group choices or config), so `sharding=full` matches a run left at full, and
+    `train.lr=1e-3` matches a default of 0.001. Runs alike in every setting are named by
+    their directories."""
+    if len(runs) == 1:
+        return [" ".join(runs[0].overrides) or "(defaults)"]
+    keys = list(dict.fromkeys(override_key(o) for run in runs for o in run.overrides if not is_hydras(o)))
     settings = [{key: setting(run, key) for key in keys} for run in runs]
-    differing = [k for k in keys if len({s[k] for s in settings}) > 1] if len(runs) > 1 else []
+    differing = [k for k in keys if len({s[k][1] for s in settings if s[k] is not None}) > 1]
+    if not differing:
+        return run_names(runs)
+    names = [" ".join(s[k][0] for k in differing if s[k] is not None and s[k][0]) or "(defaults)" for s in settings]
+    # Runs alike where the others differ (a setup run twice): told apart by their directories.
+    return [f"{name} [{where}]" if names.count(name) > 1 else name for name, where in zip(names, run_names(runs))]
+
+
+def run_names(runs: list[Run]) -> list[str]:
+    """Each run's directory below the directory they share (`3`, `14-02-11/0`), or its URL."""
+    local = [Path(run.source) for run in runs if "://" not in run.source]
+    base = Path(os.path.commonpath([p.resolve() for p in local])) if len(local) > 1 else None
     names = []
-    for run, setting_of in zip(runs, settings):
-        shown = [setting_of[k] for k in differing if setting_of[k] is not None] if differing else run.overrides
-        names.append(" ".join(shown) or "(defaults)")
+    for run in runs:
+        path = Path(run.source).resolve()
+        names.append(run.source if base is None or "://" in run.source or path == base
+                     else str(path.relative_to(base)))
     return names
 
 
-def setting(run: Run, key: str) -> str | None:
-    """`key=value` as the run had it: its override, else its default when recorded."""
-    for override in run.overrides:
-        if override_key(override) == key:
-            return override
+def common_overrides(runs: list[Run]) -> list[str]:
+    """The overrides every run was given, alike (the last of a key's, as Hydra takes it): said
+    once, above the rows."""
+    keys = dict.fromkeys(override_key(o) for o in runs[0].overrides if not is_hydras(o))
+    return [override_of(runs[0], key) for key in keys
+            if all(override_of(run, key) == override_of(runs[0], key) for run in runs)]
+
+
+def override_of(run: Run, key: str) -> str | None:
+    """The run's override of `key`: the last one given, as Hydra takes it."""
+    return next((o for o in reversed(run.overrides) if override_key(o) == key), None)
+
+
+def common_title(common: list[str]) -> str | None:
+    text = " ".join(common)
+    return f"every run: {text}" if text else None
+
+
+def is_hydras(override: str) -> bool:
+    """Hydra's own settings (`hydra.sweep.dir=...`) say where a run went, not what it ran."""
+    return override.lstrip("+~").startswith(("hydra.", "hydra/"))
+
+
+ABSENT = "(not set)"
+
+
+def setting(run: Run, key: str) -> tuple[str, str] | None:
+    """`key=value` as the run had it (its override, else its default when recorded) and the
+    value in a form that compares alike however it was written; None when not known."""
+    override = override_of(run, key)
+    if override is not None:
+        if override.startswith("~") or "=" not in override:  # deleted from the config
+            return "", ABSENT
+        return override, comparable(override.split("=", 1)[1])
     choices = run.summary.get("choices") or {}
     value = choices[key] if key in choices else lookup(run.config, key)
-    if value is MISSING or isinstance(value, (dict, list)):
+    if value is MISSING:
+        # A recorded config without the key: the run did not have it (a `+key=` elsewhere).
+        return ("", ABSENT) if run.config else None
+    if isinstance(value, (dict, list)):
         return None
-    return f"{key}={yaml_scalar(value)}"
+    return f"{key}={yaml_scalar(value)}", comparable(value)
+
+
+def comparable(value: Any) -> str:
+    """1e-3, 0.001 and '0.001' alike; 5 and 5.0 alike."""
+    import yaml
+
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = float(value)
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def yaml_scalar(value: Any) -> str:
@@ -306,6 +425,8 @@ def cell(row: dict, column: str) -> str:
     value = row.get(column)
     if column == "max_batch_size" and value == 0 and row.get("note"):
         return row["note"]
+    if column == "note" and isinstance(value, str) and len(value) > REASON_CHARS:
+        value = value[:REASON_CHARS - 1] + "…"
     if value is None:
         return "-"
     if column in FORMATS and isinstance(value, (int, float)):
@@ -321,13 +442,15 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def markdown(rows: list[dict], skipped: list[Skipped]) -> str:
-    parts = ["# Run comparison", "", markdown_table(rows)]
+def markdown(rows: list[dict], skipped: list[Skipped], common: list[str] | None = None) -> str:
+    parts = ["# Run comparison", ""]
+    if common and len(rows) > 1:
+        parts += [f"Every run: `{' '.join(common)}`", ""]
+    parts += [markdown_table(rows)]
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         parts += ["", "## Failed runs", ""]
-        parts += [f"- `{r['run_dir']}` ({r['setup']}): {r['status']}: "
-                  f"{(r.get('error') or 'no error recorded').strip().splitlines()[0]}" for r in failed]
+        parts += [f"- `{r['run_dir']}` ({r['setup']}): {r['status']}: {r['note']}" for r in failed]
     if skipped:
         parts += ["", "## Skipped runs", ""]
         parts += [f"- `{s.source}`: {s.reason}" for s in skipped]
@@ -335,7 +458,7 @@ def markdown(rows: list[dict], skipped: list[Skipped]) -> str:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    shown = columns(rows)
+    shown = columns(rows) + CSV_ONLY
     with open(path, "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=shown, extrasaction="ignore")
         writer.writeheader()

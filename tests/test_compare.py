@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
+import struct
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fsdp_exp.compare import main
 from fsdp_exp.metrics.plots import plot_comparison, plot_max_batch
@@ -17,7 +19,7 @@ COMPARE = ("-m", "fsdp_exp.compare")
 
 
 def make_run(run_dir: Path, summary: dict | str | None, overrides: list[str] | None = None,
-             batch_size: int | None = None) -> Path:
+             batch_size: int | None = None, config: dict | None = None) -> Path:
     """A run directory as Hydra and the driver leave it: .hydra/ and, when given, summary.json."""
     hydra = run_dir / ".hydra"
     hydra.mkdir(parents=True)
@@ -25,6 +27,8 @@ def make_run(run_dir: Path, summary: dict | str | None, overrides: list[str] | N
     if batch_size is not None:
         (hydra / "config.yaml").write_text(
             f"seed: 0\ntrain:\n  steps: 50\n  batch_size: {batch_size}\nmemory:\n  limit_gb: null\n")
+    if config is not None:
+        (hydra / "config.yaml").write_text(yaml.safe_dump(config))
     if summary is not None:
         (run_dir / "summary.json").write_text(summary if isinstance(summary, str) else json.dumps(summary))
     return run_dir
@@ -77,12 +81,15 @@ def test_compare_a_real_sweep(tmp_path: Path) -> None:
     for row, sharding in zip(table_rows, ("ddp", "full")):
         assert f" {speed[sharding]:,.1f} " in row and f"{sweep / ('0' if sharding == 'ddp' else '1')}" in row
     assert result.stdout.splitlines()[-1] == (
-        f"wrote {sweep / 'comparison.md'}, {sweep / 'comparison.csv'}, {sweep / 'comparison.png'}")
+        f"wrote {sweep / 'comparison.md'}, {sweep / 'comparison.csv'}, {sweep / 'comparison.png'}, "
+        f"{sweep / 'throughput_vs_memory.png'}")
 
     rows = read_csv(sweep / "comparison.csv")
     assert [(r["setup"], r["task"], r["status"], r["batch_size"], r["world_size"]) for r in rows] == [
         ("sharding=ddp", "train", "ok", "32", "2"), ("sharding=full", "train", "ok", "32", "2")]
     assert [float(r["samples_per_s"]) for r in rows] == [speed["ddp"], speed["full"]]
+    assert [float(r["final_loss"]) for r in rows] == [read_json(sweep / n / "summary.json")["final_loss"]
+                                                       for n in ("0", "1")]
     assert "\n".join(table_rows) in (sweep / "comparison.md").read_text()
     assert (sweep / "comparison.png").read_bytes().startswith(PNG_MAGIC)
 
@@ -192,7 +199,7 @@ def test_same_overrides_everywhere_are_all_shown(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("make", "message"), [
     (lambda tmp: tmp / "missing", "{path}: no such directory"),
     (lambda tmp: (tmp / "empty" / "sub").mkdir(parents=True) or tmp / "empty",
-     "{path}: holds no runs (no summary.json or .hydra/ in it, one or two levels down)"),
+     "{path}: holds no runs (no summary.json or .hydra/ in it or anywhere below it)"),
 ])
 def test_a_path_without_runs_is_one_clear_line(tmp_path: Path, make, message: str) -> None:
     path = make(tmp_path)
@@ -275,3 +282,167 @@ def test_plot_max_batch_without_an_answer_or_a_model(tmp_path: Path) -> None:
     plot_max_batch(record, tmp_path / "max_batch.png")
     png = (tmp_path / "max_batch.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 1000
+
+
+# What a user types besides the swept keys: about 300 characters, alike in every run.
+COMMON = ["model=gpt", "model.num_layers=12", "model.dim=768", "model.num_heads=12", "data=token_file",
+          "data.path=/data/datasets/openwebtext/train_tokens_uint16.bin", "train.steps=200",
+          "train.batch_size=16", "train.log_every=10", "metrics.warmup_steps=20", "checkpoint=none",
+          "wandb.mode=disabled", "wandb.project=sweeps-of-the-gpt-small-model", "launcher.nproc_per_node=8"]
+
+
+def hydra_run(run_dir: Path, overrides: list[str], status: str = "ok", lr: float = 0.001, **figures) -> Path:
+    """A run as the driver writes it: summary.json with its overrides and group choices, and
+    .hydra/ with the same overrides and the composed config (which holds every default)."""
+    choices = {"model": "gpt", "data": "token_file", "sharding": "full", "precision": "fp32", "task": "train"}
+    choices |= {o.split("=")[0]: o.split("=")[1] for o in overrides if o.split("=")[0] in choices}
+    summary = {"status": status, "world_size": 8, **figures, "overrides": overrides, "choices": choices}
+    config = {"seed": 0, "train": {"steps": 200, "batch_size": 16, "lr": lr}, "memory": {"limit_gb": None}}
+    return make_run(run_dir, summary, overrides, config=config)
+
+
+def trained(samples_per_s: float, peak_mem_gb: float, final_loss: float) -> dict:
+    return {"steps": 200, "final_loss": final_loss, "global_batch_size": 128, "warmup_only": False,
+            "samples_per_s": samples_per_s, "peak_mem_gb": peak_mem_gb, "held_mem_gb": 0.4, "mfu": None}
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    return struct.unpack(">II", data[16:24])
+
+
+def test_a_learning_rate_sweep_shows_its_losses(tmp_path: Path) -> None:
+    """train.lr swept: the final loss of each run, and an eval run's loss and accuracy."""
+    sweep = tmp_path / "outputs" / "multirun" / "2026-01-02" / "10-00-00"
+    for n, (lr, loss) in enumerate([("1e-3", 2.3456), ("3e-4", 2.8125), ("1e-4", 3.5)]):
+        hydra_run(sweep / str(n), [*COMMON, f"train.lr={lr}"], lr=float(lr), **trained(900.0, 3.2, loss))
+    evaluated = make_run(tmp_path / "outputs" / "2026-01-02" / "11-00-00", {
+        "status": "ok", "eval_loss": 2.4012, "eval_accuracy": 0.5625, "eval_samples": 512,
+        "weights": "/ckpt/model.pt", "overrides": ["task=eval", "task.weights=/ckpt/model.pt"],
+        "choices": {"task": "eval", "model": "gpt"}})
+    code, rows, md = compare(sweep, evaluated, out=tmp_path / "out")
+    assert code == 0
+    assert [(r["setup"], r["final_loss"], r["eval_loss"], r["eval_accuracy"]) for r in rows][:3] == [
+        ("train.lr=1e-3 task=train", "2.3456", "", ""), ("train.lr=3e-4 task=train", "2.8125", "", ""),
+        ("train.lr=1e-4 task=train", "3.5", "", "")]
+    assert (rows[3]["task"], rows[3]["final_loss"], rows[3]["eval_loss"], rows[3]["eval_accuracy"]) == (
+        "eval", "", "2.4012", "0.5625")
+    assert "| final loss | eval loss | eval accuracy |" in md
+    assert "| 2.3456 | - | - |" in md and "| - | 2.4012 | 56.25% |" in md
+
+
+def test_compare_outputs_finds_single_runs_and_every_multirun_run(tmp_path: Path) -> None:
+    """outputs/<date>/<time> and outputs/multirun/<date>/<time>/<n>, as Hydra lays them out;
+    a max_batch run's probes (each with a summary.json) are part of that run, not runs."""
+    outputs = tmp_path / "outputs"
+    hydra_run(outputs / "2026-01-01" / "09-00-00", ["sharding=ddp"], **trained(500.0, 4.0, 3.0))
+    for n, sharding in enumerate(["full", "grad_op"]):
+        hydra_run(outputs / "multirun" / "2026-01-01" / "10-00-00" / str(n), [f"sharding={sharding}"],
+                  **trained(700.0 + n, 2.0, 3.0))
+    search = make_run(outputs / "multirun" / "2026-01-02" / "08-00-00" / "0", max_batch_summary("full", 212))
+    make_run(search / "probes" / "01_b64", train_summary("full", 410.0))
+    (outputs / "compare" / "2026-01-01_12-00-00").mkdir(parents=True)
+    code, rows, _ = compare(outputs, out=tmp_path / "out")
+    assert code == 0
+    assert [r["run_dir"] for r in rows] == [
+        str(outputs / "2026-01-01" / "09-00-00"), str(outputs / "multirun" / "2026-01-01" / "10-00-00" / "0"),
+        str(outputs / "multirun" / "2026-01-01" / "10-00-00" / "1"), str(search)]
+
+
+def test_rows_are_named_by_what_differs_and_the_csv_keeps_every_override(tmp_path: Path) -> None:
+    """Two sweeps over sharding x precision with the same 300 characters of other overrides, one
+    run that leaves train.lr at its default of 0.001 where the sweeps say 1e-3, and a setup
+    run twice: each row is named by its differing settings alone."""
+    first = tmp_path / "multirun" / "2026-01-03" / "10-00-00"
+    n = 0
+    for sharding in ("full", "grad_op"):
+        for precision in ("bf16", "fp32"):
+            hydra_run(first / str(n), [*COMMON, "train.lr=1e-3", f"sharding={sharding}", f"precision={precision}"],
+                      **trained(800.0 + n, 2.0, 3.0))
+            n += 1
+    again = hydra_run(tmp_path / "2026-01-03" / "12-00-00", [*COMMON, "sharding=full", "precision=bf16"],
+                      **trained(790.0, 2.0, 3.0))
+    code, rows, md = compare(first, again, out=tmp_path / "out")
+    assert code == 0
+    assert len(" ".join(COMMON)) > 250
+    assert [r["setup"] for r in rows] == [
+        f"sharding=full precision=bf16 [{first.relative_to(tmp_path) / '0'}]", "sharding=full precision=fp32",
+        "sharding=grad_op precision=bf16", "sharding=grad_op precision=fp32",
+        "sharding=full precision=bf16 [2026-01-03/12-00-00]"]
+    assert rows[1]["overrides"] == " ".join([*COMMON, "train.lr=1e-3", "sharding=full", "precision=fp32"])
+    assert f"Every run: `{' '.join(COMMON)}`" in md
+
+
+def test_the_bar_chart_stays_readable_at_60_runs(tmp_path: Path) -> None:
+    """At most MAX_BARS bars, the fastest, and a figure no larger than MAX_FIGURE (14 x 11 inches
+    at 120 dpi)."""
+    sweep = tmp_path / "sweep"
+    for n in range(60):
+        hydra_run(sweep / str(n), [*COMMON, f"train.lr={n + 1}e-5", f"train.batch_size={8 * (n + 1)}"],
+                  **trained(100.0 + 10 * n, 1.0 + n / 10, 3.0))
+    hydra_run(sweep / "60", [*COMMON, "train.lr=1e-3", "train.batch_size=4096"], status="oom",
+              error="ran out of memory on rank 0")
+    code, rows, _ = compare(sweep, out=tmp_path / "out")
+    assert code == 0 and len(rows) == 61
+    width, height = png_size(tmp_path / "out" / "comparison.png")
+    assert width <= 14 * 120 and height <= 11 * 120, (width, height)
+
+    from fsdp_exp.compare import Run, comparison_rows
+    from fsdp_exp.metrics.plots import MAX_BARS
+
+    texts = plot_comparison(comparison_rows([Run(str(sweep / str(n)), json.loads(
+        (sweep / str(n) / "summary.json").read_text()), [], {}) for n in range(61)]), tmp_path / "chart.png")
+    assert texts[:MAX_BARS] == [f"{100.0 + 10 * n:,.1f}" for n in range(59, 59 - MAX_BARS, -1)]
+    assert texts[-1] == (f"the {MAX_BARS} highest by samples/s of 61 runs; {61 - MAX_BARS} left out "
+                         "(every run is in comparison.md and comparison.csv)")
+
+
+def test_throughput_against_peak_memory_marks_the_pareto_front(tmp_path: Path) -> None:
+    """One point per run at its peak (the one the limit counts, where a limit was set), the
+    front being the runs no other run beats on both; the chart is a function of plain points."""
+    sweep = tmp_path / "sweep"
+    figures = [("ddp", 1000.0, 6.0, None), ("full", 900.0, 3.0, None), ("grad_op", 850.0, 4.0, None),
+               ("hybrid", 600.0, 2.5, 2.2)]
+    for n, (sharding, speed, peak, under_limit) in enumerate(figures):
+        extra = {"peak_under_limit_gb": under_limit} if under_limit else {}
+        hydra_run(sweep / str(n), [*COMMON, f"sharding={sharding}"], **trained(speed, peak, 3.0), **extra)
+    hydra_run(sweep / "4", [*COMMON, "sharding=none"], status="failed", error="rank 1 failed: boom")
+    code, _, _ = compare(sweep, out=tmp_path / "out")
+    assert code == 0
+    width, height = png_size(tmp_path / "out" / "throughput_vs_memory.png")
+    assert width <= 13 * 120 and height <= 6.5 * 120, (width, height)
+
+    from fsdp_exp.metrics.plots import pareto_front, plot_throughput_vs_memory
+
+    points = [("sharding=ddp", 1000.0, 6.0), ("sharding=full", 900.0, 3.0), ("sharding=grad_op", 850.0, 4.0),
+              ("sharding=hybrid", 600.0, 2.2)]
+    assert pareto_front(points) == [3, 1, 0]
+    texts = plot_throughput_vs_memory(points, tmp_path / "front.png")
+    assert texts == ["1   1,000.0 samples/s at 6.00 GB\n     sharding=ddp", "2   900.0 samples/s at 3.00 GB\n     sharding=full",
+                     "3   850.0 samples/s at 4.00 GB\n     sharding=grad_op",
+                     "4   600.0 samples/s at 2.20 GB\n     sharding=hybrid",
+                     "run", "Pareto front: no run is faster at this memory or less"]
+    many = [(f"run {n}", 100.0 + n, 1.0 + (n % 7)) for n in range(60)]
+    texts = plot_throughput_vs_memory(many, tmp_path / "many.png")
+    assert [t.split("\n")[1].strip() for t in texts[:4]] == ["run 56", "run 57", "run 58", "run 59"]
+    assert texts[4] == "60 runs; the key names 4 of the Pareto front (every run is in comparison.md)"
+
+
+def test_failed_oom_and_refused_runs_are_rows_with_their_reason(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    hydra_run(sweep / "0", [*COMMON, "sharding=full"], **trained(900.0, 3.0, 2.5))
+    hydra_run(sweep / "1", [*COMMON, "sharding=ddp"], status="oom",
+              error="rank 0 ran out of memory: CUDA out of memory. Tried to allocate 2.00 GiB\nTraceback ...")
+    hydra_run(sweep / "2", [*COMMON, "sharding=grad_op"], status="failed", error="rank 1 failed: boom\nTraceback ...")
+    hydra_run(sweep / "3", [*COMMON, "sharding=none"], status="refused",
+              error="memory.limit_gb=2: task=estimate needs 7.5 GB per rank for this setup")
+    code, rows, md = compare(sweep, out=tmp_path / "out")
+    assert code == 0
+    assert [(r["setup"], r["status"], r["note"]) for r in rows] == [
+        ("sharding=full", "ok", ""),
+        ("sharding=ddp", "oom", "rank 0 ran out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"),
+        ("sharding=grad_op", "failed", "rank 1 failed: boom"),
+        ("sharding=none", "refused", "memory.limit_gb=2: task=estimate needs 7.5 GB per rank for this setup")]
+    assert f"| rank 1 failed: boom | {sweep / '2'} |" in md
+    assert f"| memory.limit_gb=2: task=estimate needs 7.5 GB per rank for this setup | {sweep / '3'} |" in md

@@ -125,10 +125,21 @@ def none_fits(record: dict) -> str:
     return f"none fits (batch {size} needs {need:.2f} GB)" if need is not None else f"none fits (batch {size} does not)"
 
 
-def plot_comparison(rows: list[dict], path: Path) -> list[str]:
+# Past this many runs the bar chart shows the fastest; the table and the CSV keep every run.
+MAX_BARS = 20
+# Inches: the largest figure drawn, whatever the number of runs.
+MAX_FIGURE = (14, 11)
+LABEL_WIDTH = 40
+LABEL_LINES = 2
+# Past this many points, only the Pareto front is labelled: more names than that overlap.
+LABEL_ALL_POINTS_UP_TO = 12
+
+
+def plot_comparison(rows: list[dict], path: Path, max_bars: int = MAX_BARS) -> list[str]:
     """One bar per run: its max batch size when any run searched for one, else samples/s;
-    samples/s beside it when both exist. Runs that did not finish ok are hatched grey.
-    Returns the texts drawn on the bars."""
+    samples/s beside it when both exist. Runs that did not finish ok are hatched grey. Past
+    `max_bars` runs, the fastest (by samples/s, else max batch) are drawn, fastest first, with
+    a note of how many were left out. Returns the texts drawn on the bars, then that note."""
     plt = _pyplot()
     panels = []
     if any(r.get("max_batch_size") is not None for r in rows):
@@ -137,10 +148,13 @@ def plot_comparison(rows: list[dict], path: Path) -> list[str]:
         panels.append(("samples_per_s", "samples/s", "{:,.1f}"))
     if not panels:  # every run failed: still show which ones, by status
         panels.append(("samples_per_s", "samples/s", "{:,.1f}"))
+    total = len(rows)
+    rows, left_out = _fastest(rows, panels[-1][0], max_bars)
 
-    labels = [textwrap.fill(r.get("setup") or "(defaults)", 40) for r in rows]
+    labels = [_short_label(r.get("setup") or "(defaults)") for r in rows]
     height = 1.5 + 0.35 * sum(label.count("\n") + 1.5 for label in labels)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 + 4 * len(panels), height), sharey=True, squeeze=False)
+    figsize = (min(5 + 4 * len(panels), MAX_FIGURE[0]), min(height, MAX_FIGURE[1]))
+    fig, axes = plt.subplots(1, len(panels), figsize=figsize, sharey=True, squeeze=False)
     y = list(range(len(rows)))
     for ax, (key, title, spec) in zip(axes[0], panels):
         values = [r.get(key) for r in rows]
@@ -162,8 +176,94 @@ def plot_comparison(rows: list[dict], path: Path) -> list[str]:
         ax.set_xlim(0, top * 1.2)
     axes[0][0].set_yticks(y, labels, fontsize="small")
     axes[0][0].set_ylim(len(rows) - 0.5, -0.5)  # first run on top, as in the table; the panels share the axis
+    texts = [t.get_text().strip() for ax in axes[0] for t in ax.texts]
+    if left_out:
+        by = "samples/s" if panels[-1][0] == "samples_per_s" else "max batch size"
+        note = (f"the {len(rows)} highest by {by} of {total} runs; {left_out} left out "
+                f"(every run is in comparison.md and comparison.csv)")
+        fig.suptitle(note, fontsize="medium", color="dimgrey")
+        texts.append(note)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
-    texts = [t.get_text().strip() for ax in axes[0] for t in ax.texts]
     plt.close(fig)
     return texts
+
+
+def _fastest(rows: list[dict], key: str, limit: int) -> tuple[list[dict], int]:
+    """All rows in their order when they fit, else the `limit` best by `key`, best first
+    (runs without a value last), and how many were left out."""
+    if len(rows) <= limit:
+        return rows, 0
+    ranked = sorted(rows, key=lambda r: (r.get("status") != "ok" or r.get(key) is None, -(r.get(key) or 0)))
+    return ranked[:limit], len(rows) - limit
+
+
+def _short_label(text: str, width: int = LABEL_WIDTH, lines: int = LABEL_LINES) -> str:
+    return textwrap.fill(text, width, max_lines=lines, placeholder=" …")
+
+
+def pareto_front(points: list[tuple[str, float, float]]) -> list[int]:
+    """The indexes of the points no other point beats: none has at least their samples/s at
+    no more peak memory, and more of one or less of the other. Sorted by peak memory."""
+    front = [i for i, (_, speed, peak) in enumerate(points)
+             if not any(s >= speed and p <= peak and (s > speed or p < peak) for _, s, p in points)]
+    return sorted(front, key=lambda i: (points[i][2], -points[i][1]))
+
+
+def plot_throughput_vs_memory(points: list[tuple[str, float, float]], path: Path, title: str | None = None,
+                              memory_label: str = "peak memory per rank (GB)") -> list[str]:
+    """Each (label, samples_per_s, peak_gb) a point; the Pareto front (the most samples/s for
+    its memory) joined in red. Points carry their number in `points` (from 1), and a key
+    beside the axes names them: every point while few enough to read, else the front.
+    Returns the texts drawn: the key's entries, then any note, then the legend's."""
+    plt = _pyplot()
+    front = pareto_front(points)
+    fig, (ax, key_ax) = plt.subplots(1, 2, figsize=(13, 6.5), width_ratios=[3, 2])
+    others = [p for i, p in enumerate(points) if i not in front]
+    if others:
+        ax.scatter([p[2] for p in others], [p[1] for p in others], color="tab:blue", alpha=0.6,
+                   label="run" if len(others) == 1 else "runs")
+    ax.plot([points[i][2] for i in front], [points[i][1] for i in front], "o-", color="tab:red", zorder=3,
+            label="Pareto front: no run is faster at this memory or less")
+    named = list(range(len(points))) if len(points) <= LABEL_ALL_POINTS_UP_TO else front
+    for i in named:
+        ax.annotate(str(i + 1), (points[i][2], points[i][1]), xytext=(4, 3), textcoords="offset points",
+                    fontsize="small", color="tab:red" if i in front else "black")
+    ax.set_xlabel(memory_label)
+    ax.set_ylabel("samples/s")
+    ax.set_xlim(0, max(p[2] for p in points) * 1.1)
+    ax.set_ylim(0, max(p[1] for p in points) * 1.1)
+    ax.grid(alpha=0.3)
+    texts = _key(key_ax, points, sorted(named)[:KEY_ENTRIES], front)
+    if len(named) < len(points) or len(named) > KEY_ENTRIES:
+        which = "the Pareto front" if len(named) < len(points) else "all"
+        note = (f"{len(points)} runs; the key names {min(len(named), KEY_ENTRIES)} of {which} "
+                f"(every run is in comparison.md)")
+        key_ax.text(0, 0.16, textwrap.fill(note, 60), transform=key_ax.transAxes, va="top", fontsize="small",
+                    color="dimgrey")
+        texts.append(note)
+    legend = key_ax.legend(*ax.get_legend_handles_labels(), loc="lower left", fontsize="small")
+    fig.suptitle(_short_label(title or "samples/s against peak memory", 140), fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    texts += [t.get_text() for t in legend.get_texts()]
+    plt.close(fig)
+    return texts
+
+
+# Entries in the throughput chart's key: past this, the lines get too small to read.
+KEY_ENTRIES = 12
+
+
+def _key(ax: Any, points: list[tuple[str, float, float]], named: list[int], front: list[int]) -> list[str]:
+    """Number, figures and label of each named point, top down, in the key's axes."""
+    ax.axis("off")
+    entries = [f"{i + 1}   {points[i][1]:,.1f} samples/s at {points[i][2]:.2f} GB\n"
+               + textwrap.indent(_short_label(points[i][0], 56), "     ") for i in named]
+    step = min(0.04, 0.78 / max(1, sum(e.count("\n") + 1.3 for e in entries)))
+    top = 1.0
+    for i, entry in zip(named, entries):
+        ax.text(0, top, entry, transform=ax.transAxes, va="top", fontsize="small",
+                color="tab:red" if i in front else "black")
+        top -= step * (entry.count("\n") + 1.3)
+    return entries

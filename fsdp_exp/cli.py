@@ -247,6 +247,17 @@ def check_search_path(overrides: list[str]) -> None:
                 raise ConfigError(f"hydra.searchpath: {entry.strip()}: no such folder")
             if scheme == "pkg" and importlib.util.find_spec(where.split(".")[0]) is None:
                 raise ConfigError(f"hydra.searchpath: {entry.strip()}: no such package here")
+            if scheme == "pkg" and not _package_folder(where):
+                top, _, rest = where.partition(".")
+                raise ConfigError(f"hydra.searchpath: {entry.strip()}: package {top} has no {rest.replace('.', '/')}/ "
+                                  "folder, so the search path adds no configs")
+
+
+def _package_folder(dotted: str) -> bool:
+    try:
+        return importlib.util.find_spec(dotted) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def explain(err: Exception) -> str:

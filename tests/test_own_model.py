@@ -152,3 +152,31 @@ def test_a_search_path_that_is_not_there_is_named(tmp_path: Path, monkeypatch: p
         precheck(["model=mynet", SEARCHPATH])
     with pytest.raises(ConfigError, match=r"^hydra.searchpath: pkg://nopkg.conf: no such package here$"):
         precheck(["model=mynet", "hydra.searchpath=[pkg://nopkg.conf]"])
+
+
+def test_a_package_search_path_whose_package_has_no_such_folder_is_named(project: Path) -> None:
+    """The example's package has no conf/ inside it: the search path adds nothing, which
+    Hydra only shows as the options it holds being missing."""
+    with pytest.raises(ConfigError, match=r"^hydra.searchpath: pkg://mypkg.conf: package mypkg has no conf/ folder"):
+        precheck(["model=mynet", "data=squares", "hydra.searchpath=[pkg://mypkg.conf]"])
+
+
+def test_the_users_model_brings_its_own_data_as_the_main_readme_types_it(project: Path) -> None:
+    """`python -m fsdp_exp model=mynet 'hydra.searchpath=[file://./conf]'`, from the project's folder."""
+    plans = precheck(["model=mynet", "hydra.searchpath=[file://./conf]"])
+    (plan,) = plans.values()
+    assert plan.exp.data.target == "mypkg.data.squares" and plan.exp.model.kwargs["num_classes"] == 4
+
+
+def test_the_example_project_installs_as_its_readme_says(tmp_path: Path) -> None:
+    """`pip install -e .` in examples/my_project: its pyproject.toml builds a package of mypkg."""
+    import subprocess
+    import zipfile
+
+    source = tmp_path / "my_project"  # a build leaves its files beside the sources: not in the checkout
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("__pycache__"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = tmp_path.glob("mypkg-*.whl")
+    assert {"mypkg/model.py", "mypkg/data.py"} <= set(zipfile.ZipFile(wheel).namelist())

@@ -37,6 +37,7 @@ from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
+from fsdp_exp.launch.core import stop_on_signals, stop_signal
 from fsdp_exp.metrics.sinks import write_summary
 from fsdp_exp.metrics.startup import process_started
 
@@ -54,7 +55,7 @@ def find_conf_dir() -> str:
 CONF_DIR = find_conf_dir()
 IMPORTED = time.time()  # the start-up's first mark after the command's (fsdp_exp.metrics.startup)
 EXIT_BAD_CONFIG = 2
-EXIT_INTERRUPTED = 130  # as the shell's 128 + SIGINT
+EXIT_STOPPED = 128  # + the signal, as a shell reports a process a signal ended: 130 for SIGINT, 143 for SIGTERM
 
 config.register()
 
@@ -64,18 +65,19 @@ def main() -> None:
         from fsdp_exp.launch.external import run_as_worker
 
         sys.exit(run_as_worker(sys.argv[1:], compose_config))
-    try:
-        plans = precheck(sys.argv[1:])
-    except ConfigError as err:
-        print(f"fsdp_exp: {err}", file=sys.stderr)
-        sys.exit(EXIT_BAD_CONFIG)
+    stop_on_signals()
     side_by_side = SideBySide()
     try:
+        plans = precheck(sys.argv[1:])
         # RunOutcomes (conf/config.yaml) ends the process with EXIT_RUN_FAILED when a run failed
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run_function(plans, side_by_side))()
-    except KeyboardInterrupt:
-        print("fsdp_exp: interrupted; each run's summary.json says where it stopped", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+    except ConfigError as err:  # from precheck: nothing has run yet
+        print(f"fsdp_exp: {err}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (kill, SLURM)
+        if not getattr(err, "run_reported", False):  # the run in flight has logged where it stopped
+            print("fsdp_exp: interrupted; each run's summary.json says where it stopped", file=sys.stderr)
+        sys.exit(EXIT_STOPPED + stop_signal(err))
     finally:
         side_by_side.close()  # runs still in flight (Ctrl-C) stop their jobs before the command ends
 

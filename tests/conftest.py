@@ -49,14 +49,22 @@ def signal_at_step(runs: list[subprocess.Popen], dirs: list[Path], at_step: int,
     each rank its signal, in the order given; the step it was signalled at, or None when
     the runs ended or `timeout` passed first. A rank's pid is read from its log, in
     whichever of `dirs` holds it."""
+    step = wait_for_step(runs, dirs, at_step, timeout)
+    if step is not None:
+        for rank, signum in signals.items():
+            log = next(d / f"rank{rank}.log" for d in dirs if (d / f"rank{rank}.log").is_file())
+            os.kill(rank_pid(log), signum)
+    return step
+
+
+def wait_for_step(runs: list[subprocess.Popen], dirs: list[Path], at_step: int, timeout: float = 240) -> int | None:
+    """Until the run has logged `at_step` (in whichever of `dirs` holds metrics.jsonl): the
+    last step logged, or None when the runs ended or `timeout` passed first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(run.poll() is None for run in runs):
         metrics = [d / "metrics.jsonl" for d in dirs if (d / "metrics.jsonl").is_file()]
         steps = [r["step"] for r in read_jsonl(metrics[0]) if "step" in r] if metrics else []
         if steps and steps[-1] >= at_step:
-            for rank, signum in signals.items():
-                log = next(d / f"rank{rank}.log" for d in dirs if (d / f"rank{rank}.log").is_file())
-                os.kill(rank_pid(log), signum)
             return steps[-1]
         time.sleep(0.02)
     return None

@@ -1,12 +1,14 @@
 """One run on the driver: its planned experiment's task, which starts the ranks; summary.json.
 
 The driver is the only writer of summary.json, so a run whose ranks died still gets one,
-with status "failed" and the error; rank 0 streams metrics.jsonl as it trains. Its
+with status "failed" and the error, and a run stopped by Ctrl-C or SIGTERM one with status
+"interrupted"; rank 0 streams metrics.jsonl as it trains. Its
 `environment` holds the driver's half and what rank 0 saw (fsdp_exp.metrics.environment).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch
 from fsdp_exp.config import Experiment
 from fsdp_exp.driver.plan import RunPlan
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launch.core import RunFailed, stop_signal
 from fsdp_exp.metrics.environment import (
     DEVICE_RECORD,
     environment,
@@ -61,9 +63,16 @@ def run_experiment(
     except ConfigError as err:  # found only once the run directory exists (resume=auto)
         log.error("%s", err)
         summary = {"status": "failed", "error": str(err), "world_size": nproc}
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (fsdp_exp.launch.core.Interrupted)
+        signal_name = stop_signal(err).name
+        step = last_logged_step(run_dir)
+        at = "" if choices.get("task", "train") != "train" else \
+            f" after step {step} of {exp.train.steps}" if step is not None else " before its first logged step"
+        summary = {"status": "interrupted", "signal": signal_name, "steps_done": step, "world_size": nproc}
         if writes_files:
-            write_summary(run_dir, {"status": "interrupted", "world_size": nproc, **record()})
+            write_summary(run_dir, {**summary, **record(), "wall_s": time.perf_counter() - start})
+            log.warning("interrupted (%s)%s; summary in %s", signal_name, at, run_dir / "summary.json")
+        err.run_reported = True  # the command adds no line of its own (fsdp_exp.cli)
         raise
     summary.update(record(), wall_s=time.perf_counter() - start)
     if writes_files:
@@ -71,6 +80,22 @@ def run_experiment(
         if summary["status"] == "ok":
             log.info("%s\n%s", run_dir / "summary.json", summary_table(summary))
     return summary
+
+
+def last_logged_step(run_dir: Path) -> int | None:
+    """The last step rank 0 wrote to metrics.jsonl (a line cut short by the stop is skipped)."""
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            return int(record["step"])
+    return None
 
 
 def device_seen(exp: Experiment, run_dir: Path) -> dict:

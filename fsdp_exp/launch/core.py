@@ -1,5 +1,6 @@
 """What every launcher shares, on the driver: the launcher's questions, the rank count, the
-rank outcome and the one explanation of a failed launch, the console echo and the watchdog.
+rank outcome and the one explanation of a failed launch, the console echo and the watchdog,
+and how a stop signal (Ctrl-C, kill, SLURM) reaches the run.
 
 A launcher only starts ranks its own way and turns its native results (torch elastic's
 ProcessFailure, submitit's result pickles, Ray Train's worker errors) into `RankOutcome`s;
@@ -12,6 +13,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -76,6 +78,40 @@ class Alongside:
 
 # Set in the thread of a run that runs beside others; None for a run on its own.
 alongside: ContextVar[Alongside | None] = ContextVar("alongside", default=None)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; kill, scancel and SLURM's time limit
+stopped_by: list[signal.Signals] = []  # the stop signals this process has received
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal reached the driver. Raised wherever its main thread is, so the run in
+    flight stops its ranks and writes its summary on the way out. A KeyboardInterrupt, so
+    that Hydra, which reports any Exception of a run as a failure, lets it through."""
+
+    def __init__(self, signum: int):
+        self.signum = signal.Signals(signum)
+        super().__init__(self.signum.name)
+
+
+def raise_interrupted(signum: int, frame: Any) -> None:
+    stopped_by.append(signal.Signals(signum))
+    raise Interrupted(signum)
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise Interrupted on the main thread (SIGTERM's default would end
+    the driver at once, without a summary and without stopping its ranks)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, raise_interrupted)
+
+
+def stop_signal(err: KeyboardInterrupt) -> signal.Signals:
+    """The signal that stopped the command: Interrupted's own; for a plain KeyboardInterrupt
+    (a run beside others, stopped with its sweep) the last one received, else SIGINT."""
+    if isinstance(err, Interrupted):
+        return err.signum
+    return stopped_by[-1] if stopped_by else signal.SIGINT
 
 
 class RunFailed(Exception):

@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     ProcessFailure,
@@ -19,6 +22,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.launch.core import (
+    Interrupted,
     RankOutcome,
     check_nproc,
     explain,
@@ -96,7 +100,7 @@ def elastic_run(task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, opt
     quiet_elastic()
     alarm_s = math.ceil(time_limit_s) if time_limit_s else None
     try:
-        with fresh_store_per_restart(options["max_restarts"]):
+        with fresh_store_per_restart(options["max_restarts"]), drivers_signal_handlers():
             return elastic_launch(LaunchConfig(**options), run_rank)(
                 task, cfg, str(run_dir), alarm_s, rank_threads(options["nproc_per_node"]))
     except ChildFailedError as err:
@@ -124,6 +128,23 @@ def outcomes(failures: dict[int, ProcessFailure], run_dir: Path, nproc: int) -> 
 
 
 @contextlib.contextmanager
+def drivers_signal_handlers() -> Iterator[None]:
+    """The agent's stop signals as the driver's Interrupted, and the driver's handlers back
+    after the launch. The agent replaces the handlers of SIGINT, SIGTERM, SIGHUP and SIGQUIT
+    with its own, which stops the ranks with that signal (SIGKILL after its shutdown
+    timeout) and raises SignalException, and it leaves them in place after the launch."""
+    agents = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]
+    mine = {s: signal.getsignal(s) for s in agents} if threading.current_thread() is threading.main_thread() else {}
+    try:
+        yield
+    except SignalException as err:
+        raise Interrupted(err.sigval) from None
+    finally:
+        for signum, handler in mine.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
 def fresh_store_per_restart(max_restarts: int) -> Iterator[None]:
     """Restarted ranks meet in a new store, not in the one of the ranks before them.
 
@@ -142,6 +163,9 @@ def fresh_store_per_restart(max_restarts: int) -> Iterator[None]:
 
 
 def quiet_elastic() -> None:
-    """The elastic agent logs every start and stop; the run reports failures itself."""
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+    """The elastic agent logs every start and stop; the run reports failures and stops itself.
+    Each of torch elastic's modules sets its own logger's level (WARNING, or LOGLEVEL), so
+    their parents' level alone would let through, e.g., "Received 2 death signal" on Ctrl-C."""
+    quiet = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    for name in [*quiet, *(n for n in logging.root.manager.loggerDict if n.startswith(quiet))]:
         logging.getLogger(name).setLevel(logging.CRITICAL)

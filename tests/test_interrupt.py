@@ -1,0 +1,117 @@
+"""Ctrl-C (SIGINT, to the command or to its whole process group, as a terminal sends it)
+and SIGTERM (kill, SLURM) on a running command: one line, exit 128 + the signal, the run's
+summary.json with status "interrupted" and the last step logged, the metrics written so
+far kept, and no rank left running. Real commands, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, rank_pid, wait_for_step
+
+# Trains far longer than any test waits: only the signal ends it.
+ENDLESS = [*SMALL_VIT, "train.steps=100000", "train.log_every=1", "train.batch_size=8"]
+
+
+def start(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """`python -m fsdp_exp ARGS` in a session of its own, so that its process group holds
+    only the command and what it starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
+    return subprocess.Popen([sys.executable, "-m", "fsdp_exp", *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def live_in_group(pgid: int) -> list[int]:
+    """The processes of a process group that have not ended (zombies left out)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+def stop_at_step(command: subprocess.Popen, run_dir: Path, signum: int, group: bool, at_step: int = 2
+                 ) -> tuple[int, str, str, list[int]]:
+    """Once `run_dir` has logged `at_step`, send `signum` to the command (or to its process
+    group); the step logged then, the command's stdout and stderr, and its ranks' pids."""
+    step = wait_for_step([command], [run_dir], at_step)
+    assert step is not None, command.communicate(timeout=60)
+    ranks = [rank_pid(run_dir / f"rank{r}.log") for r in (0, 1)]
+    (os.killpg if group else os.kill)(command.pid, signum)
+    try:
+        out, err = command.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(command.pid, signal.SIGKILL)  # leave nothing training behind the failed test
+        out, err = command.communicate()
+        pytest.fail(f"the command went on after {signal.Signals(signum).name}: {err[-2000:]}")
+    return step, out, err, ranks
+
+
+def assert_stopped(command: subprocess.Popen, run_dir: Path, signalled_at: int, out: str, err: str,
+                   ranks: list[int], name: str) -> None:
+    """What a user must see after the signal: one line, the exit code, the summary, the
+    metrics kept, no rank left."""
+    assert command.returncode == 128 + signal.Signals[name], (command.returncode, err[-3000:])
+    console = (out + err).splitlines()
+    assert "Traceback" not in err and "SignalException" not in out + err, err[-3000:]
+    said = [line for line in console if "interrupted" in line]
+    assert len(said) == 1, said
+    assert f"interrupted ({name}) after step " in said[0] and said[0].endswith(f"summary in {run_dir / 'summary.json'}")
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
+    assert steps[:signalled_at] == list(range(1, signalled_at + 1)), "the steps logged before the signal are kept"
+    summary = read_json(run_dir / "summary.json")
+    assert (summary["status"], summary["signal"], summary["steps_done"]) == ("interrupted", name, steps[-1])
+    assert f"after step {steps[-1]} of 100000;" in said[0]
+    assert said[0] in (run_dir / "fsdp_exp.log").read_text(), "the run's log says it too"
+    for pid in ranks:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # no rank outlives the command
+    deadline = time.monotonic() + 15  # the rank server leaves once it sees the command gone
+    while live_in_group(command.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not live_in_group(command.pid), "nothing the command started is left"
+
+
+def test_ctrl_c_on_a_local_run_stops_it_with_a_summary(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    command = start(tmp_path, *ENDLESS, f"hydra.run.dir={run_dir}")
+    step, out, err, ranks = stop_at_step(command, run_dir, signal.SIGINT, group=True)
+    assert_stopped(command, run_dir, step, out, err, ranks, "SIGINT")
+
+
+def test_sigterm_on_a_local_run_stops_it_with_a_summary(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    command = start(tmp_path, *ENDLESS, f"hydra.run.dir={run_dir}")
+    step, out, err, ranks = stop_at_step(command, run_dir, signal.SIGTERM, group=False)
+    assert_stopped(command, run_dir, step, out, err, ranks, "SIGTERM")
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_one_node_torchrun_run_stops_it_with_a_summary(tmp_path: Path) -> None:
+    from tests.test_launch_torchrun import free_port
+
+    run_dir = tmp_path / "run"
+    command = start(tmp_path, *ENDLESS, "launcher=torchrun", f"launcher.rdzv_endpoint=localhost:{free_port()}",
+                    f"hydra.run.dir={run_dir}")
+    step, out, err, ranks = stop_at_step(command, run_dir, signal.SIGINT, group=False)
+    assert_stopped(command, run_dir, step, out, err, ranks, "SIGINT")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_local_sweep_stops_the_sweep_with_a_summary(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    command = start(tmp_path, "-m", *ENDLESS, "train.lr=0.001,0.002", f"hydra.sweep.dir={sweep}")
+    step, out, err, ranks = stop_at_step(command, sweep / "0", signal.SIGINT, group=True)
+    assert_stopped(command, sweep / "0", step, out, err, ranks, "SIGINT")
+    assert not (sweep / "1").exists(), "the sweep's next run does not start"

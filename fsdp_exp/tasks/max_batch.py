@@ -234,12 +234,12 @@ class Sweep:
         probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb)
         probe.for_fastest = for_fastest
         probe.estimated_peak_gb = self.estimated_peak_gb(size)
+        self.tell_units(probe_dir)
         if limit_gb == "same":
             log.info("probe %d: %s", len(self.probe_dirs()), probe.line())
         else:
             log.info("without the limit: %s", probe.line())
         self.learn_device(probe)
-        self.tell_units(probe_dir)
         if self.limit_gb is None:
             why = probe.reason or f"no {DEVICE_RECORD} in {probe_dir} (is it on a file system the nodes share?)"
             raise RunFailed(f"batch {size}: rank 0 did not report its device, so the memory to fit in is unknown: {why}")

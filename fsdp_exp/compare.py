@@ -272,7 +272,7 @@ def row(run: Run, setup: str) -> dict:
         **{k: s.get(k) for k in ("fastest_batch_size", "near_fastest_batch_size", "smallest_batch_needs_gb",
                                  "resolution")},
         "batch_size": max_batch if task == "max_batch" else train_batch_size(run),
-        "samples_per_s": s.get("samples_per_s"), "limit_gb": None if limit is MISSING else limit,
+        "samples_per_s": s.get("samples_per_s"), "warmup_only": s.get("warmup_only"), "limit_gb": None if limit is MISSING else limit,
         "peak_under_limit_gb": s.get("peak_under_limit_gb"), "peak_mem_gb": s.get("peak_mem_gb"),
         "world_size": s.get("world_size"), "mfu": s.get("mfu"),
         **{k: s.get(k) for k in ("final_loss", "eval_loss", "eval_accuracy")},
@@ -429,6 +429,8 @@ def cell(row: dict, column: str) -> str:
         value = value[:REASON_CHARS - 1] + "…"
     if value is None:
         return "-"
+    if column == "samples_per_s" and row.get("warmup_only") and isinstance(value, (int, float)):
+        return f"{value:{FORMATS[column]}} (warm-up only)"  # every step was warm-up: not a measurement
     if column in FORMATS and isinstance(value, (int, float)):
         return format(value, FORMATS[column])
     return str(value).replace("|", "\\|")

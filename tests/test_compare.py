@@ -94,6 +94,15 @@ def test_compare_a_real_sweep(tmp_path: Path) -> None:
     assert (sweep / "comparison.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_a_run_of_warmup_steps_only_is_marked_beside_its_samples_per_s(tmp_path: Path) -> None:
+    make_run(tmp_path / "sweep" / "0", train_summary("ddp", 226.1, warmup_only=True), ["sharding=ddp", "train.steps=3"])
+    make_run(tmp_path / "sweep" / "1", train_summary("full", 800.0, warmup_only=False), ["sharding=full", "train.steps=3"])
+    code, rows, md = compare(tmp_path / "sweep", out=tmp_path / "out")
+    assert code == 0
+    assert "| 226.1 (warm-up only) |" in md and "| 800.0 |" in md
+    assert [r["samples_per_s"] for r in rows] == ["226.1", "800.0"]  # the CSV keeps numbers
+
+
 def test_a_run_without_summary_is_skipped_with_its_reason(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     make_run(tmp_path / "sweep" / "0", train_summary("ddp", 800.0), ["sharding=ddp", "train.steps=5"])
     make_run(tmp_path / "sweep" / "1", None, ["sharding=full", "train.steps=5"])

@@ -90,6 +90,8 @@ def test_the_echo_shows_rank_0s_console_lines_only(tmp_path: Path, capsys: pytes
     with open(log, "ab") as f:
         f.write(b"[10:00:00][rank0][INFO] rank 0 is pid 42 on host\n"
                 b"[10:00:01][rank0][INFO] step 1 loss 2.3\n"
+                b"[10:00:01][rank0][WARNING] torch warned: /x/torch/autograd/graph.py:829: UserWarning: Grad strides\n"
+                b"  return Variable._execution_engine.run_backward(\n"
                 b"submitit INFO (2026-11-23) - Starting with JobEnvironment\n"
                 b"[10:00:02][rank0][ERROR] this rank failed\n"
                 b"Traceback (most recent call last):\n"

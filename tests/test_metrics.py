@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_exp.data.images import SyntheticImages
-from fsdp_exp.metrics.sinks import Progress, summary_table
+from fsdp_exp.metrics.sinks import Progress, record_line, summary_table
 from fsdp_exp.models.vit import build_vit
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
@@ -274,6 +275,48 @@ def test_progress_bar_and_summary_table(capsys: pytest.CaptureFixture) -> None:
     table = summary_table({"status": "ok", "steps": 4, "final_loss": 1.5, "samples_per_s": 100.0,
                            "peak_mem_gb": 1.25, "peak_mem_gb_per_rank": [1.25, 1.0], "mfu": None})
     assert "samples/s" in table and "1.25, 1.00 GB" in table and "MFU" not in table
+
+
+def test_a_run_of_warmup_steps_only_says_so_where_its_throughput_is_shown() -> None:
+    """train.steps=3 with the default 3 warm-up steps: no step was measured, and the
+    figures shown are the warm-up's."""
+    figures = {"status": "ok", "steps": 3, "final_loss": 1.5, "samples_per_s": 226.1, "step_time_s": 0.25,
+               "peak_mem_gb": 1.25}
+    rows = {line.split("  ")[1].strip(): line.strip() for line in summary_table(
+        {**figures, "warmup_only": True}).splitlines()}
+    assert rows["samples/s"].split(None, 1)[1].strip() == (
+        "226.1 (warm-up steps only: raise train.steps above metrics.warmup_steps to measure)")
+    assert rows["step time"].endswith("0.2500 s (warm-up)")
+    assert "warm-up" not in summary_table({**figures, "warmup_only": False})
+    record = {"step": 3, "loss": 1.5, "samples_per_s": 226.1, "peak_mem_gb": 1.25}
+    assert record_line({**record, "warmup": True}, 3).endswith("(warm-up)")
+    assert "warm-up" not in record_line(record, 3)
+
+
+def test_progress_says_how_long_is_left_from_the_steps_after_the_first(
+        capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+    """The first step (30 s: FLOPs counted, memory touched) is left out; the next ones take
+    10 s each. Both the bar and the plain lines say what is left."""
+    ends = iter([0.0, 30.0, 40.0, 50.0])
+
+    def run(progress: Progress) -> Progress:
+        progress.before_step(1)
+        for step in (1, 2, 3):
+            progress.after_step(step)
+        progress.log({"step": 3, "loss": 1.5, "samples_per_s": 100.0, "peak_mem_gb": 1.25})
+        return progress
+
+    caplog.set_level(logging.INFO, logger="fsdp_exp")
+    plain = run(Progress(total_steps=10, live=False, clock=lambda: next(ends)))
+    assert plain.step_time_s() == 10.0 and plain.time_left_s() == 70.0
+    lines = [r.getMessage() for r in caplog.records if r.name == "fsdp_exp"]
+    assert lines == ["step 2/10: 10 s a step, 1 min 20 s left",  # records are train.log_every steps apart
+                     "step  3/10  loss 1.5000  100.0 samples/s  peak 1.25 GB  1 min 10 s left"]
+
+    ends = iter([0.0, 30.0, 40.0, 50.0])
+    run(Progress(total_steps=10, live=True, clock=lambda: next(ends))).close()
+    last_drawn = capsys.readouterr().out.split("\r")[-1]
+    assert "3/10 [" in last_drawn and "1 min 10 s left, loss 1.5000  100.0 samples/s" in last_drawn
 
 
 def test_allocation_timeline_from_a_real_trace(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.tail import NewLines
-from fsdp_exp.rank.worker import rank_log_path
+from fsdp_exp.rank.worker import TORCH_WARNED, rank_log_path
 
 log = logging.getLogger("fsdp_exp")
 
@@ -229,7 +229,7 @@ class Echo:
     without the records that go only to the rank's log (its pid line, its traceback)."""
 
     HEADER = re.compile(rb"^\[[^\]]*\]\[rank\d+\]\[[A-Z]+\] ")
-    FILE_ONLY = (b"rank 0 is pid ", b"this rank failed")
+    FILE_ONLY = (b"rank 0 is pid ", b"this rank failed", TORCH_WARNED.encode())
 
     def __init__(self, path: Path, offset: int = 0):
         self.new_lines = NewLines(path, offset)

@@ -7,8 +7,10 @@ import logging
 import os
 import re
 import sys
+import time
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,11 @@ class JsonLines:
 
 
 def record_line(record: dict, total_steps: int) -> str:
-    parts = [f"step {record['step']:>{len(str(total_steps))}}/{total_steps}", f"loss {record['loss']:.4f}"]
+    return f"step {record['step']:>{len(str(total_steps))}}/{total_steps}  {record_figures(record)}"
+
+
+def record_figures(record: dict) -> str:
+    parts = [f"loss {record['loss']:.4f}"]
     if "tokens_per_s" in record:
         parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
     parts.append(f"{record['samples_per_s']:,.1f} samples/s")
@@ -41,7 +47,21 @@ def record_line(record: dict, total_steps: int) -> str:
     elif "tflops_per_device" in record:
         parts.append(f"{record['tflops_per_device']:.3f} TFLOP/s")
     parts.append(f"peak {record['peak_mem_gb']:.2f} GB")
+    if record.get("warmup"):  # its throughput is not the run's: no average counts it
+        parts.append("(warm-up)")
     return "  ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """A time span as a person reads it: 45 s, 3 min 20 s, 1 h 05 min."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
 
 
 def _is_sized_terminal() -> bool:
@@ -53,30 +73,75 @@ def _is_sized_terminal() -> bool:
 
 
 class Progress:
-    """Rank 0's console: a live bar on a terminal, a plain line per record otherwise."""
+    """Rank 0's console: a live bar on a terminal, a plain line per record otherwise. Both
+    say how long is left once a step after the first has been timed.
 
-    def __init__(self, total_steps: int, live: bool | None = None, done: int = 0):
+    `clock`: seconds, for the step times (a test gives its own)."""
+
+    LONG_S = 60  # without a bar, a run with more left than this says so as soon as it knows
+
+    def __init__(self, total_steps: int, live: bool | None = None, done: int = 0,
+                 clock: Callable[[], float] = time.perf_counter):
         self.total_steps = total_steps
+        self.step = done
+        self.clock = clock
+        self.step_times: list[float] = []  # this attempt's, each from the end of the step before
+        self.last_end: float | None = None
+        self.shown: str = ""  # the last record's figures, on the bar
+        self.told_time_left = False
         self.bar: Any = None
         if _is_sized_terminal() if live is None else live:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=done, unit="step", dynamic_ncols=True, file=sys.stdout)
+            # tqdm's own estimate of the time left is left out: it counts the first step,
+            # which also counts FLOPs (and compiles), so it would say two different things.
+            self.bar = tqdm(total=total_steps, initial=done, unit="step", dynamic_ncols=True, file=sys.stdout,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+
+    def step_time_s(self) -> float | None:
+        """The mean time of this attempt's steps after its first; None until one is timed.
+        The first step is left out: it also counts the FLOPs, touches all its memory for the
+        first time, and a compiled model compiles in it."""
+        timed = self.step_times[1:]
+        return sum(timed) / len(timed) if timed else None
+
+    def time_left_s(self) -> float | None:
+        step_time = self.step_time_s()
+        return None if step_time is None else step_time * (self.total_steps - self.step)
+
+    def left(self) -> str:
+        """`"3 min 20 s left"`, or nothing when not known yet or no step is left."""
+        left = self.time_left_s()
+        return f"{duration(left)} left" if left and self.step < self.total_steps else ""
 
     def before_step(self, step: int) -> None:
-        pass
+        if self.last_end is None:
+            self.last_end = self.clock()
 
     def after_step(self, step: int) -> None:
+        now = self.clock()
+        if self.last_end is not None:
+            self.step_times.append(now - self.last_end)
+        self.last_end, self.step = now, step
         if self.bar is not None:
             self.bar.update(1)
+            self._show()
+        elif not self.told_time_left and (self.time_left_s() or 0) > self.LONG_S:
+            self.told_time_left = True  # records may be many minutes apart (train.log_every)
+            log.info("step %d/%d: %s a step, %s", step, self.total_steps, duration(self.step_time_s()), self.left())
 
     def log(self, record: dict) -> None:
         line = record_line(record, self.total_steps)
         if self.bar is not None:
-            self.bar.set_postfix_str(line.split("  ", 1)[1], refresh=True)
+            self.shown = record_figures(record)  # the bar shows the step
+            self._show()
             logging.getLogger("fsdp_exp.rank_file").info(line)
         else:
-            log.info(line)
+            left = self.left()
+            log.info(f"{line}  {left}" if left else line)
+
+    def _show(self) -> None:
+        self.bar.set_postfix_str(", ".join(part for part in (self.left(), self.shown) if part), refresh=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -199,12 +264,19 @@ def write_summary(run_dir: Path, summary: dict) -> None:
 
 
 SETUP_GROUPS = ("task", "model", "data", "sharding", "precision")
+WARMUP_ONLY = " (warm-up steps only: raise train.steps above metrics.warmup_steps to measure)"
 
 
 def summary_table(summary: dict) -> str:
     """The run on one screen: what ran, how fast, how much memory."""
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
+
+    # With every step in warm-up, the means are the warm-up's: slower than the run would be.
+    warmup = summary.get("warmup_only", False)
+
+    def measured(shown: str) -> str:
+        return f"{shown} (warm-up)" if warmup and not shown.startswith("-") else shown
 
     rows = [
         ("status", summary.get("status")),
@@ -226,12 +298,12 @@ def summary_table(summary: dict) -> str:
         ("eval accuracy", fmt(summary.get("eval_accuracy"), ".2%")),
         ("exported", summary.get("exported")),
         ("final loss", fmt(summary.get("final_loss"), ".4f")),
-        ("samples/s", fmt(summary.get("samples_per_s"), ",.1f")),
-        ("tokens/s", fmt(summary.get("tokens_per_s"), ",.0f")),
-        ("step time", fmt(summary.get("step_time_s"), ".4f") + " s"),
+        ("samples/s", fmt(summary.get("samples_per_s"), ",.1f") + (WARMUP_ONLY if warmup else "")),
+        ("tokens/s", measured(fmt(summary.get("tokens_per_s"), ",.0f"))),
+        ("step time", measured(fmt(summary.get("step_time_s"), ".4f") + " s")),
         ("host waiting for data", fmt(summary.get("host_data_wait_share"), ".1%")),
-        ("TFLOP/s per device", fmt(summary.get("tflops_per_device"), ".3f")),
-        ("MFU", fmt(summary.get("mfu"), ".1%")),
+        ("TFLOP/s per device", measured(fmt(summary.get("tflops_per_device"), ".3f"))),
+        ("MFU", measured(fmt(summary.get("mfu"), ".1%"))),
         ("HFU (with recompute)", fmt(summary.get("hfu"), ".1%") if summary.get("hfu") != summary.get("mfu") else None),
         ("peak TFLOP/s", summary.get("peak_tflops") and f"{summary['peak_tflops']:g} ({summary.get('peak_tflops_source')})"),
         ("peak memory (max)", fmt(summary.get("peak_mem_gb"), ".2f") + " GB"),

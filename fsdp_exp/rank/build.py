@@ -39,11 +39,12 @@ from fsdp_exp.metrics.flops import (
 )
 from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
 from fsdp_exp.models.contract import check_logits
+from fsdp_exp.rank import worker
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
-from fsdp_exp.sharding.wrap import unit_sizes
+from fsdp_exp.sharding.wrap import unit_sizes, units_line
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -199,7 +200,10 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
     jsonl = wandb = progress = None
     if ranks.is_main:
         if fsdp_units:
-            log.info("FSDP units: %s", ", ".join(f"{u['module']} ({u['params']:,})" for u in fsdp_units))
+            full, shown = units_line(fsdp_units), units_line(fsdp_units, worker.rank_log_path(run_dir, 0))
+            log.info("%s", shown)
+            if shown != full:
+                logging.getLogger("fsdp_exp.rank_file").info("%s", full)
         if peak.warning:
             log.warning(peak.warning)
         compiled_warmup = warmup_steps_to_skip(compile=True)
@@ -214,7 +218,8 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         from fsdp_exp.config import as_dict
 
         wandb = cfg.wandb.sink(as_dict(cfg), run_dir)
-        progress = Progress(train.steps, done=trainer.start_step)
+        # A probe draws no bar of its own: the search reports each probe in one line.
+        progress = Progress(train.steps, done=trainer.start_step, live=False if cfg.memory.in_probe else None)
         trainer.sinks = [jsonl, progress, wandb]
         trainer.hooks.append(progress)
     return Built(trainer, checkpoint, wandb, jsonl, progress, figures)

@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -93,12 +94,37 @@ def setup_rank(run_dir: Path, rank: int) -> None:
         handlers=handlers,
         force=True,
     )
-    logging.captureWarnings(True)
+    warnings.showwarning = log_warning
     # Tracebacks go to the rank's log file only; the console gets the driver's one line.
     file_only = logging.getLogger("fsdp_exp.rank_file")
     file_only.handlers = [handlers[0]]
     file_only.propagate = False
     file_only.info("rank %d is pid %d on %s", rank, os.getpid(), socket.gethostname())
+
+
+TORCH_WARNED = "torch warned: "  # the start of a warning kept in the rank's log (launch.core.Echo skips it)
+
+
+def log_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                file: Any = None, line: str | None = None) -> None:
+    """Python warnings, as logging records (in place of `warnings.showwarning`). Those that
+    torch raises from its own code (DDP's "Grad strides do not match bucket view strides",
+    deprecations inside torch) are about torch's internals, not the run, and the user
+    cannot act on them: they go to the rank's log only. The project's own warnings and
+    those raised from the user's code reach the console too."""
+    text = warnings.formatwarning(message, category, filename, lineno, line).rstrip()
+    if filename.startswith(os.path.dirname(torch.__file__) + os.sep):
+        logging.getLogger("fsdp_exp.rank_file").warning("%s%s", TORCH_WARNED, text)
+    else:
+        logging.getLogger("py.warnings").warning("%s", text)
+
+
+def console_warnings_only() -> None:
+    """From here on the console shows this rank's warnings and errors, not its progress
+    (a max_batch probe: the search reports each probe in one line; the rest is in the log)."""
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler):
+            handler.setLevel(logging.WARNING)
 
 
 @record

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from torch import nn
 
 WRAP_POLICIES = ("blocks", "size", "blocks+size", "root")
@@ -60,3 +63,38 @@ def _param_owners(model: nn.Module) -> dict:
         for p in module.parameters(recurse=False):
             owners.setdefault(p, []).append(name)
     return owners
+
+
+LONG_LINE = 160  # a units line longer than this is summarised on the console
+
+
+def units_line(units: list[dict], full_list_in: Path | None = None) -> str:
+    """`FSDP units: ...` for the console. A long list (a GPT-2 has a unit per block) is
+    summarised, runs of numbered units of one size as one range, with where the full list
+    is: "FSDP units: 13 (blocks.0-11 of 7.1M params each, (root) 39.4M); full list in ..."."""
+    full = "FSDP units: " + ", ".join(f"{u['module']} ({u['params']:,})" for u in units)
+    if len(full) <= LONG_LINE:
+        return full
+    runs: list[list[tuple[str, int, dict]]] = []  # (prefix, index, unit) of consecutive numbered units
+    for unit in units:
+        numbered = re.fullmatch(r"(.*?)(\d+)", unit["module"])
+        prefix, index = (numbered[1], int(numbered[2])) if numbered else (unit["module"], -1)
+        last = runs[-1][-1] if runs else None
+        if (numbered and last and last[0] == prefix and last[1] == index - 1
+                and last[2]["params"] == unit["params"]):
+            runs[-1].append((prefix, index, unit))
+        else:
+            runs.append([(prefix, index, unit)])
+    parts = [f"{run[0][0]}{run[0][1]}-{run[-1][1]} of {_count(run[0][2]['params'])} params each" if len(run) > 1
+             else f"{run[0][2]['module']} {_count(run[0][2]['params'])}" for run in runs]
+    if len(parts) > 6:
+        parts = [*parts[:5], f"{len(parts) - 6} more", parts[-1]]  # the root is last
+    where = f"; full list in {full_list_in}" if full_list_in is not None else ""
+    return f"FSDP units: {len(units)} ({', '.join(parts)}){where}"
+
+
+def _count(params: int) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if params >= size:
+            return f"{params / size:.1f}{unit}"
+    return str(params)

@@ -26,6 +26,8 @@ from fsdp_exp.metrics.environment import (
     write_device_record,
 )
 from fsdp_exp.metrics.sinks import write_json
+from fsdp_exp.rank.worker import rank_log_path
+from fsdp_exp.sharding.wrap import units_line
 from fsdp_exp.tasks.batch_answer import (
     SPACING,
     answer_line,
@@ -131,6 +133,7 @@ class Sweep:
         self.need: Probe | None = None  # the smallest batch under all this device gives a rank, when none fits
         self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.batch_prior), once traced
         self.reused = 0
+        self.units_told = False
         self.start = time.perf_counter()
         self.data_share = self.data_share_per_rank()
 
@@ -231,6 +234,7 @@ class Sweep:
         probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb)
         probe.for_fastest = for_fastest
         probe.estimated_peak_gb = self.estimated_peak_gb(size)
+        self.tell_units(probe_dir)
         if limit_gb == "same":
             log.info("probe %d: %s", len(self.probe_dirs()), probe.line())
         else:
@@ -245,6 +249,19 @@ class Sweep:
             self.need = probe
         self.save(None)
         return probe
+
+    def tell_units(self, probe_dir: Path) -> None:
+        """The FSDP units, once a search, from the first probe that built the model: every
+        probe shards it alike, and a probe's own lines stay in its rank logs."""
+        if self.units_told:
+            return
+        try:
+            units = json.loads((probe_dir / "summary.json").read_text()).get("fsdp_units")
+        except (OSError, ValueError):
+            return
+        if units:
+            log.info("%s", units_line(units, rank_log_path(probe_dir, 0)))
+            self.units_told = True
 
     def estimated_peak_gb(self, size: int) -> float | None:
         curve = prior(self.estimated)

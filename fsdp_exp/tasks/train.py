@@ -59,6 +59,8 @@ class Train:
 def train_rank(cfg: Experiment, run_dir: Path) -> dict:
     """One rank's whole training run; returns the run's figures (the same on every rank)."""
     cfg.startup.update(rank_started=process_started(), rank_ready=time.time())
+    if cfg.memory.in_probe:
+        worker.console_warnings_only()
     ranks = distributed.init(cfg.device)
     cfg.startup["process_group"] = time.time()
     if cfg.memory.records_history:

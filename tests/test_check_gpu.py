@@ -368,7 +368,8 @@ def test_the_search_answer_check_trains_at_the_answer_and_needs_a_memory_bound()
     assert answer_trains(search, result(peak_reserved_gb=7.9), 8.0) == (
         True, "max batch 6 (bounded by oom); trained at it: peak 7.900 GB (reserved) under memory.limit_gb=8")
     assert not answer_trains(search, result("oom", error="rank 0 failed: OutOfMemory"), 8.0)[0]
-    assert not answer_trains(result(max_batch_size=6, bounded_by="noise"), result(peak_reserved_gb=7.0), 8.0)[0]
+    assert answer_trains(result(max_batch_size=6, bounded_by="noise"), result(peak_reserved_gb=7.0), 8.0)[0]
+    assert not answer_trains(result(max_batch_size=6, bounded_by="search_up_to"), result(peak_reserved_gb=7.0), 8.0)[0]
 
 
 def test_a_meta_build_must_train_as_the_plain_build() -> None:

@@ -150,6 +150,7 @@ def test_a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_the_same(
 
 
 
+@pytest.mark.slow
 def test_a_restart_after_the_final_checkpoint_trains_nothing_and_keeps_the_loss_and_the_wandb_run(
         tmp_path: Path) -> None:
     """Rank 1 dies after the last step, once its checkpoint is saved: the restarted ranks
@@ -250,6 +251,7 @@ def test_a_cpu_rank_stages_pinned_saves_in_the_background_without_a_device_strea
                                           "saved: step_00000001"], result.stdout
 
 
+@pytest.mark.slow
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_the_latest(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     saver = two_saves(root, "sync")
@@ -287,7 +289,8 @@ def test_export_writes_the_plain_model_from_any_checkpoint(tmp_path: Path, refer
 
 @pytest.mark.parametrize("launcher", [
     ["launcher=slurm", "launcher.cluster=local", "launcher.gpus_per_node=1"],
-    ["launcher=ray", "launcher.use_gpu=true", "launcher.address=ray://head:10001"],
+    pytest.param(["launcher=ray", "launcher.use_gpu=true", "launcher.address=ray://head:10001"],
+                 marks=pytest.mark.slow),
 ])
 def test_eval_on_a_gpu_cluster_runs_here_on_this_machines_device(tmp_path: Path, launcher: list[str]) -> None:
     """task=eval runs in the command's own process: typed on a login node without a GPU,

@@ -70,6 +70,7 @@ SUBMITIT_LOCAL = ["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout
                   *SMALL_VIT, "train.steps=2"]
 
 
+@pytest.mark.slow
 def test_a_sweep_under_hydras_submitit_launcher_runs_its_runs_at_the_same_time(tmp_path: Path) -> None:
     result = run_cli(*SUBMITIT_LOCAL, "sharding=full,ddp", cwd=tmp_path, timeout=400)
     assert result.returncode == 0, result.stderr

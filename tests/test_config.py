@@ -125,13 +125,19 @@ def test_hydras_launcher_plugins_are_checked_with_the_runs(
 
 
 def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:
-    with pytest.raises(ConfigError, match="train.steps=0: must be at least 1"):
-        precheck(["-m", "sharding=full,grad_op", "train.steps=5,0"])
+    """The runs a check refuses are known before the first starts (the others then run)."""
+    from fsdp_exp.cli import Refused
+
+    plans = precheck(["-m", "sharding=full,grad_op", "train.steps=5,0"])
+    refused = {key: plan.reason for key, plan in plans.items() if isinstance(plan, Refused)}
+    assert refused == {("sharding=full", "train.steps=0"): "train.steps=0: must be at least 1",
+                       ("sharding=grad_op", "train.steps=0"): "train.steps=0: must be at least 1"}
+    assert len(plans) == 4
 
 
 @pytest.mark.parametrize(
     "args",
-    [["sharding=bogus"], ["-m", "sharding=full,grad_op", "train.batch_size=8,0"], ["train.nope=1"],
+    [["sharding=bogus"], ["-m", "sharding=full,grad_op", "train.batch_size=0"], ["train.nope=1"],
      ["model=cnn", "data=fashion_mnist", "data.root=/nonexistent"],
      ["checkpoint=dcp", "checkpoint.dir=/proc/forbidden"],
      ["task=eval", "task.weights=bad.safetensors"]],

@@ -47,6 +47,7 @@ def test_a_search_shows_its_fsdp_units_once_and_each_probe_in_one_line(tmp_path:
         assert "FSDP units:" in log and "step 3/3" in log
 
 
+@pytest.mark.slow
 def test_torch_warnings_stay_in_the_rank_log(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli("model=custom", f"model._target_={__name__}.LateChannelsLast", "sharding=ddp", "train.steps=2",

@@ -224,6 +224,7 @@ def test_a_model_that_cannot_be_traced_is_one_line(tmp_path):
     assert read_json(tmp_path / "run" / "summary.json")["status"] == "failed"
 
 
+@pytest.mark.slow
 def test_estimate_for_a_gpu_on_a_machine_without_one(tmp_path):
     out = tmp_path / "run"
     result = run_cli("task=estimate", "task.device=cuda", "model=gpt", "data=synthetic_tokens", "precision=bf16",

@@ -301,6 +301,7 @@ class ClusterLauncher:
                 "alloc_retries": 0.0}
 
 
+@pytest.mark.slow
 def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
     from fsdp_exp.tasks import max_batch

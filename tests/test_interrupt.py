@@ -90,6 +90,7 @@ def test_ctrl_c_on_a_local_run_stops_it_with_a_summary(tmp_path: Path) -> None:
     assert_stopped(command, run_dir, step, out, err, ranks, "SIGINT")
 
 
+@pytest.mark.slow
 def test_sigterm_on_a_local_run_stops_it_with_a_summary(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     command = start(tmp_path, *ENDLESS, f"hydra.run.dir={run_dir}")

@@ -28,6 +28,7 @@ def test_a_failing_rank_stops_the_run_within_seconds(tmp_path: Path) -> None:
     assert "rank1.log" in message and "\n" not in message
 
 
+@pytest.mark.slow
 def test_under_external_torchrun_each_process_is_one_rank(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli(

@@ -78,6 +78,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             holder.wait()
 
 
+@pytest.mark.slow
 def test_a_run_matches_launcher_local_and_fills_the_run_directory(tmp_path: Path) -> None:
     """Same seed, same data, same losses; the Ray run is a run like any other."""
     with ThreadPoolExecutor(2) as pool:  # both at once: a local Ray takes tens of seconds to start

@@ -24,6 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_meet_and_train_like_the_local_launcher(tmp_path: Path) -> None:
     nodes = [*RUN, "launcher=torchrun", "launcher.nnodes=2", "launcher.nproc_per_node=1",
              f"launcher.rdzv_endpoint=localhost:{free_port()}", "launcher.rdzv_id=two_nodes",

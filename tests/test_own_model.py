@@ -168,6 +168,7 @@ def test_the_users_model_brings_its_own_data_as_the_main_readme_types_it(project
     assert plan.exp.data.target == "mypkg.data.squares" and plan.exp.model.kwargs["num_classes"] == 4
 
 
+@pytest.mark.slow
 def test_the_example_project_installs_as_its_readme_says(tmp_path: Path) -> None:
     """`pip install -e .` in examples/my_project: its pyproject.toml builds a package of mypkg."""
     import subprocess

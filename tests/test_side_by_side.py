@@ -30,6 +30,7 @@ def overlap(a: Path, b: Path) -> bool:
     return max(start_a, start_b) < min(end_a, end_b)
 
 
+@pytest.mark.slow
 def test_a_slurm_sweep_submits_every_run_first_and_lists_the_failed_one(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     args = ["-m", "launcher=slurm", "launcher.cluster=local", "launcher.nproc_per_node=1", *ONE_RANK,

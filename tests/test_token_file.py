@@ -183,7 +183,7 @@ def test_the_data_vocab_must_fit_the_model_and_the_gpt_hint_names_token_file(tmp
         precheck([*args, "model.vocab_size=256"])  # GPT-2's vocab is the default
     precheck([*args, "data.vocab_size=100", "model.vocab_size=128"])
     with pytest.raises(ConfigError, match="a language model reads data=synthetic_tokens, text or token_file"):
-        precheck(["model=gpt"])
+        precheck(["model=gpt", "data=synthetic"])
 
 
 BAD_FILES = {

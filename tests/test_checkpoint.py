@@ -127,6 +127,7 @@ def test_dropout_draws_the_same_masks_after_a_resume(tmp_path: Path) -> None:
     assert sorted(got) == [4, 5, 6] and all(abs(got[s] - want[s]) <= 1e-6 for s in got), (got, want)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_the_same(
         tmp_path: Path, reference: Path) -> None:
     out = tmp_path / "killed"

@@ -215,6 +215,7 @@ def test_bad_estimate_settings_are_one_line(tmp_path):
         compose_checked(["task=estimate", "task.device=tpu", "wandb.mode=disabled"])
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_be_traced_is_one_line(tmp_path):
     stack = [o.replace("tests.test_estimate.linear_stack", "tests.test_estimate.ReadsItsInput") for o in STACK]
     result = run_cli("task=estimate", *stack, f"hydra.run.dir={tmp_path / 'run'}", cwd=REPO)

@@ -264,6 +264,7 @@ def test_the_exported_llama_loads_into_fsdp_exp_and_into_transformers(llama: dic
         assert torch.equal(ours(x), theirs(x).logits)
 
 
+@pytest.mark.slow
 def test_pretrained_gpt2_from_a_directory_sharded_trains_as_one_unsharded_process(
         gpt2_dir: Path, tmp_path: Path) -> None:
     gpt2 = ["model=hf_dir", f"model.path={gpt2_dir}", "model.pretrained=true"]

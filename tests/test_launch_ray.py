@@ -121,6 +121,7 @@ def test_without_ray_installed_launcher_ray_names_the_extra(tmp_path: Path) -> N
     assert not out.exists(), "refused before any output directory"
 
 
+@pytest.mark.slow
 def test_an_address_where_no_ray_answers_fails_within_start_timeout(tmp_path: Path) -> None:
     """A port that accepts connections and never answers: Ray itself would retry for minutes."""
     with socket.socket() as silent:

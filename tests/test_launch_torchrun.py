@@ -50,6 +50,7 @@ def test_two_nodes_meet_and_train_like_the_local_launcher(tmp_path: Path) -> Non
     assert got == pytest.approx(want, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_a_node_left_alone_gives_up_after_the_rendezvous_timeout(tmp_path: Path) -> None:
     result = run_cli(*RUN, "launcher=torchrun", "launcher.nnodes=2", "launcher.rdzv_timeout=5",
                      f"launcher.rdzv_endpoint=localhost:{free_port()}", cwd=tmp_path, timeout=120)

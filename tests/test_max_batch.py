@@ -174,6 +174,7 @@ def test_bad_input_is_one_line_before_any_probe(tmp_path: Path, args: list[str],
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_under_torchrun_max_batch_is_refused(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "fsdp_exp", "task=max_batch",

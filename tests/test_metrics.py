@@ -196,6 +196,7 @@ def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:
         assert key in data, key
 
 
+@pytest.mark.slow
 def test_wandb_mode_from_the_environment_disables_wandb(tmp_path: Path) -> None:
     """wandb.mode=auto (the default) with WANDB_MODE=disabled: no wandb run, not even offline."""
     out = tmp_path / "run"

@@ -38,6 +38,7 @@ def test_runs_list_their_fsdp_units(tmp_path: Path) -> None:
     assert "FSDP units: encoder.layers.encoder_layer_0 (" in (out / "rank0.log").read_text()
 
 
+@pytest.mark.slow
 def test_fp16_with_loss_scaling_recovers_from_overflow(tmp_path: Path) -> None:
     """A scale of 2^24 overflows fp16 gradients at first: the ranks skip those steps
     together, halve the scale, and then train."""
@@ -54,7 +55,7 @@ def test_fp16_with_loss_scaling_recovers_from_overflow(tmp_path: Path) -> None:
     assert records[-1]["loss"] < 0.9 * records[0]["loss"], "fp16 training must make progress"
 
 
-@pytest.mark.parametrize("data", ["synthetic_tokens", "text"])
+@pytest.mark.parametrize("data", ["synthetic_tokens", pytest.param("text", marks=pytest.mark.slow)])
 def test_gpt_trains_on_tokens_and_counts_them(data: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli(

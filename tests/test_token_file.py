@@ -236,6 +236,7 @@ def test_cli_refuses_a_bad_file_in_one_line_and_leaves_nothing_behind(tmp_path: 
 
 
 # ---- a real run ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_gpt_trains_on_2_ranks_from_train_bin(tmp_path: Path) -> None:
     write_tokens(tmp_path / "data" / "train.bin", learnable_tokens(20_000))
     out = tmp_path / "run"

@@ -324,6 +324,7 @@ def test_a_table_cell_cannot_break_the_row() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_every_check_passes_on_two_cpu_ranks(tmp_path: Path) -> None:
     """The whole check end to end on CPU (`--device cpu`, gloo): the plumbing of every check
     against real runs. About 12 runs."""

@@ -96,14 +96,3 @@ def state_after_build(cfg, run_dir: Path) -> None:
                                   for n, p in unwrap(model).named_parameters()},
                 "weights": weights}, run_dir / f"rank{ranks.rank}.pt")
     distributed.close()
-
-
-def rank1_raises_while_rank0_works_on(cfg: dict, run_dir: Path) -> str:
-    """Rank 0 never meets rank 1 in a collective, as an NCCL rank waiting on a dead peer
-    never hears of its death: only the launcher can end it."""
-    rank = int(os.environ["RANK"])
-    if rank == 1:
-        time.sleep(1)
-        raise ValueError("boom on rank 1")
-    time.sleep(cfg.get("work_s", 120))
-    return "rank 0 finished"

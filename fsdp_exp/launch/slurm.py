@@ -244,11 +244,6 @@ class SlurmLauncher:
             if self.cluster == "slurm" and time.monotonic() - forced[0] > FORCE_STATE_S:
                 job.get_info(mode="force")  # refreshes the state every task's done() reads
                 forced[0] = time.monotonic()
-            if self.cluster == "local" and not job.done() and a_rank_failed(job, nproc):
-                # SLURM's --kill-on-bad-exit ends the others on a cluster; submitit's local
-                # controller waits for every task, and on NCCL a peer of a dead rank waits in
-                # its collective until the process group's timeout.
-                job.cancel(check=False)
             return job.done()
 
         def first_start() -> float | None:
@@ -305,12 +300,6 @@ def error_line(trace: str) -> str:
         return "unknown error"
     # Not raised through RankJob (e.g. unpickling failed): the last line, without the module.
     return failure_line(re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?::|$))", "", lines[-1]))
-
-
-def a_rank_failed(job: Any, nproc: int) -> bool:
-    """Whether a task of the job has written an error as its result."""
-    return any(r is not None and r[0] != "success"
-               for r in (read_result(job.task(rank).paths.result_pickle) for rank in range(nproc)))
 
 
 def read_result(path: Path) -> tuple[str, Any, float] | None:

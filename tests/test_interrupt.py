@@ -83,19 +83,20 @@ def assert_stopped(command: subprocess.Popen, run_dir: Path, signalled_at: int, 
     assert not live_in_group(command.pid), "nothing the command started is left"
 
 
-def test_ctrl_c_on_a_local_run_stops_it_with_a_summary(tmp_path: Path) -> None:
+def stop_a_local_run(tmp_path: Path, sig: signal.Signals, group: bool) -> None:
     run_dir = tmp_path / "run"
     command = start(tmp_path, *ENDLESS, f"hydra.run.dir={run_dir}")
-    step, out, err, ranks = stop_at_step(command, run_dir, signal.SIGINT, group=True)
-    assert_stopped(command, run_dir, step, out, err, ranks, "SIGINT")
+    step, out, err, ranks = stop_at_step(command, run_dir, sig, group=group)
+    assert_stopped(command, run_dir, step, out, err, ranks, sig.name)
+
+
+def test_ctrl_c_on_a_local_run_stops_it_with_a_summary(tmp_path: Path) -> None:
+    stop_a_local_run(tmp_path, signal.SIGINT, group=True)
 
 
 @pytest.mark.slow
 def test_sigterm_on_a_local_run_stops_it_with_a_summary(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    command = start(tmp_path, *ENDLESS, f"hydra.run.dir={run_dir}")
-    step, out, err, ranks = stop_at_step(command, run_dir, signal.SIGTERM, group=False)
-    assert_stopped(command, run_dir, step, out, err, ranks, "SIGTERM")
+    stop_a_local_run(tmp_path, signal.SIGTERM, group=False)
 
 
 @pytest.mark.slow

@@ -94,7 +94,7 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
         return refuse(rank, str(err))
     plan.exp.launcher = ExternalLauncher(rank, world_size)
 
-    distributed.init(plan.exp.device)
+    distributed.init(plan.exp.device, plan.exp.offload)
     run_dir = Path(distributed.from_main(run_dir_text))
     if rank == 0:
         (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)

@@ -219,6 +219,8 @@ class RayLauncher:
         except ImportError:
             raise missing_extra("ray", "ray[train]", "ray") from None
 
+        from fsdp_exp.rank.distributed import backend_for
+
         run_dir = Path(run_dir).resolve()
         resources = {str(k): float(v) for k, v in dict(self.resources_per_worker or {}).items()}
         if alongside.get() is None:  # beside others, `connect` made the session on the main thread
@@ -233,7 +235,7 @@ class RayLauncher:
             _train_loop,
             train_loop_config={"job": job},
             scaling_config=ScalingConfig(num_workers=nproc, use_gpu=self.use_gpu, resources_per_worker=resources or None),
-            torch_config=TorchConfig(backend="nccl" if self.use_gpu else "gloo", timeout_s=PROCESS_GROUP_TIMEOUT_S),
+            torch_config=TorchConfig(backend=backend_for("cuda" if self.use_gpu else "cpu", cfg.offload), timeout_s=PROCESS_GROUP_TIMEOUT_S),
             run_config=RunConfig(
                 name=name,
                 storage_path=storage,

@@ -27,11 +27,26 @@ class Ranks:
         return self.rank == 0
 
 
-def init(device_type: str, timeout_s: float = 600) -> Ranks:
-    """Join the process group that torchrun or the elastic launcher described in the env.
+def backend_for(device_type: str, offload: bool) -> str:
+    """The process group's backend: gloo on CPU; on GPU nccl, one rank per GPU.
 
-    CPU runs use gloo, GPU runs nccl with one rank per GPU. The sharding plan makes its
-    own device mesh from `device.type`, never from the accelerator's default.
+    With `offload` a GPU run's group also has gloo for CPU tensors, as torchtitan's does:
+    the sharded parameters, gradients and optimizer state live on the CPU, and a
+    collective that meets one of them in an NCCL-only group fails on every rank with "No
+    backend type associated with device type cpu" (pytorch#148532, through
+    clip_grad_norm_). The code paths of torch 2.14.1 that fsdp_exp runs move such tensors
+    to the GPU first (README, "What the GPU paths rest on"); the gloo half keeps the
+    next one from crashing an 8-GPU run that a 1-GPU check passed, where torch skips
+    the collective."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if offload else "nccl"
+
+
+def init(device_type: str, offload: bool = False, timeout_s: float = 600) -> Ranks:
+    """Join the process group that torchrun or the elastic launcher described in the env,
+    with `backend_for(device_type, offload)`. The sharding plan makes its own device mesh
+    from `device.type`, never from the accelerator's default.
     """
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -39,13 +54,11 @@ def init(device_type: str, timeout_s: float = 600) -> Ranks:
     if device_type == "cuda":
         device = torch.device("cuda", gpu_index(os.environ, torch.cuda.device_count()))
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
     if not dist.is_initialized():
         device_id = device if device_type == "cuda" else None
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+        dist.init_process_group(backend_for(device_type, offload), timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
     return Ranks(rank, local_rank, world_size, device)
 
 

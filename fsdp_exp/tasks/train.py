@@ -61,7 +61,7 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
     cfg.startup.update(rank_started=process_started(), rank_ready=time.time())
     if cfg.memory.in_probe:
         worker.console_warnings_only()
-    ranks = distributed.init(cfg.device)
+    ranks = distributed.init(cfg.device, cfg.offload)
     cfg.startup["process_group"] = time.time()
     if cfg.memory.records_history:
         record_allocation_history(ranks.device)

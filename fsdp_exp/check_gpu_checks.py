@@ -294,7 +294,7 @@ def limited_peak(summary: dict) -> tuple[float | None, str]:
     """The peak that memory.limit_gb caps, as task=max_batch reads it: the limit's own count
     on CPU, the allocator's reserved memory on a GPU."""
     for key, what in (("peak_under_limit_gb", "as the limit counts it"), ("peak_reserved_gb", "reserved"),
-                      ("peak_mem_gb", "resident or allocated")):
+                      ("peak_mem_gb", "the run's own")):
         if summary.get(key) is not None:
             return summary[key], what
     return None, ""

@@ -27,7 +27,7 @@ EXIT_BAD_INPUT = 2
 NOT_FINISHED = "no summary.json: the run did not finish (interrupted or still running)"
 INTERRUPTED = "interrupted: the run was stopped before it finished"
 COLUMNS = ["setup", "task", "status", "max_batch_size", "fastest_batch_size", "near_fastest_batch_size",
-           "batch_size", "samples_per_s", "limit_gb", "peak_under_limit_gb", "peak_mem_gb", "world_size", "mfu",
+           "batch_size", "samples_per_s", "peak_mem_gb", "limit_gb", "peak_under_limit_gb", "world_size", "mfu",
            "final_loss", "eval_loss", "eval_accuracy", "note", "run_dir"]
 # The CSV only: a table cell of every override is what made rows unreadable.
 CSV_ONLY = ["overrides"]

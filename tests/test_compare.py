@@ -147,9 +147,9 @@ def test_max_batch_runs_show_their_max_batch(tmp_path: Path) -> None:
     assert code == 0
     assert [(r["setup"], r["task"], r["max_batch_size"], r["batch_size"]) for r in rows] == [
         ("sharding=full", "max_batch", "212", "212"), ("sharding=ddp", "max_batch", "", "")]
-    assert "| sharding=full | max_batch | ok | 212 | 160 | 96 | 212 | 400.5 | 1.5 | 1.495 | 1.62 | 2 |" in md
+    assert "| sharding=full | max_batch | ok | 212 | 160 | 96 | 212 | 400.5 | 1.62 | 1.5 | 1.495 | 2 |" in md
     # The peak next to the limit is the one the limit counts; the resident peak has its own name.
-    assert "| memory.limit_gb | peak under the limit (GB) | peak memory (GB) |" in md
+    assert "| peak memory (GB) | memory.limit_gb | peak under the limit (GB) |" in md
 
 
 def test_none_fits_is_a_row_with_what_batch_one_needs(tmp_path: Path) -> None:

@@ -139,15 +139,11 @@ def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:
     "args",
     [["sharding=bogus"], ["-m", "sharding=full,grad_op", "train.batch_size=0"], ["train.nope=1"],
      ["model=cnn", "data=fashion_mnist", "data.root=/nonexistent"],
-     ["checkpoint=dcp", "checkpoint.dir=/proc/forbidden"],
-     ["task=eval", "task.weights=bad.safetensors"]],
-    ids=["option", "sweep", "key", "data.root", "checkpoint.dir", "damaged-weights"],
+     ["checkpoint=dcp", "checkpoint.dir=/proc/forbidden"]],
+    ids=["option", "sweep", "key", "data.root", "checkpoint.dir"],
 )
 def test_cli_refuses_with_one_line_and_leaves_nothing_behind(args: list[str], tmp_path: Path) -> None:
-    weights = tmp_path.parent / f"{tmp_path.name}-weights"
-    weights.mkdir()
-    (weights / "bad.safetensors").write_bytes(bytes(range(256)) * 8)  # not a safetensors file
-    args = [a.replace("task.weights=", f"task.weights={weights}/") for a in args]
+    """(Damaged weights for task=eval: the same checks, in-process, below.)"""
     result = run_cli(*args, cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -33,47 +33,44 @@ def _cuda_only_backend(store, rank, size, timeout):  # noqa: ANN001, ANN202 (tor
     return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def _unscale_cpu_gradients(rank: int, backend: str, init_file: str, found: object) -> None:
-    """fp16 loss scaling of offloaded (CPU) gradients, rank 1's with an inf, in a group whose
-    GPU half serves only `cuda` tensors, as NCCL does."""
+def _unscale_cpu_gradients(rank: int, backends: list[str], init_dir: str, found: object) -> None:
+    """fp16 loss scaling of offloaded (CPU) gradients, rank 1's with an inf, in each of
+    `backends` in turn, whose GPU half serves only `cuda` tensors, as NCCL does."""
     import torch.distributed as dist
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    if "cudaonly" not in dist.Backend.backend_list:
-        dist.Backend.register_backend("cudaonly", _cuda_only_backend, devices=["cuda"])
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        weight = torch.nn.Parameter(torch.ones(4))
-        weight.grad = torch.full((4,), float("inf") if rank == 1 else 1.0)
-        optimizer = torch.optim.SGD([weight], lr=0.1)
-        scaler = ShardedGradScaler(device="cpu")  # as a CPU flag would meet the group
-        scaler.scale(torch.ones(()))
+    dist.Backend.register_backend("cudaonly", _cuda_only_backend, devices=["cuda"])
+    for backend in backends:
+        dist.init_process_group(backend, init_method=f"file://{init_dir}/{backend}", rank=rank, world_size=2)
         try:
-            scaler.unscale_(optimizer)
-            flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-            found[rank] = f"found_inf={sum(float(f) for f in flags):g}"
-        except RuntimeError as err:
-            found[rank] = str(err).splitlines()[0]
-    finally:
-        dist.destroy_process_group()
+            weight = torch.nn.Parameter(torch.ones(4))
+            weight.grad = torch.full((4,), float("inf") if rank == 1 else 1.0)
+            optimizer = torch.optim.SGD([weight], lr=0.1)
+            scaler = ShardedGradScaler(device="cpu")  # as a CPU flag would meet the group
+            scaler.scale(torch.ones(()))
+            try:
+                scaler.unscale_(optimizer)
+                flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+                found[(backend, rank)] = f"found_inf={sum(float(f) for f in flags):g}"
+            except RuntimeError as err:
+                found[(backend, rank)] = str(err).splitlines()[0]
+        finally:
+            dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_a_cpu_tensor_meets_an_offloading_gpu_runs_group(offload: bool, tmp_path: Path) -> None:
+def test_a_cpu_tensor_meets_an_offloading_gpu_runs_group(tmp_path: Path) -> None:
     """pytorch#148532's mechanism, on CPU: a group with a backend for `cuda` tensors only, as
     plain "nccl" is, fails on a CPU tensor on every rank. With offload the group
     `distributed.backend_for` gives has gloo for them, and the ranks agree on the inf."""
     import torch.multiprocessing as mp
 
-    backend = distributed.backend_for("cuda", offload).replace("nccl", "cudaonly")
+    plain, offload = (distributed.backend_for("cuda", o).replace("nccl", "cudaonly") for o in (False, True))
+    assert (plain, offload) == ("cudaonly", "cpu:gloo,cuda:cudaonly")
     found = mp.Manager().dict()
-    mp.spawn(_unscale_cpu_gradients, args=(backend, str(tmp_path / "init"), found), nprocs=2)
-    if offload:
-        assert backend == "cpu:gloo,cuda:cudaonly"
-        assert dict(found) == {0: "found_inf=1", 1: "found_inf=1"}
-    else:
-        assert all("No backend type associated with device type cpu" in line for line in found.values()), dict(found)
-        assert len(found) == 2
+    mp.spawn(_unscale_cpu_gradients, args=([plain, offload], str(tmp_path), found), nprocs=2)
+    assert [found[(offload, rank)] for rank in (0, 1)] == ["found_inf=1", "found_inf=1"]
+    for rank in (0, 1):
+        assert "No backend type associated with device type cpu" in found[(plain, rank)], dict(found)
 
 
 # ---- out of memory outside the caching allocator ------------------------------------------

@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.cli import compose_checked, precheck
 from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.tasks.max_batch import Sweep
 from tests.conftest import REPO, SMALL_VIT, rank_pid, read_json, run_cli
@@ -159,19 +160,25 @@ def test_a_probe_past_its_timeout_is_recorded_as_failed(tmp_path: Path) -> None:
     assert read_json(run_dir / "summary.json")["status"] == "failed"
 
 
+def test_bad_input_is_one_line_before_any_probe(tmp_path: Path) -> None:
+    result = run_cli("task=max_batch", "device=cpu", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "memory.limit_gb: task=max_batch on CPU needs a per-rank limit" in result.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
 @pytest.mark.parametrize("args, message", [
-    (["device=cpu"], "memory.limit_gb: task=max_batch on CPU needs a per-rank limit"),
     ([LIMIT, "train.grad_accum=2"], "train.grad_accum=2: task=max_batch searches the batch of one forward"),
     ([LIMIT, "max_batch.steps_per_probe=1"], "max_batch.steps_per_probe=1: must be at least 2"),
     ([LIMIT, "max_batch.margin=1.5"], "max_batch.margin=1.5: must be at least 0 and below 1"),
     (["memory.limit_gb=100000"], "memory.limit_gb=100000.0: above the device's memory"),
 ])
-def test_bad_input_is_one_line_before_any_probe(tmp_path: Path, args: list[str], message: str) -> None:
-    result = run_cli("task=max_batch", *args, cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
-    assert message in result.stderr
-    assert not (tmp_path / "outputs").exists()
+def test_bad_settings_are_refused_by_the_checks_before_any_probe(args: list[str], message: str) -> None:
+    """The checks the command line runs before any rank starts (as the test above, in this
+    process)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        precheck(["task=max_batch", *args])
 
 
 @pytest.mark.slow
@@ -417,7 +424,6 @@ def test_a_model_that_cannot_train_at_batch_1_is_searched_from_the_first_size_th
 
 
 def test_a_resolution_above_each_ranks_share_of_the_data_is_one_line_before_any_probe(tmp_path: Path) -> None:
-    from fsdp_exp.errors import ConfigError
 
     make_dataset(tmp_path / "data", "FashionMNIST", n=7)  # 3 a rank on 2 ranks; the seventh is left over
     plan = prepare(compose_checked(["task=max_batch", LIMIT, *SMALL_VIT, "data=fashion_mnist",

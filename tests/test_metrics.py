@@ -55,12 +55,56 @@ def test_each_phase_has_its_peak_unless_turned_off(one_rank_group: Ranks, phase_
     batches = SyntheticImages(num_samples=512).batches(64, 0, 1, seed=0)
     summary = Trainer(model, torch.optim.AdamW(model.parameters()), batches, one_rank_group, steps=3,
                       batch_size=64, log_every=3, phase_peaks=phase_peaks).fit()
-    phases = {k: v for k, v in summary.items() if k.startswith("peak_") and k.endswith("_gb") and k != "peak_mem_gb"}
+    phases = {k: v for k, v in summary.items()
+              if k.startswith("peak_") and k.endswith("_gb") and k not in ("peak_mem_gb", "peak_resident_gb")}
     if phase_peaks:
         assert phases.keys() == {"peak_forward_gb", "peak_backward_gb", "peak_optimizer_step_gb"}
         assert all(0 < v <= summary["peak_mem_gb"] for v in phases.values()), (phases, summary["peak_mem_gb"])
     else:
         assert phases == {} and summary["peak_mem_gb"] > 0
+
+
+def test_the_primary_peak_leaves_out_what_the_rank_held_before_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """peak_mem_gb on CPU: the resident peak less the runtime marked before the model is
+    built; the whole process's peak is peak_resident_gb."""
+    from fsdp_exp.metrics import memory
+
+    monkeypatch.setattr(memory, "_runtime_bytes", 0)  # mark_runtime sets both: restored after the test
+    monkeypatch.setattr(memory, "_runtime_file_bytes", 0)
+    runtime = torch.ones(48 * 2**20)  # 192 MiB held before the "model", as torch's own memory is
+    cpu = torch.device("cpu")
+    held_gb = memory.mark_runtime(cpu)
+    monitor = memory.MemoryMonitor(cpu)
+    monitor.start_run()
+    run = torch.ones(64 * 2**20)  # the run's own 256 MiB
+    peaks = monitor.window_peaks()
+    assert peaks["peak_mem_gb"] == pytest.approx(0.25, abs=0.03), peaks
+    assert peaks["peak_resident_gb"] >= held_gb + 0.24 and held_gb > 0.18, (peaks, held_gb)
+    del runtime, run
+
+
+@pytest.mark.slow
+def test_the_primary_peak_is_the_same_whatever_started_the_ranks(tmp_path: Path) -> None:
+    """One config under launcher=local (ranks forked from a process that imported torch
+    once), torchrun and SLURM's local executor: their runtimes differ by hundreds of MB, the
+    run's own peak by less than 5%."""
+    from tests.test_launch_torchrun import free_port
+
+    launchers = {"local": [], "torchrun": ["launcher=torchrun", f"launcher.rdzv_endpoint=localhost:{free_port()}"],
+                 "slurm": ["launcher=slurm", "launcher.cluster=local"]}
+    summaries = {}
+    for name, args in launchers.items():
+        result = run_cli(*args, "train.steps=8", "train.log_every=4", f"hydra.run.dir={tmp_path / name}",
+                         cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        summaries[name] = read_json(tmp_path / name / "summary.json")
+    runtimes = [s["runtime_gb"] for s in summaries.values()]
+    assert max(runtimes) - min(runtimes) > 0.1, runtimes  # the launchers do differ
+    local = summaries["local"]["peak_mem_gb"]
+    for name, summary in summaries.items():
+        assert summary["peak_mem_gb"] == pytest.approx(local, rel=0.05), {n: s["peak_mem_gb"] for n, s in summaries.items()}
+        # the whole process: the runtime, the run's own, and library code paged in while training
+        assert summary["peak_resident_gb"] >= summary["peak_mem_gb"] + summary["runtime_gb"]
 
 
 @pytest.mark.parametrize("warmup_steps, warned", [(1, True), (2, False)])

@@ -1,8 +1,15 @@
 """Peak memory of this rank over a window of steps.
 
-GPU: the caching allocator's peaks (allocated, active, reserved) and how often, within the
-window, it freed its cache to retry an allocation or ran out of memory. CPU: the process's peak resident memory (VmHWM), reset at each window where the
-kernel allows it (/proc/self/clear_refs), else the peak since the process started.
+`peak_mem_gb`, the figure shown first everywhere, is the memory the run itself took on the
+rank: on GPU the caching allocator's allocated peak (the tensors); on CPU the process's peak
+resident memory (VmHWM) less what the rank held before it built its model (`runtime_gb`:
+torch, the process group, and whatever the launcher loaded into the process). That runtime
+differs by launcher (a rank forked from a process that imported torch once holds less than a
+fresh torchrun or Ray worker), so the whole process's peak, `peak_resident_gb`, does too,
+while `peak_mem_gb` is the same whatever started the ranks. On GPU the other peaks are
+`peak_active_gb` and `peak_reserved_gb`, and the window's counts of cache flushes to retry an
+allocation and of out-of-memory errors. CPU peaks are reset at each window where the kernel
+allows it (/proc/self/clear_refs), else they are the peaks since the process started.
 
 Where peaks can be reset, each phase of a step (forward and backward, the optimizer step)
 also has its own peak, `peak_<phase>_gb`: at small batches the optimizer step sets the
@@ -27,6 +34,22 @@ from fsdp_exp.memory import peak_under_limit_gb
 
 GB = 2**30
 
+_runtime_bytes = 0  # CPU: what this rank held before it built its model (mark_runtime)
+_runtime_file_bytes = 0  # of which library code and other files mapped in
+
+
+def mark_runtime(device: torch.device) -> float:
+    """Take what this CPU rank holds now, before it builds its model, as its runtime, which
+    peak_mem_gb leaves out. Returns it in GB (0 on GPU, where the runtime is outside the
+    allocator and peak_mem_gb counts tensors only)."""
+    global _runtime_bytes, _runtime_file_bytes
+    _runtime_bytes = _runtime_file_bytes = 0
+    if device.type == "cpu":
+        _trim_heap()  # as start_run will: what was freed is no part of the runtime
+        status = _status()
+        _runtime_bytes, _runtime_file_bytes = status["VmRSS:"] * 1024, _file_bytes(status)
+    return _runtime_bytes / GB
+
 
 class MemoryMonitor:
     COUNTS = ("alloc_retries", "ooms")  # events within a window: a run's figure is their sum, not the largest
@@ -37,7 +60,7 @@ class MemoryMonitor:
         self.cpu_resets = device.type == "cpu" and _reset_cpu_peak()
         self.phase_peaks = phase_peaks and (device.type == "cuda" or self.cpu_resets)
         self.window: dict[str, float] = {}  # the window's peaks over the phases that ended
-        self.phase: tuple[str, float, float] | None = None  # name, counted and resident GB at its start
+        self.phase: tuple[str, float | None, float] | None = None  # name; GB under the limit and resident at its start
 
     def start_run(self) -> None:
         """The first window. What was freed before training, such as the whole model a rank
@@ -65,11 +88,9 @@ class MemoryMonitor:
             return
         status = self._boundary()
         if self.device.type == "cuda":
-            self.phase = (name, 0.0, 0.0)
+            self.phase = (name, None, 0.0)
         else:
-            resident = status["VmRSS:"] * 1024 / GB
-            counted = _counted_now_gb(status)
-            self.phase = (name, resident if counted is None else counted, resident)
+            self.phase = (name, _counted_now_gb(status), status["VmRSS:"] * 1024 / GB)
 
     def end_phase(self) -> None:
         if self.phase is not None:
@@ -88,8 +109,10 @@ class MemoryMonitor:
         peaks, status = self._peaks()
         if self.phase is not None:
             name, counted, resident = self.phase
-            # CPU: under a limit, what the limit counted at the phase's start plus its growth
-            peaks[f"peak_{name}_gb"] = peaks["peak_mem_gb"] + counted - resident
+            # The peaks were reset where the phase began. CPU under a limit: what the limit
+            # counted then plus the growth of resident memory since.
+            peaks[f"peak_{name}_gb"] = peaks["peak_mem_gb"] if counted is None \
+                else peaks["peak_resident_gb"] + counted - resident
             self.phase = None
         self._fold(peaks)
         self._reset_peaks()
@@ -118,10 +141,15 @@ class MemoryMonitor:
                 "ooms": float(stats.get("num_ooms", 0)),
             }, {}
         status = _status()
-        return {"peak_mem_gb": _cpu_peak_bytes(status) / GB}, status
+        resident = _cpu_peak_bytes(status)
+        # Library code paged in since the mark is the runtime's too: how much of it a rank
+        # already had depends on what started it.
+        runtime = _runtime_bytes + max(_file_bytes(status) - _runtime_file_bytes, 0)
+        return {"peak_mem_gb": (resident - runtime) / GB, "peak_resident_gb": resident / GB}, status
 
     def held_gb(self) -> float:
-        """Memory in use now; between steps that is parameters and optimizer state."""
+        """Memory in use now; between steps that is parameters and optimizer state (on CPU
+        with the runtime, as the peak task=max_batch judges by counts it)."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) / GB
         return _status()["VmRSS:"] * 1024 / GB
@@ -135,6 +163,11 @@ def _status() -> dict[str, int]:
         if value.strip().endswith("kB"):
             figures[key] = int(value.split()[0])
     return figures
+
+
+def _file_bytes(status: dict[str, int]) -> int:
+    """Resident pages of mapped files (library code) and shared memory."""
+    return (status.get("RssFile:", 0) + status.get("RssShmem:", 0)) * 1024
 
 
 def _counted_now_gb(status: dict[str, int]) -> float | None:

@@ -289,6 +289,10 @@ def summary_table(summary: dict) -> str:
         ("recommended batch", summary.get("recommended_batch_size") or None),
         ("fastest batch", summary.get("fastest_batch_size")),
         ("within 5% of it from", summary.get("near_fastest_batch_size")),
+        ("peak memory (max)", fmt(summary.get("peak_mem_gb"), ".2f") + " GB"),
+        ("per rank", ", ".join(f"{v:.2f}" for v in summary.get("peak_mem_gb_per_rank") or []) + " GB"),
+        ("whole process", fmt(summary.get("peak_resident_gb"), ".2f") + " GB resident, with "
+         + fmt(summary.get("runtime_gb"), ".2f") + " GB of runtime" if "runtime_gb" in summary else None),
         ("memory.limit_gb", fmt(summary.get("limit_gb"), "g") + " GB"),
         ("peak under the limit", fmt(summary.get("peak_under_limit_gb"), ".3f") + " GB"),
         ("noise band", fmt(summary.get("noise_band_gb") and summary["noise_band_gb"] * 1024, ".1f") + " MB"),
@@ -306,8 +310,6 @@ def summary_table(summary: dict) -> str:
         ("MFU", measured(fmt(summary.get("mfu"), ".1%"))),
         ("HFU (with recompute)", fmt(summary.get("hfu"), ".1%") if summary.get("hfu") != summary.get("mfu") else None),
         ("peak TFLOP/s", summary.get("peak_tflops") and f"{summary['peak_tflops']:g} ({summary.get('peak_tflops_source')})"),
-        ("peak memory (max)", fmt(summary.get("peak_mem_gb"), ".2f") + " GB"),
-        ("per rank", ", ".join(f"{v:.2f}" for v in summary.get("peak_mem_gb_per_rank") or []) + " GB"),
         ("checkpoint blocked", fmt(summary.get("checkpoint_blocked_s"), ".3f") + " s per save"),
         ("wall time", fmt(summary.get("wall_s"), ".1f") + " s"),
     ]

@@ -76,7 +76,7 @@ class Estimate:
         return {"task": "estimate", **{k: record[k] for k in SUMMARY_KEYS}}
 
 
-SUMMARY_KEYS = ("predicted_peak_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
+SUMMARY_KEYS = ("peak_mem_gb", "predicted_peak_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
                 "predicted_max_batch", "wall_s")
 
 
@@ -101,6 +101,7 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         "shards": traced.shard_count,
         "params": traced.params,
         "batch_size": chosen.batch_size,
+        "peak_mem_gb": chosen.predicted_peak_gb - baseline_gb,  # as a run's peak_mem_gb: the runtime left out
         "predicted_peak_gb": chosen.predicted_peak_gb,
         "step_peak_gb": chosen.step_peak_gb,
         "phase": chosen.phase,
@@ -187,8 +188,10 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
 
 def answer_line(record: dict) -> str:
     where = f"{record['world_size']} ranks on {record['device']}"
-    line = (f"predicted peak per rank at batch {record['batch_size']}: {record['predicted_peak_gb']:.2f} GB "
-            f"({where}, at the {record['phase'] or 'step'})")
+    runtime = record["predicted_peak_gb"] - record["peak_mem_gb"]
+    line = (f"predicted peak per rank at batch {record['batch_size']}: {record['peak_mem_gb']:.2f} GB "
+            f"({where}, at the {record['phase'] or 'step'}), {record['predicted_peak_gb']:.2f} GB "
+            f"with {runtime:.2f} GB of runtime")
     limit = record["limit_gb"]
     if limit is not None and len(record["batches"]) > 1:
         fitting = record["largest_batch_fitting"]
@@ -212,10 +215,11 @@ def table(record: dict) -> str:
     on_gpu = record["device"] == "cuda"
     lines = [f"estimate for {record['setup']}: {record['params']:,} parameters, {record['world_size']} ranks "
              f"({record['shards']} sharing each parameter), {record['device']}",
-             f"{'batch':>6} {'peak GB':>8}" + (f" {'reserved':>8}" if on_gpu else "") + f" {'phase':<15}"
+             f"{'batch':>6} {'peak GB':>8} {'+runtime':>8}" + (f" {'reserved':>8}" if on_gpu else "") + f" {'phase':<15}"
              + "".join(f"{short[c]:>8}" for c in columns) + (f" {'fits':>5}" if record["limit_gb"] is not None else "")]
     for b in record["batches"]:
-        row = (f"{b['batch_size']:>6} {b['predicted_peak_gb']:>8.3f}" + (f" {b['reserved_gb']:>8.3f}" if on_gpu else "")
+        own = b["predicted_peak_gb"] - b["breakdown_gb"]["baseline"]
+        row = (f"{b['batch_size']:>6} {own:>8.3f} {b['predicted_peak_gb']:>8.3f}" + (f" {b['reserved_gb']:>8.3f}" if on_gpu else "")
                + f" {b['phase'] or 'step':<15}")
         row += "".join(f"{b['breakdown_gb'][c]:>8.3f}" for c in columns)
         if record["limit_gb"] is not None:

@@ -91,8 +91,11 @@ class Probe:
         if self.status != "ok":
             return (f"batch {self.batch_size}: {self.status} ({self.reason})"
                     f"{f' ({estimated})' if estimated else ''} [{self.wall_s:.0f} s]")
-        reserved = "" if self.peak_reserved_gb is None else f" ({self.peak_reserved_gb:.3f} GB reserved)"
-        return (f"batch {self.batch_size}: ok, peak {self.judged_peak_gb():.3f} GB{reserved}"
+        others = [f"{peak:.3f} GB {name}" for peak, name in ((self.peak_under_limit_gb, "as the limit counts it"),
+                                                              (self.peak_reserved_gb, "reserved")) if peak is not None]
+        primary = self.peak_mem_gb if self.peak_mem_gb is not None else self.judged_peak_gb()
+        named = f" ({', '.join(others)})" if others else ""
+        return (f"batch {self.batch_size}: ok, peak {primary:.3f} GB{named}"
                 f"{f' ({estimated})' if estimated else ''}, {self.samples_per_s:,.1f} samples/s [{self.wall_s:.0f} s]")
 
 

@@ -1,7 +1,7 @@
 """What the code does on a GPU, checked on CPU: the logic around torch.cuda, with torch.cuda's
 own calls replaced by fakes that follow their documented behaviour.
 
-No GPU runs here. What only a GPU can show is listed under "Not tested here" in the README.
+No GPU runs here. What only a GPU can show is listed under "Not tested here" in docs/ (docs/gpu.md and the page of each topic).
 """
 
 from __future__ import annotations

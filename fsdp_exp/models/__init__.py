@@ -27,7 +27,7 @@ class ModelSpec:
     """How to build the model and how to shard and place it.
 
     target: the builder's import path; it returns an nn.Module whose forward takes a
-      batch of inputs and returns logits (see the README's model contract).
+      batch of inputs and returns logits (see the model contract in docs/own_model.md).
     kwargs: every other key of the option, passed to the builder.
     blocks: import paths of the classes whose instances become FSDP units.
     init_device: cpu (build, then move to the device) | meta (build without memory,

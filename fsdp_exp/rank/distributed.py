@@ -35,7 +35,7 @@ def backend_for(device_type: str, offload: bool) -> str:
     collective that meets one of them in an NCCL-only group fails on every rank with "No
     backend type associated with device type cpu" (pytorch#148532, through
     clip_grad_norm_). The code paths of torch 2.14.1 that fsdp_exp runs move such tensors
-    to the GPU first (README, "What the GPU paths rest on"); the gloo half keeps the
+    to the GPU first (docs/gpu.md, "What the GPU paths rest on"); the gloo half keeps the
     next one from crashing an 8-GPU run that a 1-GPU check passed, where torch skips
     the collective."""
     if device_type != "cuda":

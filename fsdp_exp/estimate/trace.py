@@ -191,6 +191,7 @@ class Trace:
     params: int  # the model's parameter count
     shard_count: int  # how many ranks share each parameter
     baseline_bytes: int  # what this process held before tracing (torch, the data), as a rank before its model
+    data_bytes: int  # of which the data set: a rank loads it after its runtime is marked, so it is the run's own
     seconds: float
 
 
@@ -269,6 +270,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     the optimizer state, then one counted step at each batch size, in order, until
     `enough(step, baseline_bytes)` says no larger size is needed."""
     start = time.perf_counter()
+    before_data = anonymous_bytes()
     dataset = exp.data.dataset()  # held by every rank, as the runtime is: both in the baseline
     sample, target = dataset[0]  # real: its shape and dtype
     baseline = anonymous_bytes()
@@ -306,7 +308,8 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         # Each rank builds the whole model, then sharding copies its shards out of it.
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         build = whole + local_bytes(model) if shard_count > 1 else whole
-    return Trace(world_size, steps, build, params, shard_count, baseline, time.perf_counter() - start)
+    return Trace(world_size, steps, build, params, shard_count, baseline, max(baseline - before_data, 0),
+                 time.perf_counter() - start)
 
 
 class AttentionAsOnGpu(TorchFunctionMode):

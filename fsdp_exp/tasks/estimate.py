@@ -101,7 +101,8 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         "shards": traced.shard_count,
         "params": traced.params,
         "batch_size": chosen.batch_size,
-        "peak_mem_gb": chosen.predicted_peak_gb - baseline_gb,  # as a run's peak_mem_gb: the runtime left out
+        # as a run's peak_mem_gb: the runtime left out, the data set (loaded after it) in
+        "peak_mem_gb": chosen.predicted_peak_gb - baseline_gb + (0 if on_gpu else traced.data_bytes / GB),
         "predicted_peak_gb": chosen.predicted_peak_gb,
         "step_peak_gb": chosen.step_peak_gb,
         "phase": chosen.phase,
@@ -211,14 +212,15 @@ def table(record: dict) -> str:
 
     columns = [*PARTS, "baseline"]
     short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
-             "temporaries": "temps", "unsharded_and_buffers": "unshard", "baseline": "runtime"}
+             "temporaries": "temps", "unsharded_and_buffers": "unshard", "baseline": "rt+data"}
     on_gpu = record["device"] == "cuda"
+    runtime = record["predicted_peak_gb"] - record["peak_mem_gb"]
     lines = [f"estimate for {record['setup']}: {record['params']:,} parameters, {record['world_size']} ranks "
              f"({record['shards']} sharing each parameter), {record['device']}",
              f"{'batch':>6} {'peak GB':>8} {'+runtime':>8}" + (f" {'reserved':>8}" if on_gpu else "") + f" {'phase':<15}"
              + "".join(f"{short[c]:>8}" for c in columns) + (f" {'fits':>5}" if record["limit_gb"] is not None else "")]
     for b in record["batches"]:
-        own = b["predicted_peak_gb"] - b["breakdown_gb"]["baseline"]
+        own = b["predicted_peak_gb"] - runtime
         row = (f"{b['batch_size']:>6} {own:>8.3f} {b['predicted_peak_gb']:>8.3f}" + (f" {b['reserved_gb']:>8.3f}" if on_gpu else "")
                + f" {b['phase'] or 'step':<15}")
         row += "".join(f"{b['breakdown_gb'][c]:>8.3f}" for c in columns)

@@ -32,7 +32,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdp_exp import config
+from fsdp_exp import config, options
 from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
@@ -57,7 +57,7 @@ IMPORTED = time.time()  # the start-up's first mark after the command's (fsdp_ex
 EXIT_BAD_CONFIG = 2
 EXIT_STOPPED = 128  # + the signal, as a shell reports a process a signal ended: 130 for SIGINT, 143 for SIGTERM
 
-config.register()
+options.register()
 
 
 def main() -> None:

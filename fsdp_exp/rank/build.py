@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks, warmup_steps_to_skip
 from fsdp_exp.checkpoint import TrainState
+from fsdp_exp.config import Experiment, as_dict
 from fsdp_exp.metrics.flops import (
     counting_flops,
     device_peak,
@@ -46,8 +47,6 @@ from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes, units_line
 
-if TYPE_CHECKING:
-    from fsdp_exp.config import Experiment
 
 T = TypeVar("T")
 log = logging.getLogger("fsdp_exp")
@@ -215,7 +214,6 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         jsonl = JsonLines(run_dir / "metrics.jsonl")
         if resume is not None:  # earlier records stay; readers take the last record of a step
             jsonl.log({"event": "resumed", "step": trainer.start_step, "checkpoint": str(resume)})
-        from fsdp_exp.config import as_dict
 
         wandb = cfg.wandb.sink(as_dict(cfg), run_dir)
         # A probe draws no bar of its own: the search reports each probe in one line.

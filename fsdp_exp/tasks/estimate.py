@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.sinks import write_json
-from fsdp_exp.tasks.max_batch import setup_line
+from fsdp_exp.tasks import setup_line
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

@@ -13,18 +13,17 @@ import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fsdp_exp.blocks import warmup_steps_to_skip
 from fsdp_exp.checkpoint import NoCheckpoint
+from fsdp_exp.config import Experiment, as_dict
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.sinks import WandbMode, write_summary
 from fsdp_exp.profile import NoProfile
 from fsdp_exp.tasks.batch_search import Outcome
 from fsdp_exp.tasks.train import train_rank
 
-if TYPE_CHECKING:
-    from fsdp_exp.config import Experiment
 
 
 @dataclass
@@ -123,7 +122,6 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
 
 def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
     """Probes made under the same fingerprint can be reused: same setup but the batch."""
-    from fsdp_exp.config import as_dict
 
     probe = as_dict(probe_config(cfg, 1, steps, world_size))
     probe["wandb"] = None  # tags and mode differ between runs; they change no probe

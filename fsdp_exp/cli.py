@@ -36,7 +36,7 @@ from fsdp_exp import config, options
 from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launch.core import stop_on_signals, stop_signal
 from fsdp_exp.metrics.sinks import write_summary
 from fsdp_exp.metrics.startup import process_started
@@ -210,7 +210,7 @@ def parse_override(text: str) -> Override:
     try:
         return OverridesParser.create().parse_override(text)
     except HydraException as err:
-        raise ConfigError(f"{text}: not a valid override ({str(err).splitlines()[0]})") from None
+        raise ConfigError(f"{text}: not a valid override ({one_line(err)})") from None
 
 
 def compose_checked(overrides: list[str], config_name: str = "config") -> DictConfig:

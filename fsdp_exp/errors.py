@@ -19,3 +19,16 @@ class Choice(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def one_line(err: BaseException, *, named: bool = False, whole: bool = False, last: bool = False,
+             limit: int | None = None) -> str:
+    """An exception as one line: the first line of its text (`last`: the last, where a
+    library puts the reason after a header; `whole`: every line, joined), at most `limit`
+    characters, after its type's name when `named`. Its type's name alone when it has no text."""
+    lines = [" ".join(line.split()) for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    text = " ".join(lines) if whole else lines[-1] if last else lines[0]
+    text = text[:limit] if limit else text
+    return f"{type(err).__name__}: {text}" if named else text

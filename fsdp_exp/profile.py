@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import ConfigError, at_least, one_line
 
 log = logging.getLogger("fsdp_exp")
 
@@ -103,7 +103,7 @@ class MemoryProfile(NoProfile):
         except AssertionError as err:  # torch's categorising pass can trip on in-place ops
             trace = self.run_dir / f"trace_rank{self.rank}.json"
             self.profiler.export_chrome_trace(str(trace))
-            write_allocation_timeline(trace, timeline, self.rank, reason=str(err).splitlines()[0][:120],
+            write_allocation_timeline(trace, timeline, self.rank, reason=one_line(err, limit=120),
                                       device=self.device)
         dump_cuda_snapshot(self.run_dir / f"memory_snapshot_rank{self.rank}.pickle", self.device)
         if self.stops_history:
@@ -120,7 +120,7 @@ def dump_cuda_snapshot(path: Path, device: torch.device) -> None:
     try:
         torch.cuda.memory._dump_snapshot(str(path))
     except Exception as err:  # noqa: BLE001 - e.g. a CUDA error left the device unusable
-        log.warning("no memory snapshot at %s: %s: %s", path, type(err).__name__, str(err).splitlines()[0][:200])
+        log.warning("no memory snapshot at %s: %s", path, one_line(err, named=True, limit=200))
 
 
 def write_allocation_timeline(trace: Path, html: Path, rank: int, reason: str,

@@ -23,7 +23,7 @@ from hydra.utils import get_method
 from torch.utils.data import Dataset
 
 from fsdp_exp.data import TrainData
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, one_line
 
 OWN_KEYS = ("_target_", "num_workers")
 
@@ -46,8 +46,7 @@ class CustomData(TrainData):
         try:
             return get_method(self.target)
         except Exception as err:  # Hydra: ImportError or ValueError, with a long text
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"data._target_={self.target}: cannot import it ({first})") from None
+            raise ConfigError(f"data._target_={self.target}: cannot import it ({one_line(err)})") from None
 
     def __getstate__(self) -> dict:
         """Ranks build their own dataset: the driver's copy, made for the checks, stays."""

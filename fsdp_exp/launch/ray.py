@@ -105,7 +105,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import ConfigError, at_least, one_line
 from fsdp_exp.launch.core import (
     POLL_S,
     Echo,
@@ -113,7 +113,6 @@ from fsdp_exp.launch.core import (
     RunFailed,
     alongside,
     explain,
-    failure_line,
     missing_extra,
     watch,
 )
@@ -295,7 +294,7 @@ def connect(address: str | None, start_timeout: float, cpus: float, keep: bool =
             ray.init(address="local", num_cpus=max(math.ceil(cpus), os.cpu_count() or 1),
                      include_dashboard=False, **options)  # "local": even when RAY_ADDRESS is set
         except Exception as err:  # noqa: BLE001 - any failure to start is one line
-            raise ConfigError(f"launcher.address=null: could not start a local Ray: {first_line(err)}") from None
+            raise ConfigError(f"launcher.address=null: could not start a local Ray: {one_line(err)}") from None
         _session["address"] = None
         return
     joiner, outcome = in_thread(lambda: ray.init(address=address, **options), "fsdp_exp-ray-connect")
@@ -308,7 +307,7 @@ def connect(address: str | None, start_timeout: float, cpus: float, keep: bool =
             "also needs RAY_AUTH_MODE=token here)")
     if "error" in outcome:
         raise ConfigError(f"launcher.address={address}: could not join a Ray cluster: "
-                          f"{first_line(outcome['error'])}") from None
+                          f"{one_line(outcome['error'])}") from None
     _session["address"] = address
 
 
@@ -360,11 +359,11 @@ def failure(err: BaseException, run_dir: Path, time_limit_s: float | None, start
         cause = getattr(err, "controller_failure", err)
         if type(cause).__name__ in ("WorkerGroupStartupTimeoutError", "InsufficientClusterResourcesError"):
             return ConfigError(f"launcher=ray: the Ray cluster cannot place {nproc} worker(s) with "
-                               f"{resources or {'CPU': 1.0}} each: {first_line(cause)}")
-        return RunFailed(f"Ray Train failed: {type(cause).__name__}: {first_line(cause)}")
+                               f"{resources or {'CPU': 1.0}} each: {one_line(cause)}")
+        return RunFailed(f"Ray Train failed: {one_line(cause, named=True)}")
     died = "died: its process ended without an error (killed by a signal, or its node was lost)"
     outcomes = [RankOutcome(rank, signal="signal", started=started[rank], how=died) if process_died(error)
-                else RankOutcome(rank, error=failure_line(f"{type(error).__name__}: {error}"), started=started[rank])
+                else RankOutcome(rank, error=one_line(error, named=True, whole=True), started=started[rank])
                 for rank, error in failures.items()]
     return explain(outcomes, run_dir, time_limit_s)
 
@@ -375,11 +374,6 @@ def process_died(error: BaseException) -> bool:
 
     return isinstance(error, ray.exceptions.RayActorError) or type(error).__name__ in (
         "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError")
-
-
-def first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[0] if lines else type(err).__name__
 
 
 class Starts:
@@ -573,7 +567,7 @@ class Reporter:
             shutil.rmtree(self.root / UPLOAD_DIR, ignore_errors=True)
         if self.error is not None:
             raise RuntimeError(f"reporting to Ray Train failed: {type(self.error).__name__}: "
-                               f"{first_line(self.error)}") from self.error
+                               f"{one_line(self.error)}") from self.error
 
     def run(self, steps: list[int]) -> None:
         import ray.train

@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import ConfigError, at_least, one_line
 from fsdp_exp.launch.core import (
     POLL_S,
     Echo,
@@ -379,7 +379,7 @@ class RankJob:
         try:
             return run_rank(self.task, self.cfg, self.run_dir, self.time_limit_s)
         except Exception as err:
-            raise RankError(failure_line(f"{type(err).__name__}: {err}")) from err
+            raise RankError(one_line(err, named=True, whole=True)) from err
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         if self.restarts >= self.max_restarts:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import ConfigError, at_least, one_line
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.tasks import setup_line
@@ -184,7 +184,7 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
 
         pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu, enough if stop_above_gb is not None else None)))
     except Exception as err:  # noqa: BLE001 - sent back as one line
-        pipe.send((False, " ".join(f"{type(err).__name__}: {err}".split())[:500]))
+        pipe.send((False, one_line(err, named=True, whole=True, limit=500)))
 
 
 def answer_line(record: dict) -> str:

@@ -1,5 +1,6 @@
 """The one error type a user's input can cause, and the helpers every component's checks use."""
 
+from collections.abc import Iterable
 from enum import Enum
 
 
@@ -19,6 +20,12 @@ class Choice(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def choice(name: str, values: Iterable[str], module: str) -> type[Choice]:
+    """A Choice whose values need not be Python names ("async", "blocks+size"); `module`
+    is the defining module's `__name__`, so that a run's settings still pickle."""
+    return Choice(name, [(value, value) for value in values], module=module, qualname=name)  # type: ignore[return-value]
 
 
 def one_line(err: BaseException, *, named: bool = False, whole: bool = False, last: bool = False,

@@ -28,16 +28,16 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 
 from fsdp_exp.checkpoint.files import mark_latest, prune, step_name
 from fsdp_exp.checkpoint.state import TrainState
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, choice
 from fsdp_exp.rank import distributed
 
 log = logging.getLogger("fsdp_exp")
-MODES = ("sync", "async", "async_pinned")
+Mode = choice("Mode", ("sync", "async", "async_pinned"), __name__)
 
 
 @dataclass
 class DCPCheckpoint:
-    mode: str = "sync"  # sync | async | async_pinned ("async" cannot be an Enum name)
+    mode: Mode = Mode["sync"]  # sync | async | async_pinned
     every: int = 100  # steps between saves; the last step is always saved
     keep: int | None = 3  # the newest K checkpoints are kept, older ones removed; None keeps all
     dir: str | None = None  # None: checkpoints/ in the run directory (the driver sets it)
@@ -46,8 +46,6 @@ class DCPCheckpoint:
     saves = True
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"checkpoint.mode={self.mode}: choose one of: {', '.join(MODES)}")
         if self.every < 1:
             raise ConfigError(f"checkpoint.every={self.every}: must be at least 1")
         if self.keep is not None and self.keep < 1:

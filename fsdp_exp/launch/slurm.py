@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_exp.errors import ConfigError, at_least, one_line
+from fsdp_exp.errors import ConfigError, at_least, choice, one_line
 from fsdp_exp.launch.core import (
     POLL_S,
     Echo,
@@ -92,7 +92,7 @@ from fsdp_exp.rank.worker import rank_variables, run_rank
 
 log = logging.getLogger("fsdp_exp")
 
-CLUSTERS = ("slurm", "local")
+Cluster = choice("Cluster", ("slurm", "local"), __name__)
 FORCE_STATE_S = 30  # on a cluster, how often it also asks sacct (submitit alone may wait 10 minutes)
 LOCAL_SUBMIT = threading.Lock()  # launcher.cluster=local: submissions of runs side by side, one at a time
 RESULT_WAIT_S = 15  # on a cluster, how long result files may take to appear on the shared file system
@@ -108,7 +108,7 @@ class RequeueRefused(RuntimeError):
 
 @dataclass
 class SlurmLauncher:
-    cluster: str = "slurm"  # slurm: sbatch on this cluster | local: submitit's local executor, here
+    cluster: Cluster = Cluster["slurm"]  # slurm: sbatch on this cluster | local: submitit's local executor, here
     nproc_per_node: Any = "auto"  # ranks (SLURM tasks) per node; auto: gpus_per_node, or 2 when it is 0
     nodes: int = 1  # the world size is nodes x nproc_per_node; local: 1
     gpus_per_node: int = 0  # GPUs asked for per node (one rank per GPU, nccl); 0: CPU ranks (gloo)
@@ -129,8 +129,6 @@ class SlurmLauncher:
     restarts_key = "launcher.max_restarts"
 
     def __post_init__(self) -> None:
-        if self.cluster not in CLUSTERS:
-            raise ConfigError(f"launcher.cluster={self.cluster}: choose one of: {', '.join(CLUSTERS)}")
         check_nproc(self.nproc_per_node)
         for key, low in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("timeout_min", 1),
                          ("max_restarts", 0), ("max_parallel", 1)):

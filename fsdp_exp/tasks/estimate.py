@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from fsdp_exp.config import Device
 from fsdp_exp.errors import ConfigError, at_least, one_line
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.sinks import write_json
@@ -34,7 +35,7 @@ TIME_LIMIT_S = 900  # a trace past this is stopped: something in it does not run
 class Estimate:
     world_size: int | None = None  # ranks to estimate for; null: what the launcher would start
     batch_sizes: list[int] = field(default_factory=list)  # per-rank sizes to predict; []: train.batch_size
-    device: str = "auto"  # auto (the run's) | cpu | cuda: the device to estimate for, any machine
+    device: Device = Device.auto  # auto (the run's) | cpu | cuda: the device to estimate for, any machine
     baseline_gb: float | None = None  # the runtime's own memory beside the tensors; null: measured (CPU), 0.5 (GPU)
 
     starts_ranks: ClassVar[bool] = False  # the device and memory checks of this machine do not apply
@@ -45,8 +46,6 @@ class Estimate:
             at_least("task.world_size", self.world_size, 1)
         for size in self.batch_sizes:
             at_least("task.batch_sizes", size, 1)
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"task.device={self.device}: choose one of: auto, cpu, cuda")
         if self.baseline_gb is not None and self.baseline_gb < 0:
             raise ConfigError(f"task.baseline_gb={self.baseline_gb}: must be at least 0")
 

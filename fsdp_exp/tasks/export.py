@@ -11,8 +11,10 @@ import torch
 
 from fsdp_exp.checkpoint.export import FORMATS, load_weights, save_weights
 from fsdp_exp.checkpoint.resume import open_checked
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, choice
 from fsdp_exp.models import ModelSpec
+
+Format = choice("Format", FORMATS, __name__)
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -38,11 +40,7 @@ class Export:
     runs_in_driver: ClassVar[bool] = True  # in the command's own process, on this machine's device: no launcher
 
     checkpoint: str | None = None  # a step_* directory, or a checkpoint.dir (its latest)
-    format: str = "safetensors"  # safetensors -> model.safetensors | pt -> model.pt
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ConfigError(f"task.format={self.format}: choose one of: {', '.join(FORMATS)}")
+    format: Format = Format["safetensors"]  # safetensors -> model.safetensors | pt -> model.pt
 
     def check(self, exp: Experiment) -> None:
         if self.checkpoint is None:

@@ -32,7 +32,6 @@ OWN_KEYS = ("_target_", "num_workers")
 class CustomData(TrainData):
     target: str = ""
     kwargs: dict = field(default_factory=dict)
-    num_workers: int = 0
 
     @classmethod
     def from_config(cls, node: Mapping[str, Any]) -> CustomData:
@@ -40,7 +39,7 @@ class CustomData(TrainData):
         if not isinstance(target, str) or not target:
             raise ConfigError("data._target_: name a builder that returns a torch Dataset, e.g. mypkg.make_dataset")
         kwargs = {k: v for k, v in node.items() if k not in OWN_KEYS}
-        return cls(target, kwargs, int(node.get("num_workers", 0)))
+        return cls(target, kwargs, num_workers=int(node.get("num_workers", 0)))
 
     def builder(self) -> Any:
         try:

@@ -20,7 +20,6 @@ class SyntheticImages(GeneratedData):
     image_size: int = 28
     num_classes: int = 10
     noise: float = 1.0
-    num_workers: int = 0
     seed: int = 0  # fixes the class patterns; the same data for every training seed
 
     def __post_init__(self) -> None:
@@ -62,7 +61,6 @@ class TorchvisionImages(TrainData):
     name: DataSetName = DataSetName["FashionMNIST"]  # MNIST | FashionMNIST
     root: str = "data"  # the IDX files are read from <root>/<name>/raw
     download: bool = False
-    num_workers: int = 0
     num_classes = 10
 
     def dataset(self, train: bool = True) -> Dataset:

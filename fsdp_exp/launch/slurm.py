@@ -5,57 +5,7 @@ through submitit's local executor on this machine (one process per task, the sam
 pickles, signals and requeue path), so everything but sbatch itself can be tried and
 tested without a cluster.
 
-Design:
-
-- **One task per rank, started by srun** (`tasks_per_node = nproc_per_node`), not one task
-  per node running torch's elastic launcher. Each task runs
-  `fsdp_exp.rank.worker.run_rank` itself, with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
-  and MASTER_PORT taken from submitit's JobEnvironment (SLURM_PROCID, SLURM_LOCALID,
-  SLURM_NTASKS, the job's first node). Why: submitit's preemption handling (its USR2
-  handler, `checkpoint`, the requeue) lives in the task processes, and SLURM signals every
-  task of the step, so with a task per rank it reaches the ranks directly; under an elastic
-  agent it would reach the agent, and the agent's own restarts would compete with SLURM's
-  requeue. Each rank's return value or traceback comes back on its own (one result
-  pickle per task; the driver reads them itself, since `job.results()` waits 15 s for
-  each missing one), so a failure names its rank. This is
-  what submitit's maintainers advise, and the local executor supports `tasks_per_node`, so
-  the path the tests take is the cluster's. On the cluster srun gets
-  `--kill-on-bad-exit=1`: when a rank raises, srun ends the others (NCCL would otherwise
-  leave them waiting in a collective until its timeout).
-- **Requeue.** The job's callable is `RankJob`, whose `checkpoint()` submitit calls on
-  rank 0 when the job is signalled (USR2: preemption, or `signal_delay_s` before
-  `timeout_min`). It returns the same job with `cfg.resume` set to the latest checkpoint
-  in `checkpoint.dir` (`fsdp_exp.checkpoint.files.latest`), and submitit requeues it (on
-  SLURM `scontrol requeue`, same job id; locally the controller restarts the tasks). The
-  ranks then resume exactly as after a restart of launcher=local (the requeue count is the
-  ranks' restart count, `fsdp_exp.rank.worker.restarts`, so `resume_point` takes the latest
-  checkpoint and rank 0 logs the restart). Requeues are counted in the callable; past `launcher.max_restarts` its
-  `checkpoint()` raises, so the run fails with that reason instead of being requeued
-  (submitit alone would requeue preemptions without limit). A job that fails is
-  resubmitted by the driver, resuming the same way, within the same `max_restarts`.
-- **The driver** (the Hydra process) blocks until the job ends, echoing rank 0's console
-  lines (its task's stdout) as they come, and returns rank 0's result. A failed job
-  becomes the rank outcomes of `fsdp_exp.launch.core` (an error with the time its result
-  pickle was written; no result: a rank killed by a signal, or one that never started),
-  and `core.explain` names the failure as for every launcher. Neither submitit nor SLURM
-  keeps the signal of one task, so `killed_by` is "signal". A rank past the launch's time
-  limit is ended by its own SIGALRM (worker.run_rank): a rank that left no result after
-  running that long is reported with `timed_out`, unless a rank failed before the limit.
-  The driver cancels the job itself 30 s after the limit, should the alarm not end it
-  (`core.watch`). Ctrl-C on the driver cancels the job.
-- **Ports.** MASTER_ADDR is the first node of the job (127.0.0.1 locally). MASTER_PORT is
-  a free port the driver picks (locally), or on a cluster one derived from the job id
-  (as submitit.helpers.TorchDistributedEnvironment does), unless the job's `setup` lines
-  export MASTER_PORT.
-- submitit is an optional extra. Without it, or with cluster=slurm on a machine without
-  sbatch, `world_size()` (called by the driver during the checks) raises one ConfigError
-  line. Not the constructor: the ranks unpickle the launcher's config on machines that
-  need not have submitit.
-- Simulating preemption locally: `LocalJob._interrupt()` sends USR2 to the local
-  controller, which has no handler for it and dies, leaving the tasks orphaned; it does not
-  work with the local executor. What works, and is what SLURM does (`--signal=USR2@90`
-  reaches every task of the step), is sending USR2 to the rank processes themselves; the
-  tests do that. The local controller restarts the tasks at most 6 times per job.
+How it works, and why: docs/clusters.md, "SLURM: how the launcher works".
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fsdp_exp.config import Device
 from fsdp_exp.errors import ConfigError, at_least, one_line
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.metrics.sinks import write_json
-from fsdp_exp.tasks import setup_line
+from fsdp_exp.tasks import Task, setup_line
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -32,14 +32,13 @@ TIME_LIMIT_S = 900  # a trace past this is stopped: something in it does not run
 
 
 @dataclass
-class Estimate:
+class Estimate(Task):
     world_size: int | None = None  # ranks to estimate for; null: what the launcher would start
     batch_sizes: list[int] = field(default_factory=list)  # per-rank sizes to predict; []: train.batch_size
     device: Device = Device.auto  # auto (the run's) | cpu | cuda: the device to estimate for, any machine
     baseline_gb: float | None = None  # the runtime's own memory beside the tensors; null: measured (CPU), 0.5 (GPU)
 
-    starts_ranks: ClassVar[bool] = False  # the device and memory checks of this machine do not apply
-    runs_in_driver: ClassVar[bool] = False
+    uses_the_device: ClassVar[bool] = False  # it traces, for any device and world size
 
     def __post_init__(self) -> None:
         if self.world_size is not None:
@@ -66,7 +65,7 @@ class Estimate:
     def on_gpu(self, exp: Experiment) -> bool:
         return self.device == "cuda" or (self.device == "auto" and exp.device == "cuda")
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
+    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb)
         record["setup"] = setup_line(exp)
         write_json(Path(run_dir) / RECORD, record)

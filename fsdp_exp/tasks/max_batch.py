@@ -15,11 +15,11 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from fsdp_exp.config import Experiment, as_dict
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.memory import device_memory_gb
 from fsdp_exp.metrics.environment import (
     DEVICE_RECORD,
@@ -29,7 +29,7 @@ from fsdp_exp.metrics.environment import (
 from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.rank.worker import rank_log_path
 from fsdp_exp.sharding.wrap import units_line
-from fsdp_exp.tasks import setup_line
+from fsdp_exp.tasks import Task, setup_line
 from fsdp_exp.tasks.batch_answer import (
     SPACING,
     answer_line,
@@ -56,9 +56,7 @@ RECORD = "max_batch.json"
 
 
 @dataclass
-class MaxBatch:
-    starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
-    runs_in_driver: ClassVar[bool] = False
+class MaxBatch(Task):
 
     def check(self, exp: Experiment) -> None:
         """Refuse what the search cannot do, before any probe starts."""
@@ -85,7 +83,7 @@ class MaxBatch:
             raise ConfigError(f"resume={exp.resume}: task=max_batch starts every probe fresh; "
                               "resume is for task=train")
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
+    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         return Sweep(exp, run_dir, launcher, nproc).run()
 
 
@@ -93,7 +91,7 @@ class MaxBatch:
 class Sweep:
     cfg: Experiment
     run_dir: Path
-    launcher: Any
+    launcher: Launcher
     nproc: int
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from fsdp_exp.blocks import warmup_steps_to_skip
 from fsdp_exp.checkpoint import NoCheckpoint
 from fsdp_exp.config import Experiment, as_dict
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.metrics.sinks import WandbMode, write_summary
 from fsdp_exp.profile import NoProfile
 from fsdp_exp.tasks.batch_search import Outcome
@@ -138,7 +138,7 @@ def startup_s(figures: dict, launched: float) -> float | None:
     return None if ready is None else ready - launched
 
 
-def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Any, world_size: int,
+def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launcher, world_size: int,
               steps: int, timeout_s: float, limit_gb: Any = "same") -> Probe:
     """Train `steps` steps at `batch_size` on fresh ranks; the outcome, never an exception
     for a rank's failure (KeyboardInterrupt still stops the search)."""

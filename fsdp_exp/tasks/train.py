@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import resolve_resume, restart_count, resume_point
@@ -25,17 +25,17 @@ from fsdp_exp.metrics.startup import in_order, process_started
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 from fsdp_exp.rank import distributed, worker
 from fsdp_exp.rank.build import build_experiment
+from fsdp_exp.tasks import Task
 
 if TYPE_CHECKING:
+    from fsdp_exp.launch.core import Launcher
     from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
 
 @dataclass
-class Train:
-    starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
-    runs_in_driver: ClassVar[bool] = False
+class Train(Task):
 
     def check(self, exp: Experiment) -> None:
         """The checkpoint to resume from, when one is named, must be usable."""
@@ -51,7 +51,7 @@ class Train:
         if exp.resume:
             log.info("resuming from %s", exp.resume)
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
+    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         self.settle(exp, run_dir)
         exp.startup["launched"] = time.time()
         return launcher.launch(train_rank, exp, run_dir, nproc)

@@ -22,7 +22,7 @@ from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import MemorySettings, allocation_failure, is_out_of_memory
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
-from fsdp_exp.metrics.memory import GB, MemoryMonitor
+from fsdp_exp.metrics.peaks import GB, MemoryMonitor
 from fsdp_exp.rank import distributed
 from fsdp_exp.rank.trainer import Trainer
 from fsdp_exp.tasks.probe import probe_config
@@ -359,7 +359,7 @@ def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch:
     exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0).exp
     exp.device, exp.memory.limit_gb = Device.cuda, None
     launcher = ClusterLauncher()
-    figures = max_batch.Sweep(exp, tmp_path, launcher, 2).run()
+    figures = max_batch.BatchSearch(exp, tmp_path, launcher, 2).run()
     assert launcher.batches[0] == exp.max_batch.resolution
     assert figures["limit_gb"] == 8.0
     assert 650 <= figures["max_batch_size"] <= 700

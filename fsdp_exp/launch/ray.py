@@ -149,7 +149,7 @@ class RayLauncher:
         storage = self.storage(run_dir)
         name = f"fsdp_exp-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         ckpt = cfg.checkpoint
-        job = RankJob(task=task, cfg=cfg, run_dir=str(run_dir),
+        job = RayJob(task=task, cfg=cfg, run_dir=str(run_dir),
                       time_limit_s=math.ceil(time_limit_s) if time_limit_s else None,
                       ray_dir=None if "://" in storage else str(Path(storage) / name))
         trainer = TorchTrainer(
@@ -335,7 +335,7 @@ def _train_loop(config: dict) -> Any:
 
 
 @dataclass
-class RankJob:
+class RayJob:
     """What each Ray Train worker runs: one rank of the run (Ray pickles it to the workers)."""
 
     task: Callable[[Any, Path], Any]

@@ -140,7 +140,7 @@ class SlurmLauncher:
         run_dir = Path(run_dir).resolve()
         folder = Path(self.folder).expanduser().resolve() if self.folder else run_dir / "slurm"
         nodes = self.nodes if nproc == self.nodes * self.per_node() else 1
-        job_fn = RankJob(task=task, cfg=cfg, run_dir=str(run_dir),
+        job_fn = SlurmJob(task=task, cfg=cfg, run_dir=str(run_dir),
                          time_limit_s=math.ceil(time_limit_s) if time_limit_s else None,
                          max_restarts=self.max_restarts, local=self.cluster == "local")
         while True:
@@ -171,7 +171,7 @@ class SlurmLauncher:
         )
         return executor
 
-    def _submit(self, job_fn: RankJob, folder: Path, nodes: int, tasks_per_node: int) -> Any:
+    def _submit(self, job_fn: SlurmJob, folder: Path, nodes: int, tasks_per_node: int) -> Any:
         executor = self.executor(folder, nodes, tasks_per_node)
         if self.cluster == "local":
             job_fn = dataclasses.replace(job_fn, master_port=free_port())
@@ -210,7 +210,7 @@ class SlurmLauncher:
         return explain(outcomes(job, results, started(job, nproc)), run_dir, time_limit_s, ended, stopped), None
 
     @staticmethod
-    def _restarts_used(job: Any, job_fn: RankJob) -> int:
+    def _restarts_used(job: Any, job_fn: SlurmJob) -> int:
         """The requeues so far: the callable submitit last saved for the job counts them."""
         try:
             return int(job.submission().function.restarts)
@@ -246,7 +246,7 @@ def error_line(trace: str) -> str:
             return line[len(_RANK_ERROR):]
     if not lines:
         return "unknown error"
-    # Not raised through RankJob (e.g. unpickling failed): the last line, without the module.
+    # Not raised through SlurmJob (e.g. unpickling failed): the last line, without the module.
     return failure_line(re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?::|$))", "", lines[-1]))
 
 
@@ -290,7 +290,7 @@ def free_port() -> int:
 
 # ---- in each task --------------------------------------------------------------------------
 @dataclass
-class RankJob:
+class SlurmJob:
     """What each task of the job runs (submitit pickles it): one rank of the run.
 
     `checkpoint` is submitit's hook for preemption and time limits (called on rank 0): the
@@ -337,7 +337,7 @@ class RankJob:
 
         return DelayedSubmission(self.restarted())
 
-    def restarted(self) -> RankJob:
+    def restarted(self) -> SlurmJob:
         """The next attempt, which resumes from the latest checkpoint in checkpoint.dir
         (`fsdp_exp.checkpoint.resume.resume_point`)."""
         return dataclasses.replace(self, restarts=self.restarts + 1)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_exp.metrics.memory import MemoryMonitor
+from fsdp_exp.metrics.peaks import MemoryMonitor
 from fsdp_exp.rank import distributed
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.sharding import gradient_sync

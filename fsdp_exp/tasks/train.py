@@ -20,7 +20,7 @@ from fsdp_exp.memory import (
     under_limit_figures,
 )
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
-from fsdp_exp.metrics.memory import mark_runtime
+from fsdp_exp.metrics.peaks import mark_runtime
 from fsdp_exp.metrics.startup import in_order, process_started
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 from fsdp_exp.rank import distributed, worker
@@ -90,7 +90,7 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
         cfg.startup["ready"] = time.time()
         try:
             summary = exp.trainer.fit() | exp.figures | {"startup": in_order(cfg.startup)}
-            if ranks.device.type == "cpu":  # left out of peak_mem_gb (fsdp_exp.metrics.memory)
+            if ranks.device.type == "cpu":  # left out of peak_mem_gb (fsdp_exp.metrics.peaks)
                 summary["runtime_gb"] = max(distributed.gather(runtime_gb, ranks.device))
             counted = held = None
             mine = peak_under_limit_gb()

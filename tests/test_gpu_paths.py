@@ -403,14 +403,14 @@ def test_checkpoint_blocked_time_leaves_out_the_steps_queued_kernels(monkeypatch
     assert checkpoint.blocked_s[0] < queued_s
 
 
-def tiny_trainer(steps: int, log_every: int, hooks: tuple = ()) -> Trainer:
+def tiny_trainer(steps: int, log_every: int, hooks: tuple = (), **more: object) -> Trainer:
     """A few CPU steps of a linear classifier, without a process group."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     batches = [(torch.randn(2, 4), torch.randint(0, 3, (2,))) for _ in range(steps)]
     ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, ranks, steps=steps, batch_size=2,
-                   log_every=log_every, hooks=hooks)
+                   log_every=log_every, hooks=hooks, **more)  # type: ignore[arg-type]
 
 
 def test_the_first_window_starts_after_the_gpu_has_finished_what_came_before(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -425,8 +425,9 @@ def test_the_first_window_starts_after_the_gpu_has_finished_what_came_before(mon
 def test_a_runs_retries_are_the_sum_of_its_windows(monkeypatch: pytest.MonkeyPatch) -> None:
     window = {"peak_mem_gb": 1.0, "peak_reserved_gb": 1.5, "alloc_retries": 2.0, "ooms": 1.0}
     monkeypatch.setattr(MemoryMonitor, "window_peaks", lambda self: dict(window))
-    trainer = tiny_trainer(steps=6, log_every=2)
-    trainer.sinks = [records := SimpleNamespace(logged=[], log=lambda r: records.logged.append(r))]
+    records = SimpleNamespace(logged=[])
+    records.log = records.logged.append
+    trainer = tiny_trainer(steps=6, log_every=2, sinks=[records])
     summary = trainer.fit()
     assert [r["alloc_retries"] for r in records.logged] == [2.0, 2.0, 2.0]
     assert summary["alloc_retries"] == 6.0 and summary["ooms"] == 3.0
@@ -449,8 +450,7 @@ def stats_reads_per_step(fake_gpu: FakeCachingAllocator, phase_peaks: bool, grad
                            after_step=lambda step: reads.__setitem__(-1, reads[-1] + fake_gpu.calls.count("memory_stats")))
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, ranks, steps=steps,
                       batch_size=2 * grad_accum, grad_accum=grad_accum, log_every=2, hooks=(hook,),
-                      phase_peaks=phase_peaks)
-    trainer.memory = MemoryMonitor(torch.device("cuda", 0), phase_peaks=phase_peaks)
+                      memory=MemoryMonitor(torch.device("cuda", 0), phase_peaks=phase_peaks))
     summary = trainer.fit()
     assert summary["peak_reserved_gb"] >= 0 and summary["alloc_retries"] == 0  # the window's figures stay
     return reads
@@ -493,8 +493,7 @@ def test_under_a_limit_a_gpu_run_records_the_reserved_peak_the_limit_caps(fake_g
         fake_gpu.free(3 * GB // 2)
 
     hook = SimpleNamespace(before_step=step_allocates, after_step=lambda step: None)
-    trainer = tiny_trainer(steps=4, log_every=2, hooks=(hook,))
-    trainer.memory = MemoryMonitor(torch.device("cuda", 0))
+    trainer = tiny_trainer(steps=4, log_every=2, hooks=(hook,), memory=MemoryMonitor(torch.device("cuda", 0)))
     summary = trainer.fit()
     assert under_limit_figures(8.0, "cuda", summary) == {
         "limit_gb": 8.0, "peak_under_limit_gb": 1.5, "peak_under_limit_gb_per_rank": [1.5]}

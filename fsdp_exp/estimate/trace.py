@@ -283,10 +283,10 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         with FakeTensorMode(allow_non_fake_inputs=True), (AttentionAsOnGpu() if on_gpu else contextlib.nullcontext()):
             model, _ = build_model_for_training(traced, ranks, mesh)
             optimizer = instantiate(traced.optimizer)(model.parameters())
-            trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
-                              batch_size=batch_sizes[0], log_every=1, grad_accum=traced.train.grad_accum)
             phases = Phases()
-            trainer.memory = phases  # type: ignore[assignment]
+            trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
+                              batch_size=batch_sizes[0], log_every=1, grad_accum=traced.train.grad_accum,
+                              memory=phases)
             # A step before counting: it makes the optimizer state, which every later step
             # holds, and warms DTensor's sharding-propagation cache, whose fake tensors the
             # trackers would otherwise count as the first step's memory.

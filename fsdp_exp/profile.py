@@ -49,9 +49,12 @@ class NoProfile:
     def check(self, train_steps: int) -> None:
         pass
 
-    def attach(self, run_dir: Path, rank: int, device: torch.device) -> None:
-        pass
+    def start(self, run_dir: Path, rank: int, device: torch.device) -> NoProfiler:
+        """This rank's step hooks for the run."""
+        return NoProfiler()
 
+
+class NoProfiler:
     def before_step(self, step: int) -> None:
         pass
 
@@ -75,9 +78,19 @@ class MemoryProfile(NoProfile):
                 f"step(s) must end by train.steps={train_steps}"
             )
 
-    def attach(self, run_dir: Path, rank: int, device: torch.device) -> None:
-        self.run_dir, self.rank, self.device = Path(run_dir), rank, device
+    def start(self, run_dir: Path, rank: int, device: torch.device) -> MemoryProfiler:
+        return MemoryProfiler(self.start_step, self.steps, Path(run_dir), rank, device)
+
+
+class MemoryProfiler:
+    """profile=memory on one rank: torch's profiler over the window of steps, then the
+    memory timeline and the allocator's snapshot."""
+
+    def __init__(self, start_step: int, steps: int, run_dir: Path, rank: int, device: torch.device) -> None:
+        self.start_step, self.steps = start_step, steps
+        self.run_dir, self.rank, self.device = run_dir, rank, device
         self.profiler: Any = None
+        self.stops_history = False
 
     def before_step(self, step: int) -> None:
         if step != self.start_step:

@@ -252,8 +252,7 @@ def test_a_memory_profile_keeps_the_runs_allocation_history_on(gpu_host: list[tu
     gpu = torch.device("cuda", 0)
     if from_the_start:  # under memory.limit_gb, or in a max_batch probe
         assert profile.record_allocation_history(gpu)
-    memory_profile = profile.MemoryProfile(start_step=1, steps=1)
-    memory_profile.attach(tmp_path, 0, gpu)
+    memory_profile = profile.MemoryProfile(start_step=1, steps=1).start(tmp_path, 0, gpu)
     memory_profile.before_step(1)
     memory_profile.after_step(1)
     snapshot = str(tmp_path / "memory_snapshot_rank0.pickle")
@@ -387,7 +386,7 @@ def test_checkpoint_blocked_time_leaves_out_the_steps_queued_kernels(monkeypatch
     from fsdp_exp.checkpoint import DCPCheckpoint
     from fsdp_exp.checkpoint.files import METADATA, step_name
 
-    queued_s = 0.3
+    queued_s = 1.0  # well above a small save's time, even on a busy machine
 
     def wait_for_queued_kernels(device: torch.device) -> None:
         time.sleep(queued_s)
@@ -396,8 +395,7 @@ def test_checkpoint_blocked_time_leaves_out_the_steps_queued_kernels(monkeypatch
     ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     state = SimpleNamespace(ranks=ranks, write_small_state=lambda path, step, loss: path.mkdir(parents=True),
                             tensors=lambda: {"model": {"weight": torch.ones(4)}})
-    checkpoint = DCPCheckpoint(dir=str(tmp_path))
-    checkpoint.attach(state)
+    checkpoint = DCPCheckpoint(dir=str(tmp_path)).start(state)
     checkpoint.save(1, torch.tensor(1.0))
     assert (tmp_path / step_name(1) / METADATA).is_file()
     assert checkpoint.blocked_s[0] < queued_s

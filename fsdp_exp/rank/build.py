@@ -9,7 +9,6 @@ only those objects.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -164,17 +163,13 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
     grad_scaler = cfg.precision.grad_scaler(ranks.device.type)
     schedule = lr_schedule(optimizer, train.lr_schedule, train.lr_warmup_steps, train.steps)
 
-    # The experiment stays settings (a requeue copies it): the live objects are copies.
-    checkpoint = copy.deepcopy(cfg.checkpoint)
     state = TrainState(model, optimizer, ranks, cfg.model.as_dict(), batches, schedule, grad_scaler)
-    checkpoint.attach(state)
+    checkpoint = cfg.checkpoint.start(state)
     start_step, start_loss = state.load(resume) if resume is not None else (0, None)
     if resume is not None and ranks.is_main:
         log.info("resumed from %s at step %d", resume, start_step)
 
-    profile = copy.deepcopy(cfg.profile)
-    profile.attach(run_dir, ranks.rank, ranks.device)
-    hooks: list = [profile]
+    hooks: list = [cfg.profile.start(run_dir, ranks.rank, ranks.device)]
     sinks: list = []
     jsonl = wandb = progress = None
     if ranks.is_main:

@@ -101,7 +101,7 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
         finally:
             if exp.progress is not None:
                 exp.progress.close()
-        if exp.checkpoint.export_full:
+        if cfg.checkpoint.export_full:
             export_full_model(exp.trainer.model, run_dir / "model.safetensors")
         if exp.wandb is not None:
             exp.wandb.finish(summary)

@@ -20,12 +20,11 @@ from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
-from fsdp_exp.memory import MemorySettings, allocation_failure, is_out_of_memory
+from fsdp_exp.memory import allocation_failure, is_out_of_memory, records_history
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.peaks import GB, MemoryMonitor
 from fsdp_exp.rank import distributed
 from fsdp_exp.rank.trainer import Trainer
-from fsdp_exp.tasks.probe import probe_config
 
 # ---- a CPU tensor in a GPU run's process group --------------------------------------------
 
@@ -272,12 +271,9 @@ def test_a_snapshot_that_cannot_be_written_does_not_hide_the_failure(monkeypatch
 
 
 def test_history_is_recorded_under_a_limit_and_in_every_probe() -> None:
-    assert not MemorySettings().records_history
-    assert MemorySettings(limit_gb=20).records_history
-    exp = prepare(compose_checked([]), 0).exp
-    assert not exp.memory.records_history
-    probe = probe_config(exp, batch_size=4, steps=2, world_size=2, limit_gb=None)
-    assert probe.memory.records_history and not exp.memory.records_history
+    assert not records_history(None, probe=False)
+    assert records_history(20, probe=False)
+    assert records_history(None, probe=True)
 
 
 # ---- which GPU is a rank's ----------------------------------------------------------------
@@ -358,7 +354,7 @@ def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch:
     exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0).exp
     exp.device, exp.memory.limit_gb = Device.cuda, None
     launcher = ClusterLauncher()
-    figures = max_batch.BatchSearch(exp, tmp_path, launcher, 2).run()
+    figures = max_batch.MaxBatchSearch(exp, tmp_path, launcher, 2).run()
     assert launcher.batches[0] == exp.max_batch.resolution
     assert figures["limit_gb"] == 8.0
     assert 650 <= figures["max_batch_size"] <= 700

@@ -143,8 +143,10 @@ def buffers_from_rank0(model: nn.Module, plain: nn.Module | None) -> None:
                 dist.broadcast(buffer, src=0)
 
 
-def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path | None = None) -> Built:
-    """Every object of the run on this rank; with `resume`, restored from that checkpoint."""
+def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path | None = None,
+                     probe: bool = False) -> Built:
+    """Every object of the run on this rank; with `resume`, restored from that checkpoint.
+    `probe`: a probe of task=max_batch, which draws no progress bar of its own."""
     model, fsdp_units = build_model_for_training(cfg, ranks)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
 
@@ -192,7 +194,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
 
         wandb = cfg.wandb.sink(as_dict(cfg), run_dir)
         # A probe draws no bar of its own: the search reports each probe in one line.
-        progress = Progress(train.steps, done=start_step, live=False if cfg.memory.in_probe else None)
+        progress = Progress(train.steps, done=start_step, live=False if probe else None)
         sinks = [jsonl, progress, wandb]
         hooks.append(progress)
 

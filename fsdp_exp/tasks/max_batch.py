@@ -84,11 +84,11 @@ class MaxBatch(Task):
                               "resume is for task=train")
 
     def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
-        return BatchSearch(exp, run_dir, launcher, nproc).run()
+        return MaxBatchSearch(exp, run_dir, launcher, nproc).run()
 
 
 @dataclass
-class BatchSearch:
+class MaxBatchSearch:
     cfg: Experiment
     run_dir: Path
     launcher: Launcher

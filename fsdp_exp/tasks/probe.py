@@ -114,10 +114,14 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
     probe.wandb.mode = WandbMode.disabled
     if limit_gb != "same":
         probe.memory.limit_gb = limit_gb
-    probe.memory.in_probe = True
     probe.data = probe.data.enough_for(batch_size * world_size)  # generated data: one global batch
     probe.environment = {}
     return probe
+
+
+def probe_rank(cfg: Experiment, run_dir: Path) -> dict:
+    """One rank of a probe: a training run that knows it is one (`train_rank`'s `probe`)."""
+    return train_rank(cfg, run_dir, probe=True)
 
 
 def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
@@ -147,7 +151,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
     start = time.perf_counter()
     run_cfg.startup = {"launched": time.time()}
     try:
-        figures = launcher.launch(train_rank, run_cfg, probe_dir, world_size, time_limit_s=timeout_s)
+        figures = launcher.launch(probe_rank, run_cfg, probe_dir, world_size, time_limit_s=timeout_s)
         probe = Probe(
             batch_size, "ok",
             peak_mem_gb=figures["peak_mem_gb"],

@@ -17,6 +17,7 @@ from fsdp_exp.memory import (
     held_before_limit_gb,
     is_out_of_memory,
     peak_under_limit_gb,
+    records_history,
     under_limit_figures,
 )
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
@@ -57,14 +58,15 @@ class Train(Task):
         return launcher.launch(train_rank, exp, run_dir, nproc)
 
 
-def train_rank(cfg: Experiment, run_dir: Path) -> dict:
-    """One rank's whole training run; returns the run's figures (the same on every rank)."""
+def train_rank(cfg: Experiment, run_dir: Path, probe: bool = False) -> dict:
+    """One rank's whole training run; returns the run's figures (the same on every rank).
+    `probe`: it is a probe of task=max_batch (fsdp_exp.tasks.probe.probe_rank)."""
     cfg.startup.update(rank_started=process_started(), rank_ready=time.time())
-    if cfg.memory.in_probe:
+    if probe:
         worker.console_warnings_only()
     ranks = distributed.init(cfg.device, cfg.offload)
     cfg.startup["process_group"] = time.time()
-    if cfg.memory.records_history:
+    if records_history(cfg.memory.limit_gb, probe):
         record_allocation_history(ranks.device)
     if ranks.is_main:  # the run's device is rank 0's, not the driver's
         seen = rank_environment(ranks.device)
@@ -86,7 +88,7 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
         resume = resume_point(cfg, restarts, restored)
         if restarts and ranks.is_main:
             log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
-        exp = build_experiment(cfg, ranks, run_dir, resume)
+        exp = build_experiment(cfg, ranks, run_dir, resume, probe)
         cfg.startup["ready"] = time.time()
         try:
             summary = exp.trainer.fit() | exp.figures | {"startup": in_order(cfg.startup)}

@@ -1,7 +1,7 @@
 """Max-batch search on a corpus of real setups: the project's search against the two
 policies users know, every policy reading the same real probes.
 
-- fsdp_exp: `task=max_batch` itself (`fsdp_exp.tasks.max_batch.Sweep`), into a scratch run
+- fsdp_exp: `task=max_batch` itself (`fsdp_exp.tasks.max_batch.MaxBatchSearch`), into a scratch run
   directory, with the estimate's curve placing its probes (max_batch.estimate=true).
 - fsdp_exp without the estimate: the same search from the probes alone (max_batch.estimate=false).
 - doubling then bisection (Lightning's `scale_batch_size(mode="binsearch")`, from its
@@ -37,7 +37,7 @@ from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.tasks.batch_answer import noise_band_gb
 from fsdp_exp.tasks.batch_search import BatchSearch
-from fsdp_exp.tasks.max_batch import Sweep
+from fsdp_exp.tasks.max_batch import MaxBatchSearch
 from fsdp_exp.tasks.probe import Probe, run_probe
 
 HEAVY_VIT = ["model.num_layers=8", "model.hidden_dim=384", "model.mlp_dim=1536", "model.num_heads=4",
@@ -178,7 +178,7 @@ def bench(setup: Setup, up_to: int) -> dict:
     print(f"\n{setup.name}: {' '.join(overrides)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        sweep = Sweep(plan.exp, Path(tmp) / "search", plan.launcher, plan.nproc)
+        sweep = MaxBatchSearch(plan.exp, Path(tmp) / "search", plan.launcher, plan.nproc)
         result = sweep.run()
         search_wall = time.perf_counter() - start
         searched = [p for p in sweep.probes if not p.for_fastest]

@@ -27,6 +27,7 @@ from datetime import date
 from pathlib import Path
 
 from fsdp_exp.check_gpu_checks import RunResult, Setup, checks, runs, setup_for
+from fsdp_exp.errors import one_line
 
 RUN_TIMEOUT_S = 900
 EXIT_FAILED, EXIT_NO_GPU = 1, 2
@@ -108,7 +109,7 @@ def check_all(setup: Setup, workdir: Path, run=run_fsdp_exp, out=print) -> bool:
         try:
             passed, detail = check.judge(*(done[name] for name in check.runs))
         except Exception as err:  # noqa: BLE001 - a summary the judge did not expect is a failed check, not a crash
-            passed, detail = False, f"could not judge the run: {type(err).__name__}: {err}"
+            passed, detail = False, f"could not judge the run: {one_line(err, named=True, whole=True)}"
         all_passed &= passed
         out(table_row(check.name, "pass" if passed else "fail", detail, f"{time.perf_counter() - start:.0f}"))
         sys.stdout.flush()

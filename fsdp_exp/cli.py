@@ -32,11 +32,11 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdp_exp import config
+from fsdp_exp import config, options
 from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launch.core import stop_on_signals, stop_signal
 from fsdp_exp.metrics.sinks import write_summary
 from fsdp_exp.metrics.startup import process_started
@@ -57,7 +57,7 @@ IMPORTED = time.time()  # the start-up's first mark after the command's (fsdp_ex
 EXIT_BAD_CONFIG = 2
 EXIT_STOPPED = 128  # + the signal, as a shell reports a process a signal ended: 130 for SIGINT, 143 for SIGTERM
 
-config.register()
+options.register()
 
 
 def main() -> None:
@@ -210,7 +210,7 @@ def parse_override(text: str) -> Override:
     try:
         return OverridesParser.create().parse_override(text)
     except HydraException as err:
-        raise ConfigError(f"{text}: not a valid override ({str(err).splitlines()[0]})") from None
+        raise ConfigError(f"{text}: not a valid override ({one_line(err)})") from None
 
 
 def compose_checked(overrides: list[str], config_name: str = "config") -> DictConfig:

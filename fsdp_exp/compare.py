@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fsdp_exp.errors import one_line
 from fsdp_exp.metrics.plots import none_fits
 from fsdp_exp.metrics.sinks import wandb_project
 
@@ -219,9 +220,8 @@ def wandb_runs(group: str, project: str, entity: str | None) -> tuple[list[Run],
         found = list(wandb.Api(timeout=30).runs(where, filters={"group": group}))
         loaded = [wandb_run(run) for run in found]
     except Exception as err:  # noqa: BLE001 - no key, no network, no project: all one line for the user
-        text = str(err).strip()
-        detail = f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-        raise CompareError(f"--wandb {group}: could not read the group's runs from wandb project {where} ({detail})") from None
+        raise CompareError(f"--wandb {group}: could not read the group's runs from wandb project {where} "
+                           f"({one_line(err, named=True)})") from None
     if not found:
         raise CompareError(f"--wandb {group}: wandb project {where} has no runs in group {group!r}")
     return [r for r in loaded if isinstance(r, Run)], [r for r in loaded if isinstance(r, Skipped)]

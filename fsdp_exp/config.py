@@ -1,9 +1,9 @@
-"""conf/config.yaml as one typed object, `Experiment`, and where each group's schema lives.
+"""conf/config.yaml as one typed object, `Experiment`.
 
 Every option's schema is its component's own dataclass (`FullyShard`, `Precision`,
 `DCPCheckpoint`, `SlurmLauncher`, ...), registered in Hydra's ConfigStore as
-`<group>/schema_<name>`; a YAML option extends it with only what differs from its
-defaults. OmegaConf refuses unknown keys and wrong types while composing, and
+`<group>/schema_<name>` by `fsdp_exp.options`; a YAML option extends it with only what
+differs from its defaults. OmegaConf refuses unknown keys and wrong types while composing, and
 `OmegaConf.to_object` builds the dataclasses, whose `__post_init__` checks their own
 values. Checks that span groups live in `fsdp_exp.driver.plan`.
 
@@ -17,35 +17,20 @@ import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
-from fsdp_exp.checkpoint import DCPCheckpoint, NoCheckpoint
 from fsdp_exp.data import TrainData
 from fsdp_exp.data.custom import CustomData
-from fsdp_exp.data.images import SyntheticImages, TorchvisionImages
-from fsdp_exp.data.token_file import TokenFile
-from fsdp_exp.data.tokens import SyntheticTokens, TextBytes
 from fsdp_exp.errors import Choice, ConfigError, at_least
-from fsdp_exp.launch.local import LocalLauncher
-from fsdp_exp.launch.ray import RayLauncher
-from fsdp_exp.launch.slurm import SlurmLauncher
-from fsdp_exp.launch.torchrun import TorchrunLauncher
 from fsdp_exp.memory import MemorySettings
 from fsdp_exp.metrics.sinks import WandbSettings
 from fsdp_exp.models import NO_BUILDER, ModelSpec
 from fsdp_exp.precision import Precision
-from fsdp_exp.profile import MemoryProfile, NoProfile
 from fsdp_exp.schedule import LrSchedule
-from fsdp_exp.sharding import DDP, FullyShard, HybridShard, NoSharding
-from fsdp_exp.tasks.estimate import Estimate
-from fsdp_exp.tasks.eval import Eval
-from fsdp_exp.tasks.export import Export
-from fsdp_exp.tasks.max_batch import MaxBatch, MaxBatchSettings
-from fsdp_exp.tasks.train import Train
+from fsdp_exp.tasks.max_batch_settings import MaxBatchSettings
 
-__all__ = ["ConfigError", "Experiment", "register"]
+__all__ = ["ConfigError", "Experiment"]
 
 
 class Device(Choice):
@@ -121,31 +106,6 @@ class Experiment:
             self.data = CustomData.from_config(self.data)
         self.environment: dict = {}  # set by the driver: versions, host, overrides
         self.startup: dict[str, float] = {}  # when each part of the start-up ended (fsdp_exp.metrics.startup)
-
-
-# Each group's options, by schema name: conf/<group>/<option>.yaml extends one of these.
-SCHEMAS: dict[str, dict[str, type]] = {
-    "data": {"synthetic": SyntheticImages, "torchvision": TorchvisionImages,
-             "synthetic_tokens": SyntheticTokens, "text": TextBytes, "token_file": TokenFile},
-    "sharding": {"fully_shard": FullyShard, "hybrid": HybridShard, "ddp": DDP, "none": NoSharding},
-    "precision": {"precision": Precision},
-    "checkpoint": {"none": NoCheckpoint, "dcp": DCPCheckpoint},
-    "launcher": {"local": LocalLauncher, "torchrun": TorchrunLauncher, "slurm": SlurmLauncher,
-                 "ray": RayLauncher},
-    "task": {"train": Train, "max_batch": MaxBatch, "eval": Eval, "export": Export, "estimate": Estimate},
-    "profile": {"none": NoProfile, "memory": MemoryProfile},
-    "wandb": {"wandb": WandbSettings},
-}
-
-
-def register() -> None:
-    """Put the schemas in Hydra's ConfigStore: `schema` (the top level) and
-    `<group>/schema_<name>` for each option to extend."""
-    cs = ConfigStore.instance()
-    cs.store(name="schema", node=Experiment)
-    for group, options in SCHEMAS.items():
-        for name, node in options.items():
-            cs.store(group=group, name=f"schema_{name}", node=node)
 
 
 def build(cfg: DictConfig) -> Experiment:

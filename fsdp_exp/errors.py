@@ -1,5 +1,6 @@
 """The one error type a user's input can cause, and the helpers every component's checks use."""
 
+from collections.abc import Iterable
 from enum import Enum
 
 
@@ -19,3 +20,22 @@ class Choice(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def choice(name: str, values: Iterable[str], module: str) -> type[Choice]:
+    """A Choice whose values need not be Python names ("async", "blocks+size"); `module`
+    is the defining module's `__name__`, so that a run's settings still pickle."""
+    return Choice(name, [(value, value) for value in values], module=module, qualname=name)  # type: ignore[return-value]
+
+
+def one_line(err: BaseException, *, named: bool = False, whole: bool = False, last: bool = False,
+             limit: int | None = None) -> str:
+    """An exception as one line: the first line of its text (`last`: the last, where a
+    library puts the reason after a header; `whole`: every line, joined), at most `limit`
+    characters, after its type's name when `named`. Its type's name alone when it has no text."""
+    lines = [" ".join(line.split()) for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    text = " ".join(lines) if whole else lines[-1] if last else lines[0]
+    text = text[:limit] if limit else text
+    return f"{type(err).__name__}: {text}" if named else text

@@ -77,14 +77,13 @@ class MemorySettings:
     def __post_init__(self) -> None:
         if self.limit_gb is not None and self.limit_gb <= 0:
             raise ConfigError(f"memory.limit_gb={self.limit_gb}: must be greater than 0")
-        self.in_probe = False  # a probe of task=max_batch (fsdp_exp.tasks.probe sets it)
 
-    @property
-    def records_history(self) -> bool:
-        """Whether a GPU rank records the allocator's history from the start, so that an
-        out-of-memory snapshot shows the allocations that led to it: where running out is
-        expected, under a limit and in every probe of task=max_batch."""
-        return self.limit_gb is not None or self.in_probe
+
+def records_history(limit_gb: float | None, probe: bool) -> bool:
+    """Whether a GPU rank records the allocator's history from the start, so that an
+    out-of-memory snapshot shows the allocations that led to it: where running out is
+    expected, under a limit and in every probe of task=max_batch."""
+    return limit_gb is not None or probe
 
 
 def check_limit(limit_gb: float | None, device_type: str, ranks_per_device: int) -> None:

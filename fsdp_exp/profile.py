@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import ConfigError, at_least, one_line
 
 log = logging.getLogger("fsdp_exp")
 
@@ -49,9 +49,12 @@ class NoProfile:
     def check(self, train_steps: int) -> None:
         pass
 
-    def attach(self, run_dir: Path, rank: int, device: torch.device) -> None:
-        pass
+    def start(self, run_dir: Path, rank: int, device: torch.device) -> NoProfiler:
+        """This rank's step hooks for the run."""
+        return NoProfiler()
 
+
+class NoProfiler:
     def before_step(self, step: int) -> None:
         pass
 
@@ -75,9 +78,19 @@ class MemoryProfile(NoProfile):
                 f"step(s) must end by train.steps={train_steps}"
             )
 
-    def attach(self, run_dir: Path, rank: int, device: torch.device) -> None:
-        self.run_dir, self.rank, self.device = Path(run_dir), rank, device
+    def start(self, run_dir: Path, rank: int, device: torch.device) -> MemoryProfiler:
+        return MemoryProfiler(self.start_step, self.steps, Path(run_dir), rank, device)
+
+
+class MemoryProfiler:
+    """profile=memory on one rank: torch's profiler over the window of steps, then the
+    memory timeline and the allocator's snapshot."""
+
+    def __init__(self, start_step: int, steps: int, run_dir: Path, rank: int, device: torch.device) -> None:
+        self.start_step, self.steps = start_step, steps
+        self.run_dir, self.rank, self.device = run_dir, rank, device
         self.profiler: Any = None
+        self.stops_history = False
 
     def before_step(self, step: int) -> None:
         if step != self.start_step:
@@ -103,7 +116,7 @@ class MemoryProfile(NoProfile):
         except AssertionError as err:  # torch's categorising pass can trip on in-place ops
             trace = self.run_dir / f"trace_rank{self.rank}.json"
             self.profiler.export_chrome_trace(str(trace))
-            write_allocation_timeline(trace, timeline, self.rank, reason=str(err).splitlines()[0][:120],
+            write_allocation_timeline(trace, timeline, self.rank, reason=one_line(err, limit=120),
                                       device=self.device)
         dump_cuda_snapshot(self.run_dir / f"memory_snapshot_rank{self.rank}.pickle", self.device)
         if self.stops_history:
@@ -120,7 +133,7 @@ def dump_cuda_snapshot(path: Path, device: torch.device) -> None:
     try:
         torch.cuda.memory._dump_snapshot(str(path))
     except Exception as err:  # noqa: BLE001 - e.g. a CUDA error left the device unusable
-        log.warning("no memory snapshot at %s: %s: %s", path, type(err).__name__, str(err).splitlines()[0][:200])
+        log.warning("no memory snapshot at %s: %s", path, one_line(err, named=True, limit=200))
 
 
 def write_allocation_timeline(trace: Path, html: Path, rank: int, reason: str,

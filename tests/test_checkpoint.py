@@ -184,8 +184,8 @@ from fsdp_exp.checkpoint.files import latest
 ranks = distributed.init("cpu")
 model = nn.Linear(4096, 4096)
 optimizer = torch.optim.AdamW(model.parameters())
-checkpoint = DCPCheckpoint(mode=sys.argv[2], every=1, keep=None, dir=sys.argv[1])
-checkpoint.attach(TrainState(model, optimizer, ranks, {"_target_": "linear"}))
+checkpoint = DCPCheckpoint(mode=sys.argv[2], every=1, keep=None, dir=sys.argv[1]).start(
+    TrainState(model, optimizer, ranks, {"_target_": "linear"}))
 def newest():
     return getattr(latest(checkpoint.root), "name", None)
 checkpoint.save(1)
@@ -229,8 +229,8 @@ from fsdp_exp.checkpoint.files import latest
 ranks = distributed.init("cpu")
 model = nn.Linear(64, 64)
 optimizer = torch.optim.AdamW(model.parameters())
-checkpoint = DCPCheckpoint(mode="async_pinned", every=1, keep=None, dir=sys.argv[1])
-checkpoint.attach(TrainState(model, optimizer, ranks, {"_target_": "linear"}))
+checkpoint = DCPCheckpoint(mode="async_pinned", every=1, keep=None, dir=sys.argv[1]).start(
+    TrainState(model, optimizer, ranks, {"_target_": "linear"}))
 stager = checkpoint._stager
 parts = [stager, *vars(stager).values()]
 print("would take a stream:", any(isinstance(p, DefaultStager) and p._config.use_async_staging for p in parts))

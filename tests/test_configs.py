@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from fsdp_exp import config
+from fsdp_exp import config, options
 from fsdp_exp.cli import CONF_DIR, compose_config
 from fsdp_exp.driver.plan import prepare
 
@@ -18,7 +18,7 @@ NEEDS = {("model", "custom"): ["model._target_=torch.nn.Linear"], ("data", "cust
 def test_every_option_builds_into_its_component(group: str, option: str) -> None:
     cfg = compose_config([f"{group}={option}", *NEEDS.get((group, option), [])])
     built = getattr(config.build(cfg), group)
-    schemas = config.SCHEMAS.get(group)
+    schemas = options.SCHEMAS.get(group)
     if schemas and option != "custom":  # a typed group: the option is one of its schemas
         assert type(built) in schemas.values(), type(built)
         assert OmegaConf.get_type(cfg[group]) is type(built)
@@ -27,7 +27,7 @@ def test_every_option_builds_into_its_component(group: str, option: str) -> None
 def test_every_schema_is_some_options_schema() -> None:
     used = {(g, type(getattr(config.build(compose_config([f"{g}={o}", *NEEDS.get((g, o), [])])), g)))
             for g, o in OPTIONS}
-    for group, schemas in config.SCHEMAS.items():
+    for group, schemas in options.SCHEMAS.items():
         for schema in schemas.values():
             assert (group, schema) in used, f"{group}: {schema.__name__} is no option's schema"
 

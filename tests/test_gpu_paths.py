@@ -20,12 +20,11 @@ from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
-from fsdp_exp.memory import MemorySettings, allocation_failure, is_out_of_memory
+from fsdp_exp.memory import allocation_failure, is_out_of_memory, records_history
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
-from fsdp_exp.metrics.memory import GB, MemoryMonitor
+from fsdp_exp.metrics.peaks import GB, MemoryMonitor
 from fsdp_exp.rank import distributed
 from fsdp_exp.rank.trainer import Trainer
-from fsdp_exp.tasks.probe import probe_config
 
 # ---- a CPU tensor in a GPU run's process group --------------------------------------------
 
@@ -252,8 +251,7 @@ def test_a_memory_profile_keeps_the_runs_allocation_history_on(gpu_host: list[tu
     gpu = torch.device("cuda", 0)
     if from_the_start:  # under memory.limit_gb, or in a max_batch probe
         assert profile.record_allocation_history(gpu)
-    memory_profile = profile.MemoryProfile(start_step=1, steps=1)
-    memory_profile.attach(tmp_path, 0, gpu)
+    memory_profile = profile.MemoryProfile(start_step=1, steps=1).start(tmp_path, 0, gpu)
     memory_profile.before_step(1)
     memory_profile.after_step(1)
     snapshot = str(tmp_path / "memory_snapshot_rank0.pickle")
@@ -273,12 +271,9 @@ def test_a_snapshot_that_cannot_be_written_does_not_hide_the_failure(monkeypatch
 
 
 def test_history_is_recorded_under_a_limit_and_in_every_probe() -> None:
-    assert not MemorySettings().records_history
-    assert MemorySettings(limit_gb=20).records_history
-    exp = prepare(compose_checked([]), 0).exp
-    assert not exp.memory.records_history
-    probe = probe_config(exp, batch_size=4, steps=2, world_size=2, limit_gb=None)
-    assert probe.memory.records_history and not exp.memory.records_history
+    assert not records_history(None, probe=False)
+    assert records_history(20, probe=False)
+    assert records_history(None, probe=True)
 
 
 # ---- which GPU is a rank's ----------------------------------------------------------------
@@ -359,7 +354,7 @@ def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch:
     exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0).exp
     exp.device, exp.memory.limit_gb = Device.cuda, None
     launcher = ClusterLauncher()
-    figures = max_batch.Sweep(exp, tmp_path, launcher, 2).run()
+    figures = max_batch.MaxBatchSearch(exp, tmp_path, launcher, 2).run()
     assert launcher.batches[0] == exp.max_batch.resolution
     assert figures["limit_gb"] == 8.0
     assert 650 <= figures["max_batch_size"] <= 700
@@ -387,7 +382,7 @@ def test_checkpoint_blocked_time_leaves_out_the_steps_queued_kernels(monkeypatch
     from fsdp_exp.checkpoint import DCPCheckpoint
     from fsdp_exp.checkpoint.files import METADATA, step_name
 
-    queued_s = 0.3
+    queued_s = 1.0  # well above a small save's time, even on a busy machine
 
     def wait_for_queued_kernels(device: torch.device) -> None:
         time.sleep(queued_s)
@@ -396,21 +391,20 @@ def test_checkpoint_blocked_time_leaves_out_the_steps_queued_kernels(monkeypatch
     ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     state = SimpleNamespace(ranks=ranks, write_small_state=lambda path, step, loss: path.mkdir(parents=True),
                             tensors=lambda: {"model": {"weight": torch.ones(4)}})
-    checkpoint = DCPCheckpoint(dir=str(tmp_path))
-    checkpoint.attach(state)
+    checkpoint = DCPCheckpoint(dir=str(tmp_path)).start(state)
     checkpoint.save(1, torch.tensor(1.0))
     assert (tmp_path / step_name(1) / METADATA).is_file()
     assert checkpoint.blocked_s[0] < queued_s
 
 
-def tiny_trainer(steps: int, log_every: int, hooks: tuple = ()) -> Trainer:
+def tiny_trainer(steps: int, log_every: int, hooks: tuple = (), **more: object) -> Trainer:
     """A few CPU steps of a linear classifier, without a process group."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     batches = [(torch.randn(2, 4), torch.randint(0, 3, (2,))) for _ in range(steps)]
     ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, ranks, steps=steps, batch_size=2,
-                   log_every=log_every, hooks=hooks)
+                   log_every=log_every, hooks=hooks, **more)  # type: ignore[arg-type]
 
 
 def test_the_first_window_starts_after_the_gpu_has_finished_what_came_before(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -425,8 +419,9 @@ def test_the_first_window_starts_after_the_gpu_has_finished_what_came_before(mon
 def test_a_runs_retries_are_the_sum_of_its_windows(monkeypatch: pytest.MonkeyPatch) -> None:
     window = {"peak_mem_gb": 1.0, "peak_reserved_gb": 1.5, "alloc_retries": 2.0, "ooms": 1.0}
     monkeypatch.setattr(MemoryMonitor, "window_peaks", lambda self: dict(window))
-    trainer = tiny_trainer(steps=6, log_every=2)
-    trainer.sinks = [records := SimpleNamespace(logged=[], log=lambda r: records.logged.append(r))]
+    records = SimpleNamespace(logged=[])
+    records.log = records.logged.append
+    trainer = tiny_trainer(steps=6, log_every=2, sinks=[records])
     summary = trainer.fit()
     assert [r["alloc_retries"] for r in records.logged] == [2.0, 2.0, 2.0]
     assert summary["alloc_retries"] == 6.0 and summary["ooms"] == 3.0
@@ -449,8 +444,7 @@ def stats_reads_per_step(fake_gpu: FakeCachingAllocator, phase_peaks: bool, grad
                            after_step=lambda step: reads.__setitem__(-1, reads[-1] + fake_gpu.calls.count("memory_stats")))
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, ranks, steps=steps,
                       batch_size=2 * grad_accum, grad_accum=grad_accum, log_every=2, hooks=(hook,),
-                      phase_peaks=phase_peaks)
-    trainer.memory = MemoryMonitor(torch.device("cuda", 0), phase_peaks=phase_peaks)
+                      memory=MemoryMonitor(torch.device("cuda", 0), phase_peaks=phase_peaks))
     summary = trainer.fit()
     assert summary["peak_reserved_gb"] >= 0 and summary["alloc_retries"] == 0  # the window's figures stay
     return reads
@@ -493,8 +487,7 @@ def test_under_a_limit_a_gpu_run_records_the_reserved_peak_the_limit_caps(fake_g
         fake_gpu.free(3 * GB // 2)
 
     hook = SimpleNamespace(before_step=step_allocates, after_step=lambda step: None)
-    trainer = tiny_trainer(steps=4, log_every=2, hooks=(hook,))
-    trainer.memory = MemoryMonitor(torch.device("cuda", 0))
+    trainer = tiny_trainer(steps=4, log_every=2, hooks=(hook,), memory=MemoryMonitor(torch.device("cuda", 0)))
     summary = trainer.fit()
     assert under_limit_figures(8.0, "cuda", summary) == {
         "limit_gb": 8.0, "peak_under_limit_gb": 1.5, "peak_under_limit_gb_per_rank": [1.5]}

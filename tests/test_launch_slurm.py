@@ -216,11 +216,10 @@ def test_without_submitit_launcher_slurm_is_one_line_naming_the_extra(tmp_path: 
                  "launcher.cluster=slurm: no SLURM here (sbatch not found); use launcher.cluster=local to try it "
                  "on this machine",
                  marks=pytest.mark.skipif(shutil.which("sbatch") is not None, reason="this machine has sbatch")),
-    ({"cluster": "pbs"}, "launcher.cluster=pbs: choose one of: slurm, local"),
     ({"cluster": "local", "nodes": 2},
      "launcher.nodes=2: launcher.cluster=local runs on this machine only; use launcher.nodes=1"),
     ({"cluster": "local", "timeout_min": 0}, "launcher.timeout_min=0: must be at least 1"),
-], ids=["no-sbatch", "bad-cluster", "local-nodes", "timeout"])
+], ids=["no-sbatch", "local-nodes", "timeout"])
 def test_what_cannot_be_submitted_is_refused_by_the_checks(settings: dict, message: str) -> None:
     """The values are checked as the launcher is built, what this machine must have when
     the driver asks for the world size (the test above runs both through the CLI)."""

@@ -20,7 +20,7 @@ from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
-from fsdp_exp.tasks.max_batch import Sweep
+from fsdp_exp.tasks.max_batch import MaxBatchSearch
 from tests.conftest import REPO, SMALL_VIT, rank_pid, read_json, run_cli
 from tests.test_data import make_dataset
 
@@ -308,7 +308,7 @@ def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> Non
 
 class CappedGpu:
     """Probes as ranks under torch.cuda.set_per_process_memory_fraction(8 GB) report them (no
-    GPU runs here; the search and the Sweep around it are the real ones). Allocated memory
+    GPU runs here; the search and the MaxBatchSearch around it are the real ones). Allocated memory
     grows 0.01 GB a sample from 1 GB. Reserved memory runs ahead of it (the allocator's
     rounding and cached blocks) until it meets the cap; from there the allocator frees its
     cache and retries before it raises, so reserved flattens 3 MB under the cap while
@@ -347,7 +347,7 @@ def test_on_a_gpu_a_probe_that_trained_fits_though_its_reserved_peak_is_at_the_c
                                    "wandb.mode=disabled"]), 0).exp
     exp.device, exp.memory.limit_gb = Device.cuda, CappedGpu.CAP_GB
     gpu = CappedGpu()
-    figures = Sweep(exp, tmp_path, gpu, 2).run()
+    figures = MaxBatchSearch(exp, tmp_path, gpu, 2).run()
     assert (figures["max_batch_size"], figures["bounded_by"]) == (CappedGpu.BOUNDARY, "oom"), gpu.batches
     record = read_json(tmp_path / "max_batch.json")
     at = {p["batch_size"]: p for p in record["probes"]}
@@ -430,7 +430,7 @@ def test_a_resolution_above_each_ranks_share_of_the_data_is_one_line_before_any_
                                     f"data.root={tmp_path / 'data'}", "max_batch.resolution=4"]), 0)
     assert plan.exp.data.share_per_rank(2) == 3
     with pytest.raises(ConfigError) as err:
-        Sweep(plan.exp, tmp_path / "search", plan.launcher, 2)
+        MaxBatchSearch(plan.exp, tmp_path / "search", plan.launcher, 2)
     assert str(err.value) == ("max_batch.resolution=4: larger than each rank's share of the data (3 samples on each "
                               "of 2 ranks); lower it or use more data")
     assert not (tmp_path / "search").exists()

@@ -67,7 +67,7 @@ def test_each_phase_has_its_peak_unless_turned_off(one_rank_group: Ranks, phase_
 def test_the_primary_peak_leaves_out_what_the_rank_held_before_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """peak_mem_gb on CPU: the resident peak less the runtime marked before the model is
     built; the whole process's peak is peak_resident_gb."""
-    from fsdp_exp.metrics import memory
+    from fsdp_exp.metrics import peaks as memory
 
     monkeypatch.setattr(memory, "_runtime_bytes", 0)  # mark_runtime sets both: restored after the test
     monkeypatch.setattr(memory, "_runtime_file_bytes", 0)
@@ -155,7 +155,7 @@ def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
 # blocks from its heap, which keeps the pages once they are freed.
 FREED_BEFORE_TRAINING = """
 import ctypes, json, torch
-from fsdp_exp.metrics.memory import MemoryMonitor
+from fsdp_exp.metrics.peaks import MemoryMonitor
 monitor = MemoryMonitor(torch.device("cpu"))
 # Blocks of 1 MiB from the heap, as after glibc has raised its mmap threshold by itself.
 libc = ctypes.CDLL("libc.so.6")

@@ -24,14 +24,18 @@ class NoCheckpoint:
     saves = False  # nothing during training, so no checkpoint.dir
     dir = None
 
-    def __post_init__(self) -> None:
-        self.blocked_s: list[float] = []
-
     def check(self) -> None:
         pass
 
-    def attach(self, state: TrainState) -> None:
-        pass
+    def start(self, state: TrainState) -> NoSaver:
+        return NoSaver()
+
+
+class NoSaver:
+    """checkpoint=none's saver: it saves nothing."""
+
+    def __init__(self) -> None:
+        self.blocked_s: list[float] = []
 
     def before_update(self) -> None:
         pass

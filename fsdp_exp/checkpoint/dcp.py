@@ -28,16 +28,16 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 
 from fsdp_exp.checkpoint.files import mark_latest, prune, step_name
 from fsdp_exp.checkpoint.state import TrainState
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, choice
 from fsdp_exp.rank import distributed
 
 log = logging.getLogger("fsdp_exp")
-MODES = ("sync", "async", "async_pinned")
+Mode = choice("Mode", ("sync", "async", "async_pinned"), __name__)
 
 
 @dataclass
 class DCPCheckpoint:
-    mode: str = "sync"  # sync | async | async_pinned ("async" cannot be an Enum name)
+    mode: Mode = Mode["sync"]  # sync | async | async_pinned
     every: int = 100  # steps between saves; the last step is always saved
     keep: int | None = 3  # the newest K checkpoints are kept, older ones removed; None keeps all
     dir: str | None = None  # None: checkpoints/ in the run directory (the driver sets it)
@@ -46,13 +46,10 @@ class DCPCheckpoint:
     saves = True
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"checkpoint.mode={self.mode}: choose one of: {', '.join(MODES)}")
         if self.every < 1:
             raise ConfigError(f"checkpoint.every={self.every}: must be at least 1")
         if self.keep is not None and self.keep < 1:
             raise ConfigError(f"checkpoint.keep={self.keep}: must be at least 1, or null to keep all")
-        self.blocked_s: list[float] = []  # training time lost to each save
 
     def check(self) -> None:
         """On the driver: `dir`, when set, is a directory this process can create and write."""
@@ -70,11 +67,22 @@ class DCPCheckpoint:
             raise ConfigError(f"checkpoint.dir={self.dir}: cannot be written here "
                               f"({err.strerror} in {existing}); choose a directory you can write") from None
 
-    def attach(self, state: TrainState) -> None:
-        """Called on every rank once the objects exist (collective: makes a process group)."""
+    def start(self, state: TrainState) -> DCPSaver:
+        """This rank's saver of `state`, once the objects exist (collective: with an async
+        mode it makes a process group)."""
         assert self.dir is not None, "the driver sets checkpoint.dir"
+        return DCPSaver(self, state)
+
+
+class DCPSaver:
+    """The checkpoints of one run on one rank, by `DCPCheckpoint`'s settings; `blocked_s`:
+    the training time each save took."""
+
+    def __init__(self, settings: DCPCheckpoint, state: TrainState) -> None:
+        self.mode, self.every, self.keep = settings.mode, settings.every, settings.keep
         self.state = state
-        self.root = Path(self.dir)
+        self.root = Path(settings.dir or "")
+        self.blocked_s: list[float] = []
         self._pending: tuple[int, Future] | None = None
         self._staging: Future | None = None
         self._stager: AsyncStager | None = None

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdp_exp.checkpoint.files import CheckpointError, SafeReader, open_checkpoint
+from fsdp_exp.errors import one_line
 from fsdp_exp.sharding import unwrap
 
 FORMATS = {"safetensors": "model.safetensors", "pt": "model.pt"}
@@ -73,8 +74,7 @@ def weight_shapes(path: Path, key: str) -> dict[str, list[int]]:
     except pickle.UnpicklingError:
         raise CheckpointError(f"{key}={path}: not a weights file (not a state dict torch.save wrote)") from None
     except Exception as err:  # noqa: BLE001 - a damaged or foreign file
-        first = " ".join(str(err).split())[:200]
-        raise CheckpointError(f"{key}={path}: not a weights file ({type(err).__name__}: {first})") from None
+        raise CheckpointError(f"{key}={path}: not a weights file ({one_line(err, named=True, whole=True, limit=200)})") from None
 
 
 def load_weights(model: nn.Module, path: Path, key: str) -> None:
@@ -94,7 +94,7 @@ def load_weights(model: nn.Module, path: Path, key: str) -> None:
     try:
         state = load_file(str(path)) if path.suffix == ".safetensors" else torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001 - a damaged or foreign file
-        raise CheckpointError(f"{key}={path}: not a weights file ({type(err).__name__}: {str(err)[:200]})") from None
+        raise CheckpointError(f"{key}={path}: not a weights file ({one_line(err, named=True, whole=True, limit=200)})") from None
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as err:  # shapes that differ

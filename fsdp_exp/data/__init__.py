@@ -11,17 +11,19 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from fsdp_exp.errors import ConfigError, at_least
 
 
+@dataclass(kw_only=True)
 class TrainData:
     """A dataset of (input, target) pairs plus how to load it. Subclasses make `dataset()`.
 
     `tokens_per_sample` is 0 for images and the sequence length for language models.
     `num_classes`: how many distinct targets there are (classes, or the token vocabulary),
-    when known; the model's logits must have at least that many.
+    when known; the model's logits must have at least that many. Every data option has
+    `num_workers` (keyword-only, so that each option's own fields keep their order).
     """
 
-    num_workers: int = 0
-    tokens_per_sample: int = 0
-    num_classes: int | None = None
+    num_workers: int = 0  # DataLoader worker processes per rank
+    tokens_per_sample = 0
+    num_classes = None
 
     def __post_init__(self) -> None:
         at_least("data.num_workers", self.num_workers, 0)

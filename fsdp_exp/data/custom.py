@@ -23,7 +23,7 @@ from hydra.utils import get_method
 from torch.utils.data import Dataset
 
 from fsdp_exp.data import TrainData
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, one_line
 
 OWN_KEYS = ("_target_", "num_workers")
 
@@ -32,7 +32,6 @@ OWN_KEYS = ("_target_", "num_workers")
 class CustomData(TrainData):
     target: str = ""
     kwargs: dict = field(default_factory=dict)
-    num_workers: int = 0
 
     @classmethod
     def from_config(cls, node: Mapping[str, Any]) -> CustomData:
@@ -40,14 +39,13 @@ class CustomData(TrainData):
         if not isinstance(target, str) or not target:
             raise ConfigError("data._target_: name a builder that returns a torch Dataset, e.g. mypkg.make_dataset")
         kwargs = {k: v for k, v in node.items() if k not in OWN_KEYS}
-        return cls(target, kwargs, int(node.get("num_workers", 0)))
+        return cls(target, kwargs, num_workers=int(node.get("num_workers", 0)))
 
     def builder(self) -> Any:
         try:
             return get_method(self.target)
         except Exception as err:  # Hydra: ImportError or ValueError, with a long text
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"data._target_={self.target}: cannot import it ({first})") from None
+            raise ConfigError(f"data._target_={self.target}: cannot import it ({one_line(err)})") from None
 
     def __getstate__(self) -> dict:
         """Ranks build their own dataset: the driver's copy, made for the checks, stays."""

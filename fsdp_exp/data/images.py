@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from fsdp_exp.data import GeneratedData, TrainData
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import ConfigError, at_least, choice
 
 
 @dataclass
@@ -20,7 +20,6 @@ class SyntheticImages(GeneratedData):
     image_size: int = 28
     num_classes: int = 10
     noise: float = 1.0
-    num_workers: int = 0
     seed: int = 0  # fixes the class patterns; the same data for every training seed
 
     def __post_init__(self) -> None:
@@ -52,22 +51,17 @@ _HELD_OUT = 1_000_003
 
 # Per-dataset pixel mean and std, from the training sets.
 _NORMALIZE = {"MNIST": (0.1307, 0.3081), "FashionMNIST": (0.2860, 0.3530)}
+DataSetName = choice("DataSetName", _NORMALIZE, __name__)
 
 
 @dataclass
 class TorchvisionImages(TrainData):
     """torchvision's MNIST or FashionMNIST, read from `<root>/<name>/raw` by torchvision."""
 
-    name: str = "FashionMNIST"  # MNIST | FashionMNIST
+    name: DataSetName = DataSetName["FashionMNIST"]  # MNIST | FashionMNIST
     root: str = "data"  # the IDX files are read from <root>/<name>/raw
     download: bool = False
-    num_workers: int = 0
     num_classes = 10
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.name not in _NORMALIZE:
-            raise ConfigError(f"data.name={self.name}: choose one of: {', '.join(_NORMALIZE)}")
 
     def dataset(self, train: bool = True) -> Dataset:
         import torchvision.datasets

@@ -46,7 +46,6 @@ class TokenFile(TokenData):
     seq_len: int = 1024
     stride: int | None = None  # tokens from one window's start to the next; None: seq_len
     vocab_size: int = 50257
-    num_workers: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -45,7 +45,6 @@ class SyntheticTokens(GeneratedData, TokenData):
     seq_len: int = 128
     vocab_size: int = 256
     seed: int = 0
-    num_workers: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,7 +82,6 @@ class TextBytes(TokenData):
 
     path: str | None = None  # None: the short English text shipped with fsdp_exp
     seq_len: int = 128
-    num_workers: int = 0
     eval_path: str | None = None  # held-out text for task=eval (the training text has no split)
     vocab_size = 256  # byte-level tokens
 

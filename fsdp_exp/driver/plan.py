@@ -51,7 +51,7 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     # task=eval and export run here, whatever the launcher: on a login node, on its CPU.
     gpus = local_gpus if in_driver else exp.launcher.gpus(local_gpus)
     if exp.device == Device.cuda and gpus == 0:
-        hint = ("; task=estimate estimates for a GPU from any machine with task.device=cuda" if not exp.task.starts_ranks
+        hint = ("; task=estimate estimates for a GPU from any machine with task.device=cuda" if not exp.task.uses_the_device
                 else f"; task={type(exp.task).__name__.lower()} runs on this machine, not on the launcher's"
                 if in_driver else "")
         raise ConfigError(f"device=cuda: this machine has no GPU; use device=auto or device=cpu{hint}")
@@ -60,7 +60,7 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     if in_driver:
         return prepare_in_driver(exp)
     world = world_size or exp.launcher.world_size(gpus if on_gpu else 0)
-    if not exp.task.starts_ranks:  # task=estimate: for any world size, on another machine
+    if not exp.task.uses_the_device:  # task=estimate: for any world size, on another machine
         world = exp.task.world(world)
 
     model = check_model(exp.model)
@@ -74,7 +74,7 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     nproc = world if exp.sharding.distributed else 1
     if exp.launcher.runs_here:  # on a cluster, the data's files and the memory are the cluster's
         check_model_reads_data(exp.model, model.module, exp.data)
-        if exp.task.starts_ranks:
+        if exp.task.uses_the_device:
             check_limit(exp.memory.limit_gb, exp.device, 1 if on_gpu else nproc)
     exp.checkpoint.check()
     exp.task.check(exp)
@@ -102,7 +102,7 @@ def check_attention(exp: Experiment) -> None:
     if not needs_gpu(attention):
         return
     key = f"model.attn_implementation={attention}"
-    if exp.device != Device.cuda and exp.task.starts_ranks:
+    if exp.device != Device.cuda and exp.task.uses_the_device:
         raise ConfigError(f"{key}: flash-attn runs on CUDA GPUs only; this run's device is {exp.device.value} "
                           "(use model.attn_implementation=sdpa)")
     if exp.precision.param_dtype == "float32":

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fsdp_exp.estimate.trace import CATEGORIES, CUDA_SEGMENT, OFFLOADED, Peak, StepTrace, Trace, cuda_block
+from fsdp_exp.estimate.trace import CATEGORIES, CUDA_SEGMENT, OFFLOADED, StepTrace, Trace, TracedPeak, cuda_block
 
 GB = 2**30
 # The CUDA context with torch's kernels loaded lazily (CUDA_MODULE_LOADING=LAZY, the default
@@ -47,7 +47,7 @@ class BatchEstimate:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-def parts(peak: Peak, optimizer_state_bytes: int) -> dict[str, int]:
+def parts(peak: TracedPeak, optimizer_state_bytes: int) -> dict[str, int]:
     """The tracker's categories at a peak as the estimate's parts. The optimizer's category
     holds its step's temporaries too: beyond the state it keeps, they are temporaries."""
     found = {part: sum(peak.categories.get(c, 0) for c in names) for part, names in CATEGORIES.items()}

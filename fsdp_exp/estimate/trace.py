@@ -83,7 +83,7 @@ def cuda_segment(nbytes: int) -> int:
 
 
 @dataclass
-class Peak:
+class TracedPeak:
     """The largest total of one count over a traced stretch, and its categories then."""
 
     bytes: int = 0
@@ -103,7 +103,7 @@ class Counts:
     def __init__(self, offloaded: tuple[str, ...]):
         self.offloaded = offloaded
         self.now: dict[str, dict[str, int]] = {"stored": {}, "blocks": {}, "segments": {}}
-        self.peaks = {"cpu": Peak(), "blocks": Peak(), "segments": Peak()}
+        self.peaks = {"cpu": TracedPeak(), "blocks": TracedPeak(), "segments": TracedPeak()}
         self.phase = ""
 
     def change(self, category: str, nbytes: int, sign: int) -> None:
@@ -177,7 +177,7 @@ class StepTrace:
     """One batch size's trace: the peaks of its training steps, and what it ran."""
 
     batch_size: int
-    peaks: dict[str, Peak]
+    peaks: dict[str, TracedPeak]
     optimizer_state_bytes: int  # what the optimizer keeps between steps
     ddp_buckets_bytes: int  # sharding=ddp: the reducer's flat copy of the gradients
     attention: list[tuple[int, ...]]  # query shapes, (batch, heads, tokens, head dim)
@@ -283,10 +283,10 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         with FakeTensorMode(allow_non_fake_inputs=True), (AttentionAsOnGpu() if on_gpu else contextlib.nullcontext()):
             model, _ = build_model_for_training(traced, ranks, mesh)
             optimizer = instantiate(traced.optimizer)(model.parameters())
-            trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
-                              batch_size=batch_sizes[0], log_every=1, grad_accum=traced.train.grad_accum)
             phases = Phases()
-            trainer.memory = phases  # type: ignore[assignment]
+            trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
+                              batch_size=batch_sizes[0], log_every=1, grad_accum=traced.train.grad_accum,
+                              memory=phases)
             # A step before counting: it makes the optimizer state, which every later step
             # holds, and warms DTensor's sharding-propagation cache, whose fake tensors the
             # trackers would otherwise count as the first step's memory.

@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.driver.run import run_experiment
-from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import RunFailed, failure_line
+from fsdp_exp.errors import ConfigError, one_line
+from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.rank import distributed
 from fsdp_exp.rank.worker import rank_log_path, run_rank
 from fsdp_exp.tasks.train import Train
@@ -58,7 +58,7 @@ class ExternalLauncher:
         try:
             return run_rank(task, cfg, str(run_dir), None)
         except Exception as err:  # noqa: BLE001 - the run's summary records it, the exit code says it
-            line = failure_line(f"{type(err).__name__}: {err}")
+            line = one_line(err, named=True, whole=True)
             raise RunFailed(f"rank {self.rank} failed: {line} (log: {rank_log_path(run_dir, self.rank)})",
                             out_of_memory=line.startswith("OutOfMemory:")) from err
 

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import ConfigError, at_least, choice
 from fsdp_exp.launch.core import (
     Interrupted,
     RankOutcome,
@@ -34,7 +34,7 @@ from fsdp_exp.launch.core import (
 from fsdp_exp.launch.rank_server import start_rank_server
 from fsdp_exp.rank.worker import rank_error, run_rank
 
-START_METHODS = ("forkserver", "spawn")
+StartMethod = choice("StartMethod", ("forkserver", "spawn"), __name__)
 
 
 @dataclass
@@ -43,7 +43,7 @@ class LocalLauncher:
     max_restarts: int = 0  # restarts of all ranks after one fails (they resume from the latest checkpoint)
     # forkserver: the ranks are forked from a process that imported torch once (fsdp_exp.launch.rank_server);
     # spawn: each rank starts a fresh interpreter and imports torch itself, as a bare torchrun does
-    start_method: str = "forkserver"
+    start_method: StartMethod = StartMethod["forkserver"]
     runs_here = True
     starts_all_ranks = True
     max_parallel = 1  # a sweep's runs share this machine: one after another, so none slows another's figures
@@ -52,8 +52,6 @@ class LocalLauncher:
     def __post_init__(self) -> None:
         check_nproc(self.nproc_per_node)
         at_least("launcher.max_restarts", self.max_restarts, 0)
-        if self.start_method not in START_METHODS:
-            raise ConfigError(f"launcher.start_method={self.start_method}: choose one of: {', '.join(START_METHODS)}")
 
     @property
     def restarts(self) -> int:

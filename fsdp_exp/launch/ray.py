@@ -3,85 +3,7 @@
     python -m fsdp_exp launcher=ray                          # a local Ray, started here
     python -m fsdp_exp launcher=ray launcher.address=auto    # join the cluster of this node
 
-Design:
-
-- **One Ray Train run per launch.** The driver (the Hydra process) runs a `TorchTrainer`
-  with `num_workers = nproc` workers; Ray Train's TorchConfig makes the process group
-  (gloo on CPU, nccl with `use_gpu`), which `fsdp_exp.rank.distributed.init` then finds made.
-  Each worker runs `fsdp_exp.rank.worker.run_rank` with RANK, LOCAL_RANK and WORLD_SIZE
-  from Ray's train context and, on GPUs, its device from `ray.train.torch.get_device()`
-  (FSDP_EXP_DEVICE, which `fsdp_exp.rank.distributed.init` takes): Ray shows every worker of a
-  node all of the node's GPUs, in an order (GPU ids sorted as strings) that need not follow
-  the local ranks, so LOCAL_RANK does not name a worker's GPU. The launch returns rank 0's
-  return value (`Result.return_value`). Each run has a fresh name under `storage_path` (default
-  `<run_dir>/ray/`), so Ray never restores a checkpoint of an earlier run by itself:
-  which checkpoint a run starts from stays the project's `resume`.
-- **The Ray session is kept for the whole Hydra process.** `address: null` starts a local
-  Ray (`ray.init(address="local", num_cpus=...)`, no dashboard, quiet; from the main
-  thread, since a local start from another thread deadlocked) at the first launch and keeps it
-  for every later launch of the process (the probes of task=max_batch, the runs of a -m
-  sweep): a start takes tens of seconds (and each launch still ~30 s to start its worker
-  processes on a small machine). Ray shuts it down when the process exits. A
-  local Ray too small for a later launch (more workers) is restarted larger. Joining a
-  cluster (`auto`, or host:port) happens in a thread, so an unreachable address fails after
-  `start_timeout` seconds with one ConfigError line instead of Ray's own retries, which
-  never end when something answers on that port but not as Ray's GCS.
-- **Checkpoints and metrics go through `ray.train.report`.** The trainer knows nothing of
-  Ray, so a thread in each worker (`Reporter`) reports, beside training: at each step
-  where a checkpoint is saved (`checkpoint.every` and the last step), once `latest` in
-  checkpoint.dir has reached it, rank 0 reports that committed DCP checkpoint directory
-  with the record it logged for the step (loss, throughput, memory: Ray's metrics of
-  the checkpoint). Ray copies it into its storage (`<storage_path>/<run name>/step_<N>/`,
-  keeping `checkpoint.keep` of them). After the task returns, every rank reports the
-  run's final figures, which are also the launch's result. `ray.train.report` is a
-  barrier that every worker must call equally often, so rank 0 broadcasts the schedule
-  first and the other ranks report nothing at each of its steps. Reports run beside
-  training, so training never waits for an upload; rank 0 uploads a hard-linked snapshot
-  of the checkpoint directory, so the project's own pruning (`checkpoint.keep`) cannot
-  delete files during an upload. Not every logged record is reported: Ray Train takes
-  one report per poll of its controller (every 2 s), so reports at every record would
-  fall behind and delay the checkpoints a restart needs; the records stay in
-  metrics.jsonl (and wandb). Why a thread that reads the run's files, and not a Trainer
-  sink with a checkpoint hook: the report is a barrier every worker must reach equally
-  often, so it needs a thread of its own beside training either way; a sink and a hook
-  would add a Ray branch to the build and a commit callback to the checkpointer to feed
-  that same thread, while the files (metrics.jsonl, `latest`) already say, in order,
-  what was logged and what was committed.
-- **Restarts.** `max_failures` is Ray's FailureConfig: after a worker fails, Ray Train
-  restarts the whole worker group, up to that many times. Each worker then tells its rank
-  the restart count and `ray.train.get_checkpoint()` (Ray's copy of the latest reported
-  checkpoint) through `fsdp_exp.rank.worker.rank_variables`, and the ranks resume from
-  it as after any launcher's restart (`fsdp_exp.checkpoint.resume.resume_point`); rank 0
-  logs "restart N of the ranks". Before Ray holds a checkpoint, the latest in
-  checkpoint.dir is used, as with launcher=local.
-- **Console and failures.** Workers' output stays in Ray's log files (`log_to_driver`
-  off: Ray's own actors are chatty); the driver echoes rank 0's lines from rank0.log as
-  they come, as launcher=local shows them, without the traceback lines that stay in the
-  log. Ray Train's worker errors become the rank outcomes of `fsdp_exp.launch.core` (a
-  worker whose process died: ended by a signal, which Ray does not name; its time limit
-  passed: the rank's own SIGALRM), and `core.explain` names the failure as for every
-  launcher.
-- **Time limits.** Ray Train runs the training function in a thread of the worker
-  process; `signal.alarm` works from any thread (only installing a handler needs the
-  main thread), and SIGALRM's default action ends the whole worker process, even inside
-  a collective. So `run_rank`'s alarm holds under Ray too. Should it not end a rank, the
-  driver stops the run 30 s after the limit (`core.watch`; it disconnects from Ray, which
-  ends the run's actors).
-- **Never hang.** A cluster that cannot place the workers (too few CPUs or GPUs) fails
-  once Ray Train's worker-group start times out (60 s, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S)
-  instead of retrying forever (`controller_failure_limit=0`), as a ConfigError.
-- Ctrl-C on the driver ends the run: the fit runs in a thread of the driver (so Ray does
-  not replace the process's SIGINT handler), and on KeyboardInterrupt the driver
-  disconnects from Ray, which ends the run's actors.
-- ray is an optional extra. Without it, `world_size()` (called by `fsdp_exp.driver.plan.prepare`
-  during the checks) raises one ConfigError line naming `pip install -e .[ray]`. Not the
-  constructor: Hydra's `instantiate` wraps whatever a constructor raises in an
-  InstantiationException, which the CLI does not turn into a line.
-- Needs a file system shared by the driver and the workers for the run directory
-  (metrics.jsonl, rank logs) and for checkpoint.dir (DCP writes every rank's shards into
-  one directory): trivially so for a local Ray. On a cluster, the nodes need this package
-  installed (the same checkout), and a token-authenticated cluster needs RAY_AUTH_MODE=token
-  in the driver's environment.
+How it works, and why: docs/clusters.md, "Ray Train: how the launcher works".
 """
 
 from __future__ import annotations
@@ -105,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import ConfigError, at_least, one_line
 from fsdp_exp.launch.core import (
     POLL_S,
     Echo,
@@ -113,7 +35,6 @@ from fsdp_exp.launch.core import (
     RunFailed,
     alongside,
     explain,
-    failure_line,
     missing_extra,
     watch,
 )
@@ -228,7 +149,7 @@ class RayLauncher:
         storage = self.storage(run_dir)
         name = f"fsdp_exp-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         ckpt = cfg.checkpoint
-        job = RankJob(task=task, cfg=cfg, run_dir=str(run_dir),
+        job = RayJob(task=task, cfg=cfg, run_dir=str(run_dir),
                       time_limit_s=math.ceil(time_limit_s) if time_limit_s else None,
                       ray_dir=None if "://" in storage else str(Path(storage) / name))
         trainer = TorchTrainer(
@@ -295,7 +216,7 @@ def connect(address: str | None, start_timeout: float, cpus: float, keep: bool =
             ray.init(address="local", num_cpus=max(math.ceil(cpus), os.cpu_count() or 1),
                      include_dashboard=False, **options)  # "local": even when RAY_ADDRESS is set
         except Exception as err:  # noqa: BLE001 - any failure to start is one line
-            raise ConfigError(f"launcher.address=null: could not start a local Ray: {first_line(err)}") from None
+            raise ConfigError(f"launcher.address=null: could not start a local Ray: {one_line(err)}") from None
         _session["address"] = None
         return
     joiner, outcome = in_thread(lambda: ray.init(address=address, **options), "fsdp_exp-ray-connect")
@@ -308,7 +229,7 @@ def connect(address: str | None, start_timeout: float, cpus: float, keep: bool =
             "also needs RAY_AUTH_MODE=token here)")
     if "error" in outcome:
         raise ConfigError(f"launcher.address={address}: could not join a Ray cluster: "
-                          f"{first_line(outcome['error'])}") from None
+                          f"{one_line(outcome['error'])}") from None
     _session["address"] = address
 
 
@@ -360,11 +281,11 @@ def failure(err: BaseException, run_dir: Path, time_limit_s: float | None, start
         cause = getattr(err, "controller_failure", err)
         if type(cause).__name__ in ("WorkerGroupStartupTimeoutError", "InsufficientClusterResourcesError"):
             return ConfigError(f"launcher=ray: the Ray cluster cannot place {nproc} worker(s) with "
-                               f"{resources or {'CPU': 1.0}} each: {first_line(cause)}")
-        return RunFailed(f"Ray Train failed: {type(cause).__name__}: {first_line(cause)}")
+                               f"{resources or {'CPU': 1.0}} each: {one_line(cause)}")
+        return RunFailed(f"Ray Train failed: {one_line(cause, named=True)}")
     died = "died: its process ended without an error (killed by a signal, or its node was lost)"
     outcomes = [RankOutcome(rank, signal="signal", started=started[rank], how=died) if process_died(error)
-                else RankOutcome(rank, error=failure_line(f"{type(error).__name__}: {error}"), started=started[rank])
+                else RankOutcome(rank, error=one_line(error, named=True, whole=True), started=started[rank])
                 for rank, error in failures.items()]
     return explain(outcomes, run_dir, time_limit_s)
 
@@ -375,11 +296,6 @@ def process_died(error: BaseException) -> bool:
 
     return isinstance(error, ray.exceptions.RayActorError) or type(error).__name__ in (
         "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError")
-
-
-def first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[0] if lines else type(err).__name__
 
 
 class Starts:
@@ -419,7 +335,7 @@ def _train_loop(config: dict) -> Any:
 
 
 @dataclass
-class RankJob:
+class RayJob:
     """What each Ray Train worker runs: one rank of the run (Ray pickles it to the workers)."""
 
     task: Callable[[Any, Path], Any]
@@ -573,7 +489,7 @@ class Reporter:
             shutil.rmtree(self.root / UPLOAD_DIR, ignore_errors=True)
         if self.error is not None:
             raise RuntimeError(f"reporting to Ray Train failed: {type(self.error).__name__}: "
-                               f"{first_line(self.error)}") from self.error
+                               f"{one_line(self.error)}") from self.error
 
     def run(self, steps: list[int]) -> None:
         import ray.train

@@ -5,57 +5,7 @@ through submitit's local executor on this machine (one process per task, the sam
 pickles, signals and requeue path), so everything but sbatch itself can be tried and
 tested without a cluster.
 
-Design:
-
-- **One task per rank, started by srun** (`tasks_per_node = nproc_per_node`), not one task
-  per node running torch's elastic launcher. Each task runs
-  `fsdp_exp.rank.worker.run_rank` itself, with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
-  and MASTER_PORT taken from submitit's JobEnvironment (SLURM_PROCID, SLURM_LOCALID,
-  SLURM_NTASKS, the job's first node). Why: submitit's preemption handling (its USR2
-  handler, `checkpoint`, the requeue) lives in the task processes, and SLURM signals every
-  task of the step, so with a task per rank it reaches the ranks directly; under an elastic
-  agent it would reach the agent, and the agent's own restarts would compete with SLURM's
-  requeue. Each rank's return value or traceback comes back on its own (one result
-  pickle per task; the driver reads them itself, since `job.results()` waits 15 s for
-  each missing one), so a failure names its rank. This is
-  what submitit's maintainers advise, and the local executor supports `tasks_per_node`, so
-  the path the tests take is the cluster's. On the cluster srun gets
-  `--kill-on-bad-exit=1`: when a rank raises, srun ends the others (NCCL would otherwise
-  leave them waiting in a collective until its timeout).
-- **Requeue.** The job's callable is `RankJob`, whose `checkpoint()` submitit calls on
-  rank 0 when the job is signalled (USR2: preemption, or `signal_delay_s` before
-  `timeout_min`). It returns the same job with `cfg.resume` set to the latest checkpoint
-  in `checkpoint.dir` (`fsdp_exp.checkpoint.files.latest`), and submitit requeues it (on
-  SLURM `scontrol requeue`, same job id; locally the controller restarts the tasks). The
-  ranks then resume exactly as after a restart of launcher=local (the requeue count is the
-  ranks' restart count, `fsdp_exp.rank.worker.restarts`, so `resume_point` takes the latest
-  checkpoint and rank 0 logs the restart). Requeues are counted in the callable; past `launcher.max_restarts` its
-  `checkpoint()` raises, so the run fails with that reason instead of being requeued
-  (submitit alone would requeue preemptions without limit). A job that fails is
-  resubmitted by the driver, resuming the same way, within the same `max_restarts`.
-- **The driver** (the Hydra process) blocks until the job ends, echoing rank 0's console
-  lines (its task's stdout) as they come, and returns rank 0's result. A failed job
-  becomes the rank outcomes of `fsdp_exp.launch.core` (an error with the time its result
-  pickle was written; no result: a rank killed by a signal, or one that never started),
-  and `core.explain` names the failure as for every launcher. Neither submitit nor SLURM
-  keeps the signal of one task, so `killed_by` is "signal". A rank past the launch's time
-  limit is ended by its own SIGALRM (worker.run_rank): a rank that left no result after
-  running that long is reported with `timed_out`, unless a rank failed before the limit.
-  The driver cancels the job itself 30 s after the limit, should the alarm not end it
-  (`core.watch`). Ctrl-C on the driver cancels the job.
-- **Ports.** MASTER_ADDR is the first node of the job (127.0.0.1 locally). MASTER_PORT is
-  a free port the driver picks (locally), or on a cluster one derived from the job id
-  (as submitit.helpers.TorchDistributedEnvironment does), unless the job's `setup` lines
-  export MASTER_PORT.
-- submitit is an optional extra. Without it, or with cluster=slurm on a machine without
-  sbatch, `world_size()` (called by the driver during the checks) raises one ConfigError
-  line. Not the constructor: the ranks unpickle the launcher's config on machines that
-  need not have submitit.
-- Simulating preemption locally: `LocalJob._interrupt()` sends USR2 to the local
-  controller, which has no handler for it and dies, leaving the tasks orphaned; it does not
-  work with the local executor. What works, and is what SLURM does (`--signal=USR2@90`
-  reaches every task of the step), is sending USR2 to the rank processes themselves; the
-  tests do that. The local controller restarts the tasks at most 6 times per job.
+How it works, and why: docs/clusters.md, "SLURM: how the launcher works".
 """
 
 from __future__ import annotations
@@ -75,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import ConfigError, at_least, choice, one_line
 from fsdp_exp.launch.core import (
     POLL_S,
     Echo,
@@ -92,7 +42,7 @@ from fsdp_exp.rank.worker import rank_variables, run_rank
 
 log = logging.getLogger("fsdp_exp")
 
-CLUSTERS = ("slurm", "local")
+Cluster = choice("Cluster", ("slurm", "local"), __name__)
 FORCE_STATE_S = 30  # on a cluster, how often it also asks sacct (submitit alone may wait 10 minutes)
 LOCAL_SUBMIT = threading.Lock()  # launcher.cluster=local: submissions of runs side by side, one at a time
 RESULT_WAIT_S = 15  # on a cluster, how long result files may take to appear on the shared file system
@@ -108,7 +58,7 @@ class RequeueRefused(RuntimeError):
 
 @dataclass
 class SlurmLauncher:
-    cluster: str = "slurm"  # slurm: sbatch on this cluster | local: submitit's local executor, here
+    cluster: Cluster = Cluster["slurm"]  # slurm: sbatch on this cluster | local: submitit's local executor, here
     nproc_per_node: Any = "auto"  # ranks (SLURM tasks) per node; auto: gpus_per_node, or 2 when it is 0
     nodes: int = 1  # the world size is nodes x nproc_per_node; local: 1
     gpus_per_node: int = 0  # GPUs asked for per node (one rank per GPU, nccl); 0: CPU ranks (gloo)
@@ -129,8 +79,6 @@ class SlurmLauncher:
     restarts_key = "launcher.max_restarts"
 
     def __post_init__(self) -> None:
-        if self.cluster not in CLUSTERS:
-            raise ConfigError(f"launcher.cluster={self.cluster}: choose one of: {', '.join(CLUSTERS)}")
         check_nproc(self.nproc_per_node)
         for key, low in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("timeout_min", 1),
                          ("max_restarts", 0), ("max_parallel", 1)):
@@ -192,7 +140,7 @@ class SlurmLauncher:
         run_dir = Path(run_dir).resolve()
         folder = Path(self.folder).expanduser().resolve() if self.folder else run_dir / "slurm"
         nodes = self.nodes if nproc == self.nodes * self.per_node() else 1
-        job_fn = RankJob(task=task, cfg=cfg, run_dir=str(run_dir),
+        job_fn = SlurmJob(task=task, cfg=cfg, run_dir=str(run_dir),
                          time_limit_s=math.ceil(time_limit_s) if time_limit_s else None,
                          max_restarts=self.max_restarts, local=self.cluster == "local")
         while True:
@@ -223,7 +171,7 @@ class SlurmLauncher:
         )
         return executor
 
-    def _submit(self, job_fn: RankJob, folder: Path, nodes: int, tasks_per_node: int) -> Any:
+    def _submit(self, job_fn: SlurmJob, folder: Path, nodes: int, tasks_per_node: int) -> Any:
         executor = self.executor(folder, nodes, tasks_per_node)
         if self.cluster == "local":
             job_fn = dataclasses.replace(job_fn, master_port=free_port())
@@ -262,7 +210,7 @@ class SlurmLauncher:
         return explain(outcomes(job, results, started(job, nproc)), run_dir, time_limit_s, ended, stopped), None
 
     @staticmethod
-    def _restarts_used(job: Any, job_fn: RankJob) -> int:
+    def _restarts_used(job: Any, job_fn: SlurmJob) -> int:
         """The requeues so far: the callable submitit last saved for the job counts them."""
         try:
             return int(job.submission().function.restarts)
@@ -298,7 +246,7 @@ def error_line(trace: str) -> str:
             return line[len(_RANK_ERROR):]
     if not lines:
         return "unknown error"
-    # Not raised through RankJob (e.g. unpickling failed): the last line, without the module.
+    # Not raised through SlurmJob (e.g. unpickling failed): the last line, without the module.
     return failure_line(re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?::|$))", "", lines[-1]))
 
 
@@ -342,7 +290,7 @@ def free_port() -> int:
 
 # ---- in each task --------------------------------------------------------------------------
 @dataclass
-class RankJob:
+class SlurmJob:
     """What each task of the job runs (submitit pickles it): one rank of the run.
 
     `checkpoint` is submitit's hook for preemption and time limits (called on rank 0): the
@@ -379,7 +327,7 @@ class RankJob:
         try:
             return run_rank(self.task, self.cfg, self.run_dir, self.time_limit_s)
         except Exception as err:
-            raise RankError(failure_line(f"{type(err).__name__}: {err}")) from err
+            raise RankError(one_line(err, named=True, whole=True)) from err
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         if self.restarts >= self.max_restarts:
@@ -389,7 +337,7 @@ class RankJob:
 
         return DelayedSubmission(self.restarted())
 
-    def restarted(self) -> RankJob:
+    def restarted(self) -> SlurmJob:
         """The next attempt, which resumes from the latest checkpoint in checkpoint.dir
         (`fsdp_exp.checkpoint.resume.resume_point`)."""
         return dataclasses.replace(self, restarts=self.restarts + 1)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.launch.local import LocalLauncher, elastic_run
 
@@ -78,8 +78,7 @@ class TorchrunLauncher(LocalLauncher):
         try:
             results = elastic_run(task, cfg, run_dir, options, time_limit_s)
         except RendezvousError as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise RunFailed(
                 f"launcher.rdzv_endpoint={self.rdzv_endpoint}: no rendezvous of launcher.nnodes={self.nnodes} "
-                f"within launcher.rdzv_timeout={self.rdzv_timeout} s ({first_line})") from None
+                f"within launcher.rdzv_timeout={self.rdzv_timeout} s ({one_line(err)})") from None
         return results[min(results)]

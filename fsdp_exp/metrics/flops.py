@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 
-class Peak(NamedTuple):
+class DevicePeak(NamedTuple):
     """One GPU variant's dense peak TFLOP/s (without 2:4 sparsity), from NVIDIA's datasheet."""
 
     entry: str
@@ -32,29 +32,29 @@ class Peak(NamedTuple):
 # Where a datasheet gives only the sparse tensor-core figure, the dense one is half of it.
 # A device is matched on its whole name, so "NVIDIA L4" is not "NVIDIA L40" and an H100
 # PCIe card does not get the SXM figures. A MIG slice ("... MIG 1g.10gb") matches nothing.
-PEAKS: tuple[Peak, ...] = (
-    Peak("B200", ("NVIDIA B200",), 2250, 1100, 75,
+PEAKS: tuple[DevicePeak, ...] = (
+    DevicePeak("B200", ("NVIDIA B200",), 2250, 1100, 75,
          "HGX B200 datasheet, per GPU: 4.5 PF bf16 and 2.2 PF tf32 sparse, 75 TF fp32"),
-    Peak("H200 NVL", ("NVIDIA H200 NVL",), 835.5, 417.5, 60,
+    DevicePeak("H200 NVL", ("NVIDIA H200 NVL",), 835.5, 417.5, 60,
          "H200 datasheet: 1,671 bf16 and 835 tf32 sparse, 60 fp32"),
-    Peak("H200 SXM", ("NVIDIA H200",), 989.5, 494.5, 67,
+    DevicePeak("H200 SXM", ("NVIDIA H200",), 989.5, 494.5, 67,
          "H200 datasheet: 1,979 bf16 and 989 tf32 sparse, 67 fp32"),
-    Peak("H100 NVL", ("NVIDIA H100 NVL",), 835.5, 417.5, 60,
+    DevicePeak("H100 NVL", ("NVIDIA H100 NVL",), 835.5, 417.5, 60,
          "H100 datasheet, per GPU: 1,671 bf16 and 835 tf32 sparse, 60 fp32"),
-    Peak("H100 PCIe", ("NVIDIA H100 PCIe",), 756.5, 378, 51,
+    DevicePeak("H100 PCIe", ("NVIDIA H100 PCIe",), 756.5, 378, 51,
          "H100 datasheet: 1,513 bf16 and 756 tf32 sparse, 51 fp32"),
-    Peak("H100 SXM", ("NVIDIA H100 80GB HBM3",), 989.5, 494.5, 67,
+    DevicePeak("H100 SXM", ("NVIDIA H100 80GB HBM3",), 989.5, 494.5, 67,
          "H100 datasheet: 1,979 bf16 and 989 tf32 sparse, 67 fp32"),
-    Peak("A100 SXM 80GB", ("NVIDIA A100-SXM4-80GB",), 312, 156, 19.5, "A100 datasheet"),
-    Peak("A100 SXM 40GB", ("NVIDIA A100-SXM4-40GB",), 312, 156, 19.5, "A100 datasheet"),
-    Peak("A100 PCIe 80GB", ("NVIDIA A100 80GB PCIe",), 312, 156, 19.5, "A100 datasheet"),
-    Peak("A100 PCIe 40GB", ("NVIDIA A100-PCIE-40GB",), 312, 156, 19.5, "A100 datasheet"),
-    Peak("L40S", ("NVIDIA L40S",), 362.05, 183, 91.6, "L40S datasheet"),
-    Peak("L40", ("NVIDIA L40",), 181.05, 90.5, 90.5, "L40 datasheet"),
-    Peak("L4", ("NVIDIA L4",), 121, 60, 30.3, "L4 datasheet: 242 bf16 and 120 tf32 sparse, 30.3 fp32"),
-    Peak("A10G", ("NVIDIA A10G",), None, None, None,
+    DevicePeak("A100 SXM 80GB", ("NVIDIA A100-SXM4-80GB",), 312, 156, 19.5, "A100 datasheet"),
+    DevicePeak("A100 SXM 40GB", ("NVIDIA A100-SXM4-40GB",), 312, 156, 19.5, "A100 datasheet"),
+    DevicePeak("A100 PCIe 80GB", ("NVIDIA A100 80GB PCIe",), 312, 156, 19.5, "A100 datasheet"),
+    DevicePeak("A100 PCIe 40GB", ("NVIDIA A100-PCIE-40GB",), 312, 156, 19.5, "A100 datasheet"),
+    DevicePeak("L40S", ("NVIDIA L40S",), 362.05, 183, 91.6, "L40S datasheet"),
+    DevicePeak("L40", ("NVIDIA L40",), 181.05, 90.5, 90.5, "L40 datasheet"),
+    DevicePeak("L4", ("NVIDIA L4",), 121, 60, 30.3, "L4 datasheet: 242 bf16 and 120 tf32 sparse, 30.3 fp32"),
+    DevicePeak("A10G", ("NVIDIA A10G",), None, None, None,
          "none: NVIDIA publishes no datasheet for AWS's A10G, a variant of the A10 but not the same part"),
-    Peak("A10", ("NVIDIA A10",), 125, 62.5, 31.2, "A10 datasheet"),
+    DevicePeak("A10", ("NVIDIA A10",), 125, 62.5, 31.2, "A10 datasheet"),
 )
 
 CONFIGURED = "metrics.peak_tflops"
@@ -76,7 +76,7 @@ def peak_column(param_dtype: str, tf32: bool) -> str:
     return "tf32" if tf32 else "fp32"
 
 
-def find_peak(device_name: str) -> Peak | None:
+def find_peak(device_name: str) -> DevicePeak | None:
     name = " ".join(device_name.split()).lower()
     return next((p for p in PEAKS if name in (n.lower() for n in p.device_names)), None)
 

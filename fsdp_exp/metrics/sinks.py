@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fsdp_exp.errors import Choice, ConfigError
+from fsdp_exp.errors import Choice, ConfigError, one_line
 
 log = logging.getLogger("fsdp_exp")
 
@@ -236,9 +236,8 @@ class Wandb:
                 settings=wandb.Settings(silent=True, console="off"),
             )
         except Exception as err:  # noqa: BLE001 - any wandb failure must not stop training
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
             warnings.warn(  # no stacklevel: the caller is wandb setup, not user code
-                f"wandb ({mode}) failed, training goes on without it: {type(err).__name__}: {first_line}")
+                f"wandb ({mode}) failed, training goes on without it: {one_line(err, named=True)}")
 
     def log(self, record: dict) -> None:
         if self.run is not None:

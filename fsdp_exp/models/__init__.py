@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 from hydra.utils import get_class, get_method
 from torch import nn
 
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, one_line
 
 INIT_DEVICES = ("cpu", "meta")
 OWN_KEYS = ("_target_", "blocks", "init_device")
@@ -67,7 +67,7 @@ class ModelSpec:
         try:
             return get_method(self.target)
         except Exception as err:  # Hydra: ImportError or ValueError, with a long text
-            raise ConfigError(f"model._target_={self.target}: cannot import it ({first_line(err)})") from None
+            raise ConfigError(f"model._target_={self.target}: cannot import it ({one_line(err)})") from None
 
     def block_classes(self) -> tuple[type[nn.Module], ...]:
         classes = []
@@ -75,7 +75,7 @@ class ModelSpec:
             try:
                 classes.append(get_class(name))
             except Exception as err:
-                raise ConfigError(f"model.blocks: cannot import {name} ({first_line(err)})") from None
+                raise ConfigError(f"model.blocks: cannot import {name} ({one_line(err)})") from None
         return tuple(classes)
 
     def check_arguments(self) -> None:
@@ -120,8 +120,3 @@ def build_model(model: ModelSpec | Mapping[str, Any]) -> tuple[nn.Module, tuple[
     """The model and its block classes, from a spec or a model option as a mapping."""
     spec = model if isinstance(model, ModelSpec) else ModelSpec.from_config(model)
     return spec.build()
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

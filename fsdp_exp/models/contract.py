@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from fsdp_exp.data import TrainData
-from fsdp_exp.errors import ConfigError
-from fsdp_exp.models import ModelSpec, first_line
+from fsdp_exp.errors import ConfigError, one_line
+from fsdp_exp.models import ModelSpec
 
 
 def check_logits(logits: object, targets: torch.Tensor, model: str, hint: str = "") -> None:
@@ -48,7 +48,7 @@ def check_model(spec: ModelSpec) -> BuiltOnMeta:
     except ConfigError:
         raise
     except (TypeError, ValueError, KeyError, AssertionError, ImportError) as err:  # the builder's own checks
-        reason = first_line(err) if isinstance(err, TypeError) else f"{type(err).__name__}: {first_line(err)}"
+        reason = one_line(err, named=not isinstance(err, TypeError))
         raise ConfigError(f"model: {spec.name}: {reason}") from None
     except Exception:  # noqa: BLE001 - builders that cannot build on the meta device: checked on the ranks
         return BuiltOnMeta(None, spec.block_classes())
@@ -78,7 +78,7 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
         with torch.no_grad():
             logits = model(batch)
     except Exception as err:  # noqa: BLE001 - the model's own error, shown in one line
-        reason = first_line(err)
+        reason = one_line(err)
         if not cannot_run_on_meta(err):
             hint = "" if "longer than" in reason else f"; {kind}"
             raise ConfigError(f"{key}: model {spec.name} cannot read this data's inputs "

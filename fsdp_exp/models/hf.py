@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, one_line
 
 # What from_pretrained finds in a directory of weights (one file, or an index of shards).
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -137,7 +137,7 @@ def load_config(config: Mapping[str, Any] | None, path: str | None, pretrained: 
         try:
             return transformers.AutoConfig.for_model(model_type, **settings)
         except Exception as err:  # noqa: BLE001 - the config class's own checks
-            raise ConfigError(f"model.config: {_last_line(err)}") from None
+            raise ConfigError(f"model.config: {one_line(err, last=True, limit=300)}") from None
     if "model_type" in settings:
         raise ConfigError(f"model.config.model_type={settings['model_type']}: model.path={path} gives the config "
                           "(its config.json); use model=hf_dir, whose model.config holds only changes to it")
@@ -153,7 +153,7 @@ def load_config(config: Mapping[str, Any] | None, path: str | None, pretrained: 
     try:
         hf_config, unused = transformers.AutoConfig.from_pretrained(source, return_unused_kwargs=True, **settings)
     except Exception as err:  # noqa: BLE001 - not found, offline, not a config
-        raise ConfigError(f"model.path={path}: could not read a config there: {_last_line(err)}") from None
+        raise ConfigError(f"model.path={path}: could not read a config there: {one_line(err, last=True, limit=300)}") from None
     if unused:
         name = min(unused)
         raise ConfigError(f"model.config.{name}: not a setting of {type(hf_config).__name__} "
@@ -207,9 +207,3 @@ def _plain(config: Any) -> Any:
     if isinstance(config, (DictConfig, ListConfig)):
         return OmegaConf.to_container(config, resolve=True)
     return config
-
-
-def _last_line(err: Exception) -> str:
-    """transformers' errors put the reason last, after a header."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[-1][:300] if lines else type(err).__name__

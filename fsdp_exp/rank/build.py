@@ -9,13 +9,12 @@ only those objects.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks, warmup_steps_to_skip
 from fsdp_exp.checkpoint import TrainState
+from fsdp_exp.config import Experiment, as_dict
 from fsdp_exp.metrics.flops import (
     counting_flops,
     device_peak,
@@ -46,8 +46,6 @@ from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes, units_line
 
-if TYPE_CHECKING:
-    from fsdp_exp.config import Experiment
 
 T = TypeVar("T")
 log = logging.getLogger("fsdp_exp")
@@ -145,8 +143,10 @@ def buffers_from_rank0(model: nn.Module, plain: nn.Module | None) -> None:
                 dist.broadcast(buffer, src=0)
 
 
-def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path | None = None) -> Built:
-    """Every object of the run on this rank; with `resume`, restored from that checkpoint."""
+def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path | None = None,
+                     probe: bool = False) -> Built:
+    """Every object of the run on this rank; with `resume`, restored from that checkpoint.
+    `probe`: a probe of task=max_batch, which draws no progress bar of its own."""
     model, fsdp_units = build_model_for_training(cfg, ranks)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
 
@@ -164,39 +164,15 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
                      "peak_tflops": peak.tflops, "peak_tflops_source": peak.source}
     grad_scaler = cfg.precision.grad_scaler(ranks.device.type)
     schedule = lr_schedule(optimizer, train.lr_schedule, train.lr_warmup_steps, train.steps)
-    trainer = Trainer(
-        model=model,
-        optimizer=optimizer,
-        batches=batches,
-        ranks=ranks,
-        steps=train.steps,
-        batch_size=train.batch_size,
-        log_every=train.log_every,
-        warmup_steps=cfg.metrics.warmup_steps,
-        phase_peaks=cfg.metrics.phase_peaks,
-        grad_accum=train.grad_accum,
-        grad_scaler=grad_scaler,
-        lr_schedule=schedule,
-        tokens_per_sample=data.tokens_per_sample,
-        peak_tflops=peak.tflops,
-    )
-    cfg.startup["built"] = time.time()
-    trainer.first_micro_batch = CountedFirstMicroBatch(trainer, figures, cfg.model.name,
-                                                       analytic_flops(trainer, micro_batch))
 
-    # The experiment stays settings (a requeue copies it): the live objects are copies.
-    checkpoint = copy.deepcopy(cfg.checkpoint)
     state = TrainState(model, optimizer, ranks, cfg.model.as_dict(), batches, schedule, grad_scaler)
-    checkpoint.attach(state)
-    trainer.checkpoint = checkpoint
-    if resume is not None:
-        trainer.start_step, trainer.start_loss = state.load(resume)
-        if ranks.is_main:
-            log.info("resumed from %s at step %d", resume, trainer.start_step)
+    checkpoint = cfg.checkpoint.start(state)
+    start_step, start_loss = state.load(resume) if resume is not None else (0, None)
+    if resume is not None and ranks.is_main:
+        log.info("resumed from %s at step %d", resume, start_step)
 
-    profile = copy.deepcopy(cfg.profile)
-    profile.attach(run_dir, ranks.rank, ranks.device)
-    trainer.hooks.append(profile)
+    hooks: list = [cfg.profile.start(run_dir, ranks.rank, ranks.device)]
+    sinks: list = []
     jsonl = wandb = progress = None
     if ranks.is_main:
         if fsdp_units:
@@ -214,14 +190,39 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
                         cfg.metrics.warmup_steps, compiled_warmup)
         jsonl = JsonLines(run_dir / "metrics.jsonl")
         if resume is not None:  # earlier records stay; readers take the last record of a step
-            jsonl.log({"event": "resumed", "step": trainer.start_step, "checkpoint": str(resume)})
-        from fsdp_exp.config import as_dict
+            jsonl.log({"event": "resumed", "step": start_step, "checkpoint": str(resume)})
 
         wandb = cfg.wandb.sink(as_dict(cfg), run_dir)
         # A probe draws no bar of its own: the search reports each probe in one line.
-        progress = Progress(train.steps, done=trainer.start_step, live=False if cfg.memory.in_probe else None)
-        trainer.sinks = [jsonl, progress, wandb]
-        trainer.hooks.append(progress)
+        progress = Progress(train.steps, done=start_step, live=False if probe else None)
+        sinks = [jsonl, progress, wandb]
+        hooks.append(progress)
+
+    first = CountedFirstMicroBatch(model, train.grad_accum, ranks.is_main, figures, cfg.model.name,
+                                   analytic_flops(model, data.tokens_per_sample, micro_batch))
+    trainer = Trainer(
+        model=model,
+        optimizer=optimizer,
+        batches=batches,
+        ranks=ranks,
+        steps=train.steps,
+        batch_size=train.batch_size,
+        log_every=train.log_every,
+        warmup_steps=cfg.metrics.warmup_steps,
+        phase_peaks=cfg.metrics.phase_peaks,
+        grad_accum=train.grad_accum,
+        grad_scaler=grad_scaler,
+        lr_schedule=schedule,
+        tokens_per_sample=data.tokens_per_sample,
+        peak_tflops=peak.tflops,
+        checkpoint=checkpoint,
+        start_step=start_step,
+        start_loss=start_loss,
+        sinks=sinks,
+        hooks=hooks,
+        first_micro_batch=first,
+    )
+    cfg.startup["built"] = time.time()
     return Built(trainer, checkpoint, wandb, jsonl, progress, figures)
 
 
@@ -245,12 +246,12 @@ def log_flops(figures: dict) -> None:
                     abs(counted / analytic - 1) * 100, source)
 
 
-def analytic_flops(trainer: Trainer, micro_batch: int) -> int | None:
+def analytic_flops(model: nn.Module, tokens_per_sample: int, micro_batch: int) -> int | None:
     """For a language model, the 6N count of one micro-batch on this rank."""
-    if not trainer.tokens_per_sample:
+    if not tokens_per_sample:
         return None
-    per_token = flops_per_token(unwrap(trainer.model), trainer.tokens_per_sample)
-    return None if per_token is None else per_token * trainer.tokens_per_sample * micro_batch
+    per_token = flops_per_token(unwrap(model), tokens_per_sample)
+    return None if per_token is None else per_token * tokens_per_sample * micro_batch
 
 
 @dataclass
@@ -259,21 +260,28 @@ class CountedFirstMicroBatch:
     against the model contract: this rank's FLOPs per step need no forward and backward of
     their own. Rank 0 logs them; the figures go into the run's."""
 
-    trainer: Trainer
+    model: nn.Module
+    grad_accum: int
+    is_main: bool
     figures: dict
     model_name: str
     analytic: int | None
+    counted: bool = False
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        with counting_flops(self.trainer.model) as count:
+        with counting_flops(self.model) as count:
             yield
         assert count.step is not None
-        self.figures.update(step_flops_figures(count.step, self.analytic, self.trainer.grad_accum))
-        self.trainer.flops_per_step = self.figures["flops_per_step"]
-        self.trainer.hardware_flops_per_step = self.figures["hardware_flops_per_step"]
-        if self.trainer.ranks.is_main:
+        self.figures.update(step_flops_figures(count.step, self.analytic, self.grad_accum))
+        self.counted = True
+        if self.is_main:
             log_flops(self.figures)
+
+    def flops(self) -> tuple[int, int] | None:
+        if not self.counted:
+            return None
+        return self.figures["flops_per_step"], self.figures["hardware_flops_per_step"]
 
     def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         check_logits(logits, targets, self.model_name)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_exp.metrics.memory import MemoryMonitor
+from fsdp_exp.metrics.peaks import MemoryMonitor
 from fsdp_exp.rank import distributed
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.sharding import gradient_sync
@@ -48,6 +48,19 @@ class FirstMicroBatch(Protocol):
 
     def running(self) -> contextlib.AbstractContextManager: ...  # around its forward and backward
     def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None: ...
+    def flops(self) -> tuple[int, int] | None: ...  # after it ran: model and hardware FLOPs per step
+
+
+class PeakMemory(Protocol):
+    """What the trainer asks of its memory figures (fsdp_exp.metrics.peaks.MemoryMonitor; the
+    estimate's trace counts phases its own way)."""
+
+    def start_run(self) -> None: ...
+    def start_window(self) -> None: ...
+    def start_phase(self, name: str) -> None: ...
+    def end_phase(self) -> None: ...
+    def window_peaks(self) -> dict[str, float]: ...
+    def held_gb(self) -> float: ...
 
 
 class Trainer:
@@ -81,6 +94,8 @@ class Trainer:
         start_step: int = 0,
         start_loss: float | None = None,
         phase_peaks: bool = True,
+        first_micro_batch: FirstMicroBatch | None = None,
+        memory: PeakMemory | None = None,
     ):
         """`batches` yields micro-batches of `batch_size // grad_accum` samples; one step
         takes `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
@@ -89,7 +104,9 @@ class Trainer:
         recomputes; with `peak_tflops`, HFU.
         `start_step`: the step a resumed run continues after (its first `warmup_steps`
         steps are warm-up again); `start_loss`: the loss the checkpoint saved at it.
-        `phase_peaks`: each phase's peak memory as well as the window's (metrics.phase_peaks)."""
+        `phase_peaks`: each phase's peak memory as well as the window's (metrics.phase_peaks).
+        `first_micro_batch`: what the first micro-batch also does (counts FLOPs, checks the
+        logits). `memory`: the memory figures, by default this rank's MemoryMonitor."""
         self.model = model
         self.optimizer = optimizer
         self.batches = batches
@@ -110,8 +127,8 @@ class Trainer:
         self.checkpoint = checkpoint
         self.start_step = start_step
         self.start_loss = start_loss
-        self.first_micro_batch: FirstMicroBatch | None = None
-        self.memory = MemoryMonitor(ranks.device, phase_peaks)
+        self.first_micro_batch = first_micro_batch
+        self.memory: PeakMemory = memory if memory is not None else MemoryMonitor(ranks.device, phase_peaks)
         self.host_data_wait_s = 0.0
 
     def loss_of(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -144,6 +161,9 @@ class Trainer:
                 loss = self.loss_of(logits, targets) / self.grad_accum
                 self.memory.start_phase("backward")
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+            counted = first.flops() if first is not None else None
+            if counted is not None:
+                self.flops_per_step, self.hardware_flops_per_step = counted
             total += loss.detach()
         # The backward ends where the optimizer step starts (one read of the allocator's stats,
         # not two): waiting for a save's staging, which runs in its own thread, allocates nothing.

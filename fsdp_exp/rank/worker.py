@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fsdp_exp.errors import one_line
 from fsdp_exp.rank.distributed import DEVICE_VARIABLE
 
 log = logging.getLogger("fsdp_exp")
@@ -149,7 +150,7 @@ def run_rank(task: Callable[[dict, Path], Any], cfg: dict, run_dir: str, time_li
         return task(cfg, Path(run_dir))
     except Exception as err:
         logging.getLogger("fsdp_exp.rank_file").exception("this rank failed")
-        line = " ".join(f"{type(err).__name__}: {err}".split())
+        line = one_line(err, named=True, whole=True)
         with contextlib.suppress(OSError):  # the error itself is what must get out
             rank_error_path(Path(run_dir), rank).write_text(json.dumps({"error": line, "time": time.time()}))
         raise

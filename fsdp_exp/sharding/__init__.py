@@ -24,9 +24,11 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, choice
 from fsdp_exp.precision import Precision
 from fsdp_exp.sharding.wrap import WRAP_POLICIES, select_units
+
+WrapPolicy = choice("WrapPolicy", WRAP_POLICIES, __name__)
 
 
 @dataclass
@@ -38,14 +40,12 @@ class FullyShard:
     """
 
     reshard_after_forward: bool | int = True  # or an int: reshard to groups of that many ranks
-    wrap: str = "blocks"  # blocks | size | blocks+size | root: which modules become FSDP units
+    wrap: WrapPolicy = WrapPolicy["blocks"]  # blocks | size | blocks+size | root: which modules become FSDP units
     min_params: int = 100_000  # for wrap=size: the fewest parameters a unit holds
     shards_params = True
     distributed = True
 
     def __post_init__(self) -> None:
-        if self.wrap not in WRAP_POLICIES:
-            raise ConfigError(f"sharding.wrap={self.wrap}: choose one of: {', '.join(WRAP_POLICIES)}")
         if self.min_params < 1:
             raise ConfigError(f"sharding.min_params={self.min_params}: must be at least 1")
 

@@ -1,1 +1,37 @@
-"""conf/task/*: what a run does with its ranks (train now; max_batch, export, eval later)."""
+"""conf/task/*: what a run does (train, max_batch, estimate, eval, export)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from fsdp_exp.launch.core import Launcher
+    from fsdp_exp.config import Experiment
+
+
+class Task:
+    """What every conf/task option is: its settings (a dataclass of its own keys, task.*),
+    `check`, run by the driver before anything starts, and `run`.
+
+    `uses_the_device`: the task runs on the run's device, so this machine's device and
+    memory checks apply (task=estimate only traces, for any device and world size).
+    `runs_in_driver`: it runs in the command's own process, on this machine's device, with
+    no launcher (eval, export)."""
+
+    uses_the_device: ClassVar[bool] = True
+    runs_in_driver: ClassVar[bool] = False
+
+    def check(self, exp: Experiment) -> None:
+        """Refuse what the task cannot do with these settings, in one ConfigError line."""
+
+    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+        """Do the task; returns the run's figures for summary.json."""
+        raise NotImplementedError
+
+
+def setup_line(cfg: Experiment) -> str:
+    """What a task's record calls the setup it ran: the command line's overrides, but the
+    task's own and Hydra's."""
+    overrides = [o for o in cfg.environment.get("overrides", []) if not o.startswith(("task=", "hydra."))]
+    return " ".join(overrides) or "defaults"

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fsdp_exp.errors import ConfigError, at_least
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.config import Device
+from fsdp_exp.errors import ConfigError, at_least, one_line
+from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.metrics.sinks import write_json
-from fsdp_exp.tasks.max_batch import setup_line
+from fsdp_exp.tasks import Task, setup_line
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -31,22 +32,19 @@ TIME_LIMIT_S = 900  # a trace past this is stopped: something in it does not run
 
 
 @dataclass
-class Estimate:
+class Estimate(Task):
     world_size: int | None = None  # ranks to estimate for; null: what the launcher would start
     batch_sizes: list[int] = field(default_factory=list)  # per-rank sizes to predict; []: train.batch_size
-    device: str = "auto"  # auto (the run's) | cpu | cuda: the device to estimate for, any machine
+    device: Device = Device.auto  # auto (the run's) | cpu | cuda: the device to estimate for, any machine
     baseline_gb: float | None = None  # the runtime's own memory beside the tensors; null: measured (CPU), 0.5 (GPU)
 
-    starts_ranks: ClassVar[bool] = False  # the device and memory checks of this machine do not apply
-    runs_in_driver: ClassVar[bool] = False
+    uses_the_device: ClassVar[bool] = False  # it traces, for any device and world size
 
     def __post_init__(self) -> None:
         if self.world_size is not None:
             at_least("task.world_size", self.world_size, 1)
         for size in self.batch_sizes:
             at_least("task.batch_sizes", size, 1)
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"task.device={self.device}: choose one of: auto, cpu, cuda")
         if self.baseline_gb is not None and self.baseline_gb < 0:
             raise ConfigError(f"task.baseline_gb={self.baseline_gb}: must be at least 0")
 
@@ -67,7 +65,7 @@ class Estimate:
     def on_gpu(self, exp: Experiment) -> bool:
         return self.device == "cuda" or (self.device == "auto" and exp.device == "cuda")
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
+    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb)
         record["setup"] = setup_line(exp)
         write_json(Path(run_dir) / RECORD, record)
@@ -184,7 +182,7 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
 
         pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu, enough if stop_above_gb is not None else None)))
     except Exception as err:  # noqa: BLE001 - sent back as one line
-        pipe.send((False, " ".join(f"{type(err).__name__}: {err}".split())[:500]))
+        pipe.send((False, one_line(err, named=True, whole=True, limit=500)))
 
 
 def answer_line(record: dict) -> str:

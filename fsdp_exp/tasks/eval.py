@@ -16,18 +16,19 @@ from fsdp_exp.checkpoint.files import CheckpointError
 from fsdp_exp.checkpoint.resume import model_shapes, open_checked
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.models import ModelSpec
+from fsdp_exp.tasks import Task
 from fsdp_exp.tasks.export import plain_model
 
 if TYPE_CHECKING:
+    from fsdp_exp.launch.core import Launcher
     from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
 
 @dataclass
-class Eval:
-    starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
-    runs_in_driver: ClassVar[bool] = True  # in the command's own process, on this machine's device: no launcher
+class Eval(Task):
+    runs_in_driver: ClassVar[bool] = True
 
     weights: str | None = None  # model.safetensors, model.pt, a DCP step_* directory or a checkpoint.dir
     batch_size: int = 256
@@ -51,7 +52,7 @@ class Eval:
             check_weights_file(path, exp.model)
 
     @torch.no_grad()
-    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
+    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         """In this process, on this machine's first GPU when it has one (the plan decided
         exp.device from this machine, not from the launcher's nodes)."""
         device = torch.device("cuda", 0) if exp.device == "cuda" else torch.device("cpu")

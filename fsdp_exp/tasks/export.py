@@ -5,16 +5,20 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from fsdp_exp.checkpoint.export import FORMATS, load_weights, save_weights
 from fsdp_exp.checkpoint.resume import open_checked
-from fsdp_exp.errors import ConfigError
+from fsdp_exp.errors import ConfigError, choice
 from fsdp_exp.models import ModelSpec
+from fsdp_exp.tasks import Task
+
+Format = choice("Format", FORMATS, __name__)
 
 if TYPE_CHECKING:
+    from fsdp_exp.launch.core import Launcher
     from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
@@ -33,23 +37,18 @@ def plain_model(spec: ModelSpec) -> torch.nn.Module:
 
 
 @dataclass
-class Export:
-    starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
-    runs_in_driver: ClassVar[bool] = True  # in the command's own process, on this machine's device: no launcher
+class Export(Task):
+    runs_in_driver: ClassVar[bool] = True
 
     checkpoint: str | None = None  # a step_* directory, or a checkpoint.dir (its latest)
-    format: str = "safetensors"  # safetensors -> model.safetensors | pt -> model.pt
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ConfigError(f"task.format={self.format}: choose one of: {', '.join(FORMATS)}")
+    format: Format = Format["safetensors"]  # safetensors -> model.safetensors | pt -> model.pt
 
     def check(self, exp: Experiment) -> None:
         if self.checkpoint is None:
             raise ConfigError("task.checkpoint: task=export needs a checkpoint (a step_* directory or a checkpoint.dir)")
         open_checked(self.checkpoint, exp.model, "task.checkpoint")
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
+    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         """In this process on CPU: the weights are read shard by shard from the files, so
         no GPU ever holds the whole model."""
         checkpoint = open_checked(self.checkpoint, exp.model, "task.checkpoint")

@@ -15,10 +15,11 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
+from fsdp_exp.config import Experiment, as_dict
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.memory import device_memory_gb
 from fsdp_exp.metrics.environment import (
     DEVICE_RECORD,
@@ -28,6 +29,7 @@ from fsdp_exp.metrics.environment import (
 from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.rank.worker import rank_log_path
 from fsdp_exp.sharding.wrap import units_line
+from fsdp_exp.tasks import Task, setup_line
 from fsdp_exp.tasks.batch_answer import (
     SPACING,
     answer_line,
@@ -47,8 +49,6 @@ from fsdp_exp.tasks.batch_search import (
 )
 from fsdp_exp.tasks.probe import Probe, fingerprint, probe_config, run_probe
 
-if TYPE_CHECKING:
-    from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
@@ -56,35 +56,7 @@ RECORD = "max_batch.json"
 
 
 @dataclass
-class MaxBatchSettings:
-    """max_batch.*: how task=max_batch searches."""
-
-    steps_per_probe: int = 3  # optimizer steps per probe; at least 2, so optimizer state counts
-    probe_timeout: float = 600  # seconds; a probe past it is killed and recorded as failed
-    resolution: int = 1  # the answer is exact to this; every probed size is a multiple of it
-    margin: float = 0.1  # the recommended size keeps this share of the memory limit free
-    search_up_to: int = 4096  # the largest batch size tried (at most each rank's share of a fixed data set)
-    estimate: bool = True  # place the probes by task=estimate's curve (one trace on fake tensors) as well
-
-    def __post_init__(self) -> None:
-        if self.steps_per_probe < 2:
-            raise ConfigError(f"max_batch.steps_per_probe={self.steps_per_probe}: must be at least 2 "
-                              "(the second step holds the optimizer state the first one made)")
-        if self.probe_timeout <= 0:
-            raise ConfigError(f"max_batch.probe_timeout={self.probe_timeout}: must be greater than 0 (seconds)")
-        if self.resolution < 1:
-            raise ConfigError(f"max_batch.resolution={self.resolution}: must be at least 1")
-        if not 0 <= self.margin < 1:
-            raise ConfigError(f"max_batch.margin={self.margin}: must be at least 0 and below 1")
-        if self.search_up_to < self.resolution:
-            raise ConfigError(f"max_batch.search_up_to={self.search_up_to}: must be at least "
-                              f"max_batch.resolution={self.resolution}")
-
-
-@dataclass
-class MaxBatch:
-    starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
-    runs_in_driver: ClassVar[bool] = False
+class MaxBatch(Task):
 
     def check(self, exp: Experiment) -> None:
         """Refuse what the search cannot do, before any probe starts."""
@@ -111,15 +83,15 @@ class MaxBatch:
             raise ConfigError(f"resume={exp.resume}: task=max_batch starts every probe fresh; "
                               "resume is for task=train")
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
-        return Sweep(exp, run_dir, launcher, nproc).run()
+    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+        return MaxBatchSearch(exp, run_dir, launcher, nproc).run()
 
 
 @dataclass
-class Sweep:
+class MaxBatchSearch:
     cfg: Experiment
     run_dir: Path
-    launcher: Any
+    launcher: Launcher
     nproc: int
 
     def __post_init__(self) -> None:
@@ -411,11 +383,6 @@ class Sweep:
         log.info("%s", answer_line(record, self.cfg.memory.limit_gb) + f" -> {self.run_dir / RECORD}")
 
 
-def setup_line(cfg: Experiment) -> str:
-    overrides = [o for o in cfg.environment.get("overrides", []) if not o.startswith(("task=", "hydra."))]
-    return " ".join(overrides) or "defaults"
-
-
 def summary_figures(record: dict) -> dict:
     keys = ("max_batch_size", "recommended_batch_size", "bounded_by", "resolution", "limit_gb", "peak_under_limit_gb",
             "noise_band_gb", "noise_band_samples", "smallest_batch_needs_gb", "searched_from", "data_share_per_rank",
@@ -426,7 +393,6 @@ def summary_figures(record: dict) -> dict:
 
 def log_to_wandb(cfg: Experiment, run_dir: Path, record: dict, png: Path) -> None:
     """The probes as a wandb table, the plot as an image, the answer in the run summary."""
-    from fsdp_exp.config import as_dict
 
     sink = cfg.wandb.sink(as_dict(cfg), run_dir)
     if sink.run is None:

@@ -13,18 +13,17 @@ import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fsdp_exp.blocks import warmup_steps_to_skip
 from fsdp_exp.checkpoint import NoCheckpoint
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.config import Experiment, as_dict
+from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.metrics.sinks import WandbMode, write_summary
 from fsdp_exp.profile import NoProfile
 from fsdp_exp.tasks.batch_search import Outcome
 from fsdp_exp.tasks.train import train_rank
 
-if TYPE_CHECKING:
-    from fsdp_exp.config import Experiment
 
 
 @dataclass
@@ -115,15 +114,18 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
     probe.wandb.mode = WandbMode.disabled
     if limit_gb != "same":
         probe.memory.limit_gb = limit_gb
-    probe.memory.in_probe = True
     probe.data = probe.data.enough_for(batch_size * world_size)  # generated data: one global batch
     probe.environment = {}
     return probe
 
 
+def probe_rank(cfg: Experiment, run_dir: Path) -> dict:
+    """One rank of a probe: a training run that knows it is one (`train_rank`'s `probe`)."""
+    return train_rank(cfg, run_dir, probe=True)
+
+
 def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
     """Probes made under the same fingerprint can be reused: same setup but the batch."""
-    from fsdp_exp.config import as_dict
 
     probe = as_dict(probe_config(cfg, 1, steps, world_size))
     probe["wandb"] = None  # tags and mode differ between runs; they change no probe
@@ -140,7 +142,7 @@ def startup_s(figures: dict, launched: float) -> float | None:
     return None if ready is None else ready - launched
 
 
-def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Any, world_size: int,
+def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launcher, world_size: int,
               steps: int, timeout_s: float, limit_gb: Any = "same") -> Probe:
     """Train `steps` steps at `batch_size` on fresh ranks; the outcome, never an exception
     for a rank's failure (KeyboardInterrupt still stops the search)."""
@@ -149,7 +151,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Any, 
     start = time.perf_counter()
     run_cfg.startup = {"launched": time.time()}
     try:
-        figures = launcher.launch(train_rank, run_cfg, probe_dir, world_size, time_limit_s=timeout_s)
+        figures = launcher.launch(probe_rank, run_cfg, probe_dir, world_size, time_limit_s=timeout_s)
         probe = Probe(
             batch_size, "ok",
             peak_mem_gb=figures["peak_mem_gb"],

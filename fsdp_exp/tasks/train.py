@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import resolve_resume, restart_count, resume_point
@@ -17,25 +17,26 @@ from fsdp_exp.memory import (
     held_before_limit_gb,
     is_out_of_memory,
     peak_under_limit_gb,
+    records_history,
     under_limit_figures,
 )
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
-from fsdp_exp.metrics.memory import mark_runtime
+from fsdp_exp.metrics.peaks import mark_runtime
 from fsdp_exp.metrics.startup import in_order, process_started
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 from fsdp_exp.rank import distributed, worker
 from fsdp_exp.rank.build import build_experiment
+from fsdp_exp.tasks import Task
 
 if TYPE_CHECKING:
+    from fsdp_exp.launch.core import Launcher
     from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
 
 @dataclass
-class Train:
-    starts_ranks: ClassVar[bool] = True  # runs on this machine's ranks (task=estimate runs none)
-    runs_in_driver: ClassVar[bool] = False
+class Train(Task):
 
     def check(self, exp: Experiment) -> None:
         """The checkpoint to resume from, when one is named, must be usable."""
@@ -51,20 +52,21 @@ class Train:
         if exp.resume:
             log.info("resuming from %s", exp.resume)
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Any, nproc: int) -> dict:
+    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         self.settle(exp, run_dir)
         exp.startup["launched"] = time.time()
         return launcher.launch(train_rank, exp, run_dir, nproc)
 
 
-def train_rank(cfg: Experiment, run_dir: Path) -> dict:
-    """One rank's whole training run; returns the run's figures (the same on every rank)."""
+def train_rank(cfg: Experiment, run_dir: Path, probe: bool = False) -> dict:
+    """One rank's whole training run; returns the run's figures (the same on every rank).
+    `probe`: it is a probe of task=max_batch (fsdp_exp.tasks.probe.probe_rank)."""
     cfg.startup.update(rank_started=process_started(), rank_ready=time.time())
-    if cfg.memory.in_probe:
+    if probe:
         worker.console_warnings_only()
     ranks = distributed.init(cfg.device, cfg.offload)
     cfg.startup["process_group"] = time.time()
-    if cfg.memory.records_history:
+    if records_history(cfg.memory.limit_gb, probe):
         record_allocation_history(ranks.device)
     if ranks.is_main:  # the run's device is rank 0's, not the driver's
         seen = rank_environment(ranks.device)
@@ -86,11 +88,11 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
         resume = resume_point(cfg, restarts, restored)
         if restarts and ranks.is_main:
             log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
-        exp = build_experiment(cfg, ranks, run_dir, resume)
+        exp = build_experiment(cfg, ranks, run_dir, resume, probe)
         cfg.startup["ready"] = time.time()
         try:
             summary = exp.trainer.fit() | exp.figures | {"startup": in_order(cfg.startup)}
-            if ranks.device.type == "cpu":  # left out of peak_mem_gb (fsdp_exp.metrics.memory)
+            if ranks.device.type == "cpu":  # left out of peak_mem_gb (fsdp_exp.metrics.peaks)
                 summary["runtime_gb"] = max(distributed.gather(runtime_gb, ranks.device))
             counted = held = None
             mine = peak_under_limit_gb()
@@ -101,7 +103,7 @@ def train_rank(cfg: Experiment, run_dir: Path) -> dict:
         finally:
             if exp.progress is not None:
                 exp.progress.close()
-        if exp.checkpoint.export_full:
+        if cfg.checkpoint.export_full:
             export_full_model(exp.trainer.model, run_dir / "model.safetensors")
         if exp.wandb is not None:
             exp.wandb.finish(summary)

@@ -1,0 +1,53 @@
+"""Every option of every config group, registered in Hydra's ConfigStore as the schema its
+YAML file extends: conf/<group>/<option>.yaml names `schema_<name>` in its defaults.
+
+This module sits above the rest: it imports every option (the launchers, the tasks), and
+nothing but the command line imports it.
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+
+from fsdp_exp.checkpoint import DCPCheckpoint, NoCheckpoint
+from fsdp_exp.config import Experiment
+from fsdp_exp.data.images import SyntheticImages, TorchvisionImages
+from fsdp_exp.data.token_file import TokenFile
+from fsdp_exp.data.tokens import SyntheticTokens, TextBytes
+from fsdp_exp.launch.local import LocalLauncher
+from fsdp_exp.launch.ray import RayLauncher
+from fsdp_exp.launch.slurm import SlurmLauncher
+from fsdp_exp.launch.torchrun import TorchrunLauncher
+from fsdp_exp.metrics.sinks import WandbSettings
+from fsdp_exp.precision import Precision
+from fsdp_exp.profile import MemoryProfile, NoProfile
+from fsdp_exp.sharding import DDP, FullyShard, HybridShard, NoSharding
+from fsdp_exp.tasks.estimate import Estimate
+from fsdp_exp.tasks.eval import Eval
+from fsdp_exp.tasks.export import Export
+from fsdp_exp.tasks.max_batch import MaxBatch
+from fsdp_exp.tasks.train import Train
+
+# Each group's options, by schema name: conf/<group>/<option>.yaml extends one of these.
+SCHEMAS: dict[str, dict[str, type]] = {
+    "data": {"synthetic": SyntheticImages, "torchvision": TorchvisionImages,
+             "synthetic_tokens": SyntheticTokens, "text": TextBytes, "token_file": TokenFile},
+    "sharding": {"fully_shard": FullyShard, "hybrid": HybridShard, "ddp": DDP, "none": NoSharding},
+    "precision": {"precision": Precision},
+    "checkpoint": {"none": NoCheckpoint, "dcp": DCPCheckpoint},
+    "launcher": {"local": LocalLauncher, "torchrun": TorchrunLauncher, "slurm": SlurmLauncher,
+                 "ray": RayLauncher},
+    "task": {"train": Train, "max_batch": MaxBatch, "eval": Eval, "export": Export, "estimate": Estimate},
+    "profile": {"none": NoProfile, "memory": MemoryProfile},
+    "wandb": {"wandb": WandbSettings},
+}
+
+
+def register() -> None:
+    """Put the schemas in Hydra's ConfigStore: `schema` (the top level) and
+    `<group>/schema_<name>` for each option to extend."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Experiment)
+    for group, options in SCHEMAS.items():
+        for name, node in options.items():
+            cs.store(group=group, name=f"schema_{name}", node=node)

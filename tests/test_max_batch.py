@@ -287,7 +287,13 @@ def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> Non
         assert found.returncode == 0, found.stderr[-3000:]
         runs[estimate] = (read_json(run_dir / "max_batch.json"), found.stdout + found.stderr)
     (with_it, log), (without, log_without) = runs["true"], runs["false"]
-    assert abs(with_it["max_batch_size"] - without["max_batch_size"]) <= max(1, without["noise_band_samples"] or 0)
+    # Two searches are two sets of processes: the room under the limit moves between them by
+    # what the ranks held before their first step (seen here up to 1 MB, two samples of this
+    # model). Less held is more samples: the answers differ by that move, up to the noise band.
+    models = with_it["memory_model"], without["memory_model"]
+    moved = (models[1]["intercept_gb"] - models[0]["intercept_gb"]) / models[1]["slope_gb_per_sample"]
+    band = max(1, with_it["noise_band_samples"] or 0, without["noise_band_samples"] or 0)
+    assert abs(with_it["max_batch_size"] - without["max_batch_size"] - moved) <= band, (models, band)
     searched = [p for p in with_it["probes"] if not p["for_fastest"]]
     assert len(searched) <= len([p for p in without["probes"] if not p["for_fastest"]]), searched
 

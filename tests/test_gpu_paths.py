@@ -301,7 +301,7 @@ def test_a_rank_without_a_gpu_of_its_own_is_one_line(env: dict, visible: int, me
 
 
 def test_a_ray_worker_names_the_device_ray_train_gave_it() -> None:
-    from fsdp_exp.launch.ray import worker_variables
+    from fsdp_exp.launch.ray_worker import worker_variables
 
     context = SimpleNamespace(get_world_rank=lambda: 5, get_local_rank=lambda: 1, get_world_size=lambda: 8,
                               get_local_world_size=lambda: 4)

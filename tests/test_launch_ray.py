@@ -21,6 +21,7 @@ from typing import Iterator
 
 import pytest
 
+from fsdp_exp.checkpoint.files import step_name
 from tests.conftest import SMALL_VIT, rank_pid, read_json, read_jsonl, run_cli
 
 RAY = ["launcher=ray"]
@@ -156,53 +157,88 @@ def test_a_failing_rank_fails_the_run_with_its_error(tmp_path: Path, cluster: st
     assert "Traceback" in (out / "rank0.log").read_text(), "the rank's log keeps the traceback"
 
 
-STEPS, EVERY = 24, 4
+STEPS, HOLD = 24, 10
+# A checkpoint at every step; the ranks' data set (16 samples a step, and a few read before
+# training) holds them in step HOLD + 1 until the test opens its gate: the window for the
+# kill, whatever the machine's speed.
 RESTART = [*SMALL_VIT, f"train.steps={STEPS}", "train.log_every=1", "train.batch_size=16", "train.lr_schedule=cosine",
-           "checkpoint=dcp", f"checkpoint.every={EVERY}"]
+           "checkpoint=dcp", "checkpoint.every=1", "checkpoint.keep=30", "data=custom", "data._target_=gate.Gated",
+           f"+data.hold_after={HOLD * 16 + 8}", "data.num_workers=0"]
+GATE = '''
+    """A user's own data set: fsdp_exp's synthetic images, read through a gate. A process
+    that has read `hold_after` items waits, before the next, until the file `gate` is there."""
+    import os, time
+    from torch.utils.data import Dataset
+    from fsdp_exp.data.images import SyntheticImages
+
+    class Gated(Dataset):
+        def __init__(self, hold_after: int, gate: str):
+            self.images = SyntheticImages(num_samples=2000).dataset()
+            self.hold_after, self.gate, self.read = hold_after, gate, 0
+
+        def __len__(self):
+            return len(self.images)
+
+        def __getitem__(self, index):
+            while self.read >= self.hold_after and not os.path.exists(self.gate):
+                time.sleep(0.05)
+            self.read += 1
+            return self.images[index]
+    '''
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_worker_restarts_from_rays_latest_checkpoint_and_ends_the_same(
         tmp_path: Path, cluster: str) -> None:
+    """The ranks commit a checkpoint at each of steps 1-10, then wait at the gate. Ray must
+    register the newest (step 10) while they wait, having skipped some of those training
+    outran (one report per round of Ray's 2 s poll). Rank 1 is killed there; the gate opens;
+    Ray restarts the workers from its step 10 and the run ends as one never killed."""
+    (tmp_path / "gate.py").write_text(textwrap.dedent(GATE))
+    gate = tmp_path / "open"
     with ThreadPoolExecutor(1) as pool:  # the uninterrupted run, with launcher=local meanwhile
-        reference = pool.submit(run_cli, *RESTART, f"hydra.run.dir={tmp_path / 'reference'}", cwd=tmp_path,
-                                timeout=300)
+        (tmp_path / "always_open").touch()
+        reference = pool.submit(run_cli, *RESTART, f"+data.gate={tmp_path / 'always_open'}",
+                                f"hydra.run.dir={tmp_path / 'reference'}", cwd=tmp_path, timeout=300)
         out = tmp_path / "killed"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
         run = subprocess.Popen(
             [sys.executable, "-m", "fsdp_exp", *RAY, f"launcher.address={cluster}", "launcher.max_failures=1",
-             *RESTART, f"hydra.run.dir={out}"],
+             *RESTART, f"+data.gate={gate}", f"hydra.run.dir={out}"],
             cwd=tmp_path, env={**env, **AUTH}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        killed_at = registered = None
+        registered: list[str] = []
+        newest = step_name(HOLD)
         try:
             deadline = time.monotonic() + 300
-            while killed_at is None and time.monotonic() < deadline and run.poll() is None:
-                steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl")] if (out / "metrics.jsonl").is_file() else []
-                # Once Ray has registered a checkpoint: the restart must start from Ray's.
-                if steps and ray_registered(out):
-                    os.kill(rank_pid(out / "rank1.log"), signal.SIGKILL)
-                    killed_at, registered = steps[-1], ray_registered(out)[-1]
-                time.sleep(0.05)
+            while newest not in registered and time.monotonic() < deadline and run.poll() is None:
+                time.sleep(0.1)
+                registered = ray_registered(out)
+            steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+            reported = re.findall(r"checkpoint (step_\d+) reported to Ray Train", (out / "rank0.log").read_text())
+            if newest in registered:
+                os.kill(rank_pid(out / "rank1.log"), signal.SIGKILL)
+            gate.touch()
             output = run.communicate(timeout=300)[0]
         finally:
             run.kill()
         reference = reference.result()
     assert reference.returncode == 0, reference.stderr[-3000:]
-    assert killed_at is not None and killed_at < STEPS, f"rank 1 was not killed mid-run: {killed_at}"
+    assert newest in registered, f"Ray registered {registered} while the ranks waited after step {HOLD}"
+    assert max(steps) == HOLD, steps  # the gate held them
+    assert len(reported) < HOLD, f"every checkpoint was reported in turn: {reported}"
     assert run.returncode == 0, output[-3000:]
     assert "restart 1 of the ranks" in (out / "rank0.log").read_text()
     events = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("event") == "resumed"]
     assert len(events) == 1, events
-    resumed = Path(events[0]["checkpoint"])  # Ray's copy, at least as new as the one it held at the kill
-    assert resumed.parent.parent == out / "ray" and resumed.name >= registered, (events, registered)
-    assert events[0]["step"] in range(EVERY, killed_at + 1, EVERY), (events, killed_at)
+    resumed = Path(events[0]["checkpoint"])  # Ray's copy of step 10
+    assert resumed.parent.parent == out / "ray" and resumed.name == newest and events[0]["step"] == HOLD, events
     assert sorted(losses(out)) == list(range(1, STEPS + 1))
     want = losses(tmp_path / "reference")
     for step, loss in losses(out).items():
         assert abs(loss - want[step]) <= 1e-6, (step, loss, want[step])
     final = read_json(out / "summary.json")
-    assert final["status"] == "ok" and final["resumed_from_step"] == events[0]["step"]
+    assert final["status"] == "ok" and final["resumed_from_step"] == HOLD
     assert abs(final["final_loss"] - read_json(tmp_path / "reference" / "summary.json")["final_loss"]) <= 1e-6
 
 

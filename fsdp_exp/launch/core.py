@@ -21,11 +21,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.tail import NewLines
 from fsdp_exp.rank.worker import TORCH_WARNED, rank_log_path
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
@@ -63,7 +66,7 @@ class Launcher(Protocol):
     def world_size(self, gpus: int) -> int: ...
     def gpus(self, local_gpus: int) -> int: ...
     def connect(self, nproc: int, at_once: int) -> None: ...
-    def launch(self, task: Callable[[Any, Path], Any], cfg: Any, run_dir: Path, nproc: int,
+    def launch(self, task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any: ...
 
 

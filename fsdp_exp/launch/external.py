@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.rank import distributed
 from fsdp_exp.rank.worker import rank_log_path, run_rank
 from fsdp_exp.tasks.train import Train
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 
 @dataclass
@@ -52,7 +55,7 @@ class ExternalLauncher:
     def connect(self, nproc: int, at_once: int) -> None:
         """torchrun has started the ranks."""
 
-    def launch(self, task: Callable[[Any, Path], Any], cfg: Any, run_dir: Path, nproc: int,
+    def launch(self, task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any:
         """This rank's task, here; a failure as RunFailed naming this rank."""
         try:

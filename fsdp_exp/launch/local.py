@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import (
@@ -33,6 +33,9 @@ from fsdp_exp.launch.core import (
 )
 from fsdp_exp.launch.rank_server import start_rank_server
 from fsdp_exp.rank.worker import rank_error, run_rank
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 StartMethod = choice("StartMethod", ("forkserver", "spawn"), __name__)
 
@@ -71,7 +74,7 @@ class LocalLauncher:
     def connect(self, nproc: int, at_once: int) -> None:
         """Nothing to connect to: the ranks start here."""
 
-    def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
+    def launch(self, task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any:
         """Run `task(cfg, run_dir)` on `nproc` fresh ranks; rank 0's return value.
 
@@ -84,7 +87,7 @@ class LocalLauncher:
         return elastic_run(task, cfg, run_dir, options, time_limit_s)[0]
 
 
-def elastic_run(task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, options: dict,
+def elastic_run(task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: Path, options: dict,
                 time_limit_s: float | None) -> dict[int, Any]:
     """torch's elastic launcher (torchrun's machinery) with c10d rendezvous: each local
     rank's return value, by global rank; RunFailed when a rank failed. Forked ranks

@@ -1,4 +1,5 @@
-"""launcher=ray: the ranks as the workers of one Ray Train run (`TorchTrainer`).
+"""launcher=ray: the ranks as the workers of one Ray Train run (`TorchTrainer`); this is the
+driver side, and each worker runs fsdp_exp.launch.ray_worker.
 
     python -m fsdp_exp launcher=ray                          # a local Ray, started here
     python -m fsdp_exp launcher=ray launcher.address=auto    # join the cluster of this node
@@ -11,12 +12,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
-import json
 import logging
 import math
 import os
-import re
-import shutil
 import sys
 import threading
 import time
@@ -26,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_exp.checkpoint.files import METADATA, TRAIN_STATE, latest, step_name
 from fsdp_exp.errors import ConfigError, at_least, one_line
 from fsdp_exp.launch.core import (
     POLL_S,
@@ -38,8 +35,8 @@ from fsdp_exp.launch.core import (
     missing_extra,
     watch,
 )
-from fsdp_exp.launch.tail import NewLines
-from fsdp_exp.rank.worker import rank_log_path, rank_variables, run_rank
+from fsdp_exp.launch.ray_worker import RayJob, _train_loop, size
+from fsdp_exp.rank.worker import rank_log_path
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -47,8 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("fsdp_exp")
 
 PROCESS_GROUP_TIMEOUT_S = 600  # as fsdp_exp.rank.distributed.init's
-UPLOAD_DIR = ".ray_upload"  # in checkpoint.dir: the hard-linked snapshot Ray uploads, removed after
-ATTEMPTS_FILE = "fsdp_exp_attempts"  # in Ray's directory of the run: one line per start of rank 0
 TRAIN_EXTRA = ("pandas", "pyarrow", "fsspec")  # what ray[train] adds to ray, found without importing
 
 
@@ -120,7 +115,7 @@ class RayLauncher:
                     f"{torch.cuda.device_count()} GPU(s), fewer than launcher.num_workers={self.num_workers}")
 
     # ---- the driver ------------------------------------------------------------------------
-    def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
+    def launch(self, task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any:
         """Run `task(cfg, run_dir)` on `nproc` Ray Train workers; rank 0's return value.
 
@@ -319,235 +314,3 @@ class Starts:
     def since_launch(self) -> list[float]:
         """When each rank started, or the launch for a rank not seen to start."""
         return [s or self.launched for s in self.started]
-
-
-def size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-# ---- in each worker ------------------------------------------------------------------------
-def _train_loop(config: dict) -> Any:
-    """Ray Train's train_loop_per_worker (in a thread of each worker process)."""
-    return config["job"]()
-
-
-@dataclass
-class RayJob:
-    """What each Ray Train worker runs: one rank of the run (Ray pickles it to the workers)."""
-
-    task: Callable[[Any, Path], Any]
-    cfg: Experiment
-    run_dir: str
-    time_limit_s: int | None = None
-    ray_dir: str | None = None  # Ray's directory of this run, when it is a local path
-
-    def __call__(self) -> Any:
-        import ray.train
-
-        context = ray.train.get_context()
-        rank = context.get_world_rank()
-        device = None
-        if self.cfg.device == "cuda":
-            import ray.train.torch
-
-            device = ray.train.torch.get_device()
-        restored = ray.train.get_checkpoint()
-        os.environ.update(worker_variables(
-            context, device, restarts=self.count_start(restored) if rank == 0 else 0,
-            restored=restored_path(restored, self.cfg, rank) if restored is not None else None))
-        reporter = Reporter(rank, self.cfg, Path(self.run_dir))
-
-        def task(cfg: Experiment, run_dir: Path) -> Any:
-            quiet = QuietRay()  # on the handlers run_rank has just set up
-            for handler in logging.getLogger().handlers:
-                handler.addFilter(quiet)
-            reporter.start()
-            return self.task(cfg, run_dir)
-
-        result = run_rank(task, self.cfg, self.run_dir, self.time_limit_s)
-        reporter.finish()
-        ray.train.report(json_safe(result) if isinstance(result, dict) else {})
-        return result
-
-    def count_start(self, restored: Any) -> int:
-        """Rank 0: the starts of the worker group before this one, counted in Ray's directory
-        of the run (without a local one: 1 after a restart from a checkpoint, else 0)."""
-        if self.ray_dir is None:
-            return int(restored is not None)
-        path = Path(self.ray_dir) / ATTEMPTS_FILE
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a+") as f:
-                f.seek(0)
-                before = len(f.read().splitlines())
-                f.write(f"{os.getpid()}\n")
-            return before
-        except OSError:
-            return int(restored is not None)
-
-
-def worker_variables(context: Any, device: Any = None, restarts: int = 0, restored: str | None = None) -> dict[str, str]:
-    """What a worker's rank reads from its environment, from Ray Train's context and, on
-    GPUs, the device Ray Train gave the worker."""
-    return rank_variables(context.get_world_rank(), context.get_local_rank(), context.get_world_size(),
-                          context.get_local_world_size(), device=None if device is None else str(device),
-                          restarts=restarts, restored=restored)
-
-
-class QuietRay(logging.Filter):
-    """Keeps Ray's own INFO lines (one per report, from loggers outside the `ray` tree) out
-    of the rank's log and console; its warnings and errors stay."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        import ray
-
-        self.package = os.path.dirname(ray.__file__) + os.sep
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not record.pathname.startswith(self.package)
-
-
-def restored_path(checkpoint: Any, cfg: Experiment, rank: int) -> str:
-    """Where the ranks read Ray's checkpoint: its own path on a local (or mounted) file
-    system; from remote storage, rank 0 first downloads it into checkpoint.dir, which every
-    rank reads (train_rank takes rank 0's `resume` on every rank)."""
-    filesystem = getattr(checkpoint, "filesystem", None)
-    if filesystem is None or filesystem.type_name == "local":
-        return str(checkpoint.path)
-    target = Path(cfg.checkpoint.dir) / ".ray_restored" / Path(checkpoint.path).name
-    if rank == 0:
-        shutil.rmtree(target, ignore_errors=True)
-        checkpoint.to_directory(str(target))
-    return str(target)
-
-
-def json_safe(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
-
-
-def resume_step(cfg: Experiment) -> int:
-    resume = cfg.resume
-    if not resume:
-        return 0
-    try:
-        return int(json.loads((Path(resume) / TRAIN_STATE).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
-
-
-def step_of(path: Path | None) -> int:
-    """The step of a checkpoint directory named step_<N>; -1 for none."""
-    match = re.fullmatch(r"step_(\d+)", path.name) if path is not None else None
-    return int(match.group(1)) if match else -1
-
-
-class Reporter:
-    """In each worker, beside training: `ray.train.report` at every step of the run at
-    which a checkpoint is saved.
-
-    The report is a barrier that every rank must reach equally often: rank 0 broadcasts
-    the steps, the other ranks report nothing at each of them (waiting there for rank 0),
-    and rank 0 reports each once `latest` has reached it and its record is in
-    metrics.jsonl. Once the task has returned, the steps left are reported at once. A
-    report that fails ends the thread; `finish` then raises it.
-    """
-
-    def __init__(self, rank: int, cfg: Experiment, run_dir: Path):
-        self.rank = rank
-        steps, log_every, ckpt = cfg.train.steps, cfg.train.log_every, cfg.checkpoint
-        self.root = Path(ckpt.dir) if ckpt.saves and ckpt.dir else None
-        self.saves: list[int] = []
-        self.logged: set[int] = set()
-        if self.root is not None:
-            left = range(resume_step(cfg) + 1, steps + 1)
-            self.saves = [s for s in left if s % ckpt.every == 0 or s == steps]
-            self.logged = {s for s in left if s % log_every == 0 or s == steps}
-        self.metrics = run_dir / "metrics.jsonl"
-        self.new_records = NewLines(self.metrics, size(self.metrics))  # not earlier attempts' records
-        self.records: dict[int, dict] = {}
-        self.done = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        from ray.train.collective import broadcast_from_rank_zero
-
-        steps = broadcast_from_rank_zero(self.saves if self.rank == 0 else None)
-        self.thread = threading.Thread(target=self.run, args=(steps,), name="fsdp_exp-ray-report", daemon=True)
-        self.thread.start()
-
-    def finish(self) -> None:
-        """After the task returned: report the steps left, and wait for the reports."""
-        self.done.set()
-        if self.thread is not None:
-            self.thread.join()
-        if self.root is not None and self.rank == 0:
-            shutil.rmtree(self.root / UPLOAD_DIR, ignore_errors=True)
-        if self.error is not None:
-            raise RuntimeError(f"reporting to Ray Train failed: {type(self.error).__name__}: "
-                               f"{one_line(self.error)}") from self.error
-
-    def run(self, steps: list[int]) -> None:
-        import ray.train
-
-        try:
-            for step in steps:
-                if self.rank != 0:
-                    ray.train.report({})
-                    continue
-                while not self.ready(step) and not self.done.wait(POLL_S):
-                    pass
-                snapshot = self.snapshot(step)
-                metrics = {**self.record(step), "step": step}
-                if snapshot is None:  # pruned already, or the save never came
-                    ray.train.report(metrics)
-                else:
-                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(snapshot)),
-                                     checkpoint_dir_name=step_name(step), delete_local_checkpoint_after_upload=True)
-        except BaseException as err:  # raised again by finish()
-            self.error = err
-            logging.getLogger("fsdp_exp.rank_file").exception("reporting to Ray Train failed")
-
-    def ready(self, step: int) -> bool:
-        if step in self.logged and self.record(step).get("step") != step:
-            return False
-        return step_of(latest(self.root)) >= step
-
-    def record(self, step: int) -> dict:
-        """Rank 0's latest record up to `step` in metrics.jsonl (written by this attempt), or {}."""
-        for text in self.new_records.read():
-            try:
-                record = json.loads(text)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and "event" not in record and isinstance(record.get("step"), int):
-                self.records[record["step"]] = record
-        below = [s for s in self.records if s <= step]
-        return self.records[max(below)] if below else {}
-
-    def snapshot(self, step: int) -> Path | None:
-        """A hard-linked copy of the committed checkpoint of `step` (a real copy where links
-        fail), which Ray uploads and then deletes; None when it is not there."""
-        assert self.root is not None
-        source = self.root / step_name(step)
-        if step_of(latest(self.root)) < step or not (source / METADATA).is_file():
-            return None
-        target = self.root / UPLOAD_DIR / step_name(step)
-        shutil.rmtree(target, ignore_errors=True)
-        try:
-            shutil.copytree(source, target, copy_function=link_or_copy)
-        except (OSError, shutil.Error):  # pruned meanwhile
-            shutil.rmtree(target, ignore_errors=True)
-            return None
-        return target
-
-
-def link_or_copy(source: str, target: str) -> None:
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)

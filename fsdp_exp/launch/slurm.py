@@ -5,6 +5,7 @@ through submitit's local executor on this machine (one process per task, the sam
 pickles, signals and requeue path), so everything but sbatch itself can be tried and
 tested without a cluster.
 
+This is the driver side; each task runs fsdp_exp.launch.slurm_worker.
 How it works, and why: docs/clusters.md, "SLURM: how the launcher works".
 """
 
@@ -13,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-import random
 import re
 import shutil
 import socket
@@ -23,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fsdp_exp.errors import ConfigError, at_least, choice, one_line
+from fsdp_exp.errors import ConfigError, at_least, choice
 from fsdp_exp.launch.core import (
     POLL_S,
     Echo,
@@ -38,7 +37,10 @@ from fsdp_exp.launch.core import (
     threads_per_rank,
     watch,
 )
-from fsdp_exp.rank.worker import rank_variables, run_rank
+from fsdp_exp.launch.slurm_worker import RankError, SlurmJob, started_path
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
@@ -46,14 +48,6 @@ Cluster = choice("Cluster", ("slurm", "local"), __name__)
 FORCE_STATE_S = 30  # on a cluster, how often it also asks sacct (submitit alone may wait 10 minutes)
 LOCAL_SUBMIT = threading.Lock()  # launcher.cluster=local: submissions of runs side by side, one at a time
 RESULT_WAIT_S = 15  # on a cluster, how long result files may take to appear on the shared file system
-
-
-class RankError(RuntimeError):
-    """A rank's exception as one line, "Type: message"; the original is chained to it."""
-
-
-class RequeueRefused(RuntimeError):
-    """The job was signalled for preemption or its time limit, and no requeue is left."""
 
 
 @dataclass
@@ -129,7 +123,7 @@ class SlurmLauncher:
                                   f"has {torch.cuda.device_count()} GPU(s) here")
 
     # ---- the driver ------------------------------------------------------------------------
-    def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
+    def launch(self, task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any:
         """Run `task(cfg, run_dir)` on `nproc` ranks, the tasks of one job; rank 0's result.
 
@@ -269,10 +263,6 @@ def wait_for_results(job: Any, nproc: int) -> None:
         time.sleep(1)
 
 
-def started_path(folder: Path, job_id: str, rank: int) -> Path:
-    return Path(folder) / f"{job_id}_{rank}_started"
-
-
 def started(job: Any, nproc: int) -> list[float | None]:
     """When each rank's task last started (a requeue starts it again), or None."""
     times: list[float | None] = []
@@ -286,58 +276,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# ---- in each task --------------------------------------------------------------------------
-@dataclass
-class SlurmJob:
-    """What each task of the job runs (submitit pickles it): one rank of the run.
-
-    `checkpoint` is submitit's hook for preemption and time limits (called on rank 0): the
-    same ranks again, from the latest checkpoint, while `max_restarts` allows.
-    """
-
-    task: Callable[[dict, Path], Any]
-    cfg: dict
-    run_dir: str
-    time_limit_s: int | None = None
-    max_restarts: int = 0
-    local: bool = False
-    master_port: int | None = None
-    restarts: int = 0
-
-    def __call__(self) -> Any:
-        import submitit
-
-        env = submitit.JobEnvironment()
-        env.paths.result_pickle.unlink(missing_ok=True)  # an earlier attempt's, before a requeue
-        started_path(env.paths.folder, env.job_id, env.global_rank).touch()
-        os.environ.update(rank_variables(
-            env.global_rank, env.local_rank, env.num_tasks, env.num_tasks // env.num_nodes,
-            master_addr="127.0.0.1" if self.local else env.hostnames[0],
-            master_port=self.master_port or os.environ.get("MASTER_PORT")
-            or random.Random(env.job_id).randint(20000, 60000),
-            restarts=self.restarts))
-        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
-        if cpus and "OMP_NUM_THREADS" not in os.environ:
-            import torch
-
-            torch.set_num_threads(int(cpus))
-        logging.getLogger("submitit").propagate = False  # its lines stay in its own files
-        try:
-            return run_rank(self.task, self.cfg, self.run_dir, self.time_limit_s)
-        except Exception as err:
-            raise RankError(one_line(err, named=True, whole=True)) from err
-
-    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        if self.restarts >= self.max_restarts:
-            raise RequeueRefused(f"the job was preempted or reached its time limit, and "
-                                 f"launcher.max_restarts={self.max_restarts} allows no further requeue")
-        from submitit.helpers import DelayedSubmission
-
-        return DelayedSubmission(self.restarted())
-
-    def restarted(self) -> SlurmJob:
-        """The next attempt, which resumes from the latest checkpoint in checkpoint.dir
-        (`fsdp_exp.checkpoint.resume.resume_point`)."""
-        return dataclasses.replace(self, restarts=self.restarts + 1)

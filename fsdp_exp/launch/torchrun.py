@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -24,6 +24,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.launch.local import LocalLauncher, elastic_run
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 
 def parse_nnodes(nnodes: Any) -> tuple[int, int]:
@@ -67,7 +70,7 @@ class TorchrunLauncher(LocalLauncher):
     def per_node(self, gpus: int) -> int:
         return super().world_size(gpus)
 
-    def launch(self, task: Callable[[dict, Path], Any], cfg: dict, run_dir: Path, nproc: int,
+    def launch(self, task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any:
         """This node's ranks; the figures every rank returns (the same on every rank)."""
         per_node = self.per_node(torch.cuda.device_count() if cfg.device == "cuda" else 0)

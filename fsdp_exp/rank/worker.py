@@ -14,13 +14,16 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_exp.errors import one_line
 from fsdp_exp.rank.distributed import DEVICE_VARIABLE
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
 
 log = logging.getLogger("fsdp_exp")
 
@@ -129,7 +132,7 @@ def console_warnings_only() -> None:
 
 
 @record
-def run_rank(task: Callable[[dict, Path], Any], cfg: dict, run_dir: str, time_limit_s: int | None = None,
+def run_rank(task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: str, time_limit_s: int | None = None,
              threads: int | None = None) -> Any:
     """The elastic launcher's entry point: `task(cfg, run_dir)` on this rank.
 

@@ -106,16 +106,16 @@ def run_function(plans: dict[tuple[str, ...], RunPlan | Refused], side_by_side: 
             summary = {"status": "refused", "error": plan.reason, "overrides": overrides, "choices": choices}
             write_summary(run_dir, summary)
             return summary
-        plan.exp.startup.update(command=process_started(), imported=IMPORTED, composed=time.time())
+        startup = {"command": process_started(), "imported": IMPORTED, "composed": time.time()}
         launcher = plan.launcher
         if plan.task.runs_in_driver or not (sweep and launcher.max_parallel > 1
                                             and str(hc.launcher._target_).endswith(".BasicLauncher")):
-            return run_experiment(plan, run_dir, overrides, choices, group)
+            return run_experiment(plan, run_dir, overrides, choices, group, startup=startup)
         launcher.connect(plan.nproc, launcher.max_parallel)
         shown = [o for o in overrides if o.partition("=")[0] in swept]
         name = f"run {hc.job.num} ({' '.join(shown)})" if shown else f"run {hc.job.num}"
         return side_by_side.start(name, run_dir, launcher.max_parallel,
-                                  lambda: run_experiment(plan, run_dir, overrides, choices, group))
+                                  lambda: run_experiment(plan, run_dir, overrides, choices, group, startup=startup))
 
     return run
 

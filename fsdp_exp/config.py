@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
-from fsdp_exp.data import TrainData
 from fsdp_exp.data.custom import CustomData
 from fsdp_exp.errors import Choice, ConfigError, at_least
 from fsdp_exp.memory import MemorySettings
@@ -100,12 +100,12 @@ class Experiment:
     max_batch: MaxBatchSettings = field(default_factory=MaxBatchSettings)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, ModelSpec):
+        # From the composed config, the model and the user's own data (`_target_`, fsdp_exp.data.custom)
+        # are open nodes; an Experiment derived with `replace` keeps the objects it is given.
+        if isinstance(self.model, Mapping):
             self.model = ModelSpec.from_config(self.model)
-        if not isinstance(self.data, TrainData):  # the user's own `_target_` (fsdp_exp.data.custom)
+        if isinstance(self.data, Mapping):
             self.data = CustomData.from_config(self.data)
-        self.environment: dict = {}  # set by the driver: versions, host, overrides
-        self.startup: dict[str, float] = {}  # when each part of the start-up ended (fsdp_exp.metrics.startup)
 
 
 def build(cfg: DictConfig) -> Experiment:
@@ -128,7 +128,6 @@ def as_dict(exp: Experiment) -> dict:
     """The experiment as plain JSON-ready values (wandb's config, fingerprints)."""
     values = asdict(exp)
     values["model"] = exp.model.as_dict()
-    values["environment"] = exp.environment
     return json.loads(json.dumps(values, default=str))
 
 

@@ -22,12 +22,12 @@ def report_rank(cfg: dict, run_dir: Path) -> dict:
     return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]), **cfg}
 
 
-def train_then_rank1_dies_once(cfg: dict, run_dir: Path) -> dict:
+def train_then_rank1_dies_once(cfg: dict, run_dir: Path, context: object) -> dict:
     """The real training rank; on the first attempt rank 1 then dies before it returns, as a
     rank killed after the final checkpoint (or a job preempted there) does."""
     from fsdp_exp.tasks.train import train_rank
 
-    summary = train_rank(cfg, run_dir)
+    summary = train_rank(cfg, run_dir, context)
     if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         os._exit(1)
     return summary

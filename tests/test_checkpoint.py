@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.local import LocalLauncher
 from fsdp_exp.models import build_model
+from fsdp_exp.run_context import RunContext
 from tests import rank_tasks
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 from tests.test_data import make_dataset
@@ -161,8 +163,10 @@ def test_a_restart_after_the_final_checkpoint_trains_nothing_and_keeps_the_loss_
                  "launcher.max_restarts=1", "wandb.mode=offline"]
     plan = prepare(compose_checked(overrides), 0)
     out = tmp_path / "run"
-    plan.task.settle(plan.exp, out)
-    summary = LocalLauncher(max_restarts=1).launch(rank_tasks.train_then_rank1_dies_once, plan.exp, out, plan.nproc)
+    context = RunContext()
+    plan.task.settle(plan.exp, context, out)
+    summary = LocalLauncher(max_restarts=1).launch(partial(rank_tasks.train_then_rank1_dies_once, context=context),
+                                                   plan.exp, out, plan.nproc)
 
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records if r.get("event") == "resumed"] == [4], records
@@ -176,6 +180,7 @@ def test_a_restart_after_the_final_checkpoint_trains_nothing_and_keeps_the_loss_
 # One rank saving a 200 MB state (a 4096 x 4096 layer and its AdamW moments) twice.
 TWO_SAVES = """
 import os, sys, torch
+from pathlib import Path
 from torch import nn
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=sys.argv[3])
 from fsdp_exp.rank import distributed
@@ -184,8 +189,8 @@ from fsdp_exp.checkpoint.files import latest
 ranks = distributed.init("cpu")
 model = nn.Linear(4096, 4096)
 optimizer = torch.optim.AdamW(model.parameters())
-checkpoint = DCPCheckpoint(mode=sys.argv[2], every=1, keep=None, dir=sys.argv[1]).start(
-    TrainState(model, optimizer, ranks, {"_target_": "linear"}))
+checkpoint = DCPCheckpoint(mode=sys.argv[2], every=1, keep=None).start(
+    TrainState(model, optimizer, ranks, {"_target_": "linear"}), Path(sys.argv[1]))
 def newest():
     return getattr(latest(checkpoint.root), "name", None)
 checkpoint.save(1)
@@ -220,6 +225,7 @@ def test_an_async_save_first_waits_for_the_one_in_flight(tmp_path: Path) -> None
 # on a GPU machine, a CPU rank would open a CUDA context on GPU 0.
 CPU_STAGING = """
 import os, sys, torch
+from pathlib import Path
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=sys.argv[2])
@@ -229,8 +235,8 @@ from fsdp_exp.checkpoint.files import latest
 ranks = distributed.init("cpu")
 model = nn.Linear(64, 64)
 optimizer = torch.optim.AdamW(model.parameters())
-checkpoint = DCPCheckpoint(mode="async_pinned", every=1, keep=None, dir=sys.argv[1]).start(
-    TrainState(model, optimizer, ranks, {"_target_": "linear"}))
+checkpoint = DCPCheckpoint(mode="async_pinned", every=1, keep=None).start(
+    TrainState(model, optimizer, ranks, {"_target_": "linear"}), Path(sys.argv[1]))
 stager = checkpoint._stager
 parts = [stager, *vars(stager).values()]
 print("would take a stream:", any(isinstance(p, DefaultStager) and p._config.use_async_staging for p in parts))
@@ -420,10 +426,8 @@ def test_bad_checkpoint_input_is_refused_before_a_run(tmp_path: Path, reference:
 def test_resume_auto_picks_the_latest_in_checkpoint_dir_and_nothing_in_an_empty_one(
         tmp_path: Path, reference: Path) -> None:
     exp = prepare(compose_checked([*BAD, "checkpoint=dcp", "train.steps=30", "resume=auto"]), 0).exp
-    exp.checkpoint.dir = str(reference / "checkpoints")
-    assert resolve_resume(exp) == str(step_dir(reference, 24))
-    exp.checkpoint.dir = str(tmp_path / "empty")
-    assert resolve_resume(exp) is None
+    assert resolve_resume(exp, reference / "checkpoints") == str(step_dir(reference, 24))
+    assert resolve_resume(exp, tmp_path / "empty") is None
 
 
 @pytest.mark.slow

@@ -354,14 +354,15 @@ def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch:
     exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0).exp
     exp.device, exp.memory.limit_gb = Device.cuda, None
     launcher = ClusterLauncher()
-    figures = max_batch.MaxBatchSearch(exp, tmp_path, launcher, 2).run()
+    search = max_batch.MaxBatchSearch(exp, tmp_path, launcher, 2)
+    figures = search.run()
     assert launcher.batches[0] == exp.max_batch.resolution
     assert figures["limit_gb"] == 8.0
     assert 650 <= figures["max_batch_size"] <= 700
     record = json.loads((tmp_path / "max_batch.json").read_text())
     assert record["device_name"] == "NVIDIA H200"
     assert read_device_record(tmp_path) == H200
-    assert exp.environment["device"] == "NVIDIA H200" and exp.environment["host"] == "gpu-node-07"
+    assert search.context.environment["device"] == "NVIDIA H200" and search.context.environment["host"] == "gpu-node-07"
 
 
 def test_the_summarys_environment_is_what_rank_0_saw(tmp_path: Path) -> None:
@@ -391,7 +392,7 @@ def test_checkpoint_blocked_time_leaves_out_the_steps_queued_kernels(monkeypatch
     ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     state = SimpleNamespace(ranks=ranks, write_small_state=lambda path, step, loss: path.mkdir(parents=True),
                             tensors=lambda: {"model": {"weight": torch.ones(4)}})
-    checkpoint = DCPCheckpoint(dir=str(tmp_path)).start(state)
+    checkpoint = DCPCheckpoint(dir=str(tmp_path)).start(state, tmp_path)
     checkpoint.save(1, torch.tensor(1.0))
     assert (tmp_path / step_name(1) / METADATA).is_file()
     assert checkpoint.blocked_s[0] < queued_s

@@ -116,11 +116,12 @@ def test_a_compiled_run_whose_warmup_ends_before_compiling_is_warned(one_rank_gr
     from fsdp_exp.cli import compose_checked
     from fsdp_exp.driver.plan import prepare
     from fsdp_exp.rank.build import build_experiment
+    from fsdp_exp.run_context import RunContext
 
     exp = prepare(compose_checked([*SMALL_VIT, "sharding=none", "train.compile=true",
                                    f"metrics.warmup_steps={warmup_steps}"]), 0).exp
     with caplog.at_level("WARNING", logger="fsdp_exp"):
-        build_experiment(exp, one_rank_group, tmp_path).jsonl.close()
+        build_experiment(exp, one_rank_group, tmp_path, RunContext()).jsonl.close()
     warnings = [r.getMessage() for r in caplog.records if "train.compile=true" in r.getMessage()]
     assert warnings == ([f"metrics.warmup_steps=1 with train.compile=true: compiling comes after step 1's first "
                          "micro-batch, which runs eagerly while its FLOPs are counted, so the summary's throughput "

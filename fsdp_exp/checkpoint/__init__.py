@@ -8,6 +8,7 @@ them can write the full model at the end (`checkpoint.export_full`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,10 @@ class NoCheckpoint:
     def check(self) -> None:
         pass
 
-    def start(self, state: TrainState) -> NoSaver:
+    def dir_for(self, run_dir: Path) -> None:
+        return None
+
+    def start(self, state: TrainState, root: Path | None) -> NoSaver:
         return NoSaver()
 
 

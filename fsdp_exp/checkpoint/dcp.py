@@ -40,7 +40,7 @@ class DCPCheckpoint:
     mode: Mode = Mode["sync"]  # sync | async | async_pinned
     every: int = 100  # steps between saves; the last step is always saved
     keep: int | None = 3  # the newest K checkpoints are kept, older ones removed; None keeps all
-    dir: str | None = None  # None: checkpoints/ in the run directory (the driver sets it)
+    dir: str | None = None  # None: checkpoints/ in the run directory
     overwrite: bool = False  # a new run may write into a dir holding another run's checkpoints
     export_full: bool = False  # at the end, also write the full unsharded weights to model.safetensors
     saves = True
@@ -67,21 +67,24 @@ class DCPCheckpoint:
             raise ConfigError(f"checkpoint.dir={self.dir}: cannot be written here "
                               f"({err.strerror} in {existing}); choose a directory you can write") from None
 
-    def start(self, state: TrainState) -> DCPSaver:
-        """This rank's saver of `state`, once the objects exist (collective: with an async
-        mode it makes a process group)."""
-        assert self.dir is not None, "the driver sets checkpoint.dir"
-        return DCPSaver(self, state)
+    def dir_for(self, run_dir: Path) -> Path:
+        """Where the run in `run_dir` keeps its checkpoints, as an absolute path."""
+        return Path(self.dir or Path(run_dir) / "checkpoints").expanduser().resolve()
+
+    def start(self, state: TrainState, root: Path) -> DCPSaver:
+        """This rank's saver of `state` into `root`, once the objects exist (collective:
+        with an async mode it makes a process group)."""
+        return DCPSaver(self, state, root)
 
 
 class DCPSaver:
     """The checkpoints of one run on one rank, by `DCPCheckpoint`'s settings; `blocked_s`:
     the training time each save took."""
 
-    def __init__(self, settings: DCPCheckpoint, state: TrainState) -> None:
+    def __init__(self, settings: DCPCheckpoint, state: TrainState, root: Path) -> None:
         self.mode, self.every, self.keep = settings.mode, settings.every, settings.keep
         self.state = state
-        self.root = Path(settings.dir or "")
+        self.root = Path(root)
         self.blocked_s: list[float] = []
         self._pending: tuple[int, Future] | None = None
         self._staging: Future | None = None

@@ -49,15 +49,15 @@ def open_checked(path: str | Path, model: ModelSpec, key: str) -> Checkpoint:
     return checkpoint
 
 
-def resolve_resume(cfg: Experiment) -> str | None:
+def resolve_resume(cfg: Experiment, root: Path | None) -> str | None:
     """The checkpoint to resume from, as an absolute path, or None for a fresh start.
 
-    `resume=auto`: the latest in checkpoint.dir, if it has one. `resume=<path>`: that
+    `root`: where the run keeps its checkpoints (None: it saves none, or the run directory
+    is not made yet). `resume=auto`: the latest in it, if it has one. `resume=<path>`: that
     checkpoint (or that directory's latest). A fresh run refuses a checkpoint.dir that
     holds another run's checkpoints unless checkpoint.overwrite=true.
     """
     resume, ckpt = cfg.resume, cfg.checkpoint
-    root = Path(ckpt.dir) if ckpt.dir else None
     if resume is None:
         if root is not None and latest(root) is not None and not ckpt.overwrite:
             raise ConfigError(
@@ -83,13 +83,13 @@ def restart_count(device: torch.device, mine: int) -> int:
     return int(max(distributed.gather(float(mine), device)))
 
 
-def resume_point(cfg: Experiment, restarts: int, restored: str | None = None) -> Path | None:
+def resume_point(root: Path | None, settled: str | None, restarts: int,
+                 restored: str | None = None) -> Path | None:
     """On a rank: the checkpoint to start from. After the launcher restarted the ranks, the
     checkpoint it `restored` (a launcher that keeps its own copies: Ray), or else the latest
-    in checkpoint.dir; otherwise the driver's choice."""
-    root = cfg.checkpoint.dir
+    in `root` (checkpoint.dir); otherwise the one the driver `settled` on."""
     if restarts and restored:
         return Path(restored)
     if restarts and root and latest(Path(root)) is not None:
         return latest(Path(root))
-    return Path(cfg.resume) if cfg.resume else None
+    return Path(settled) if settled else None

@@ -5,6 +5,10 @@ Each component checks its own values as it is built (`__post_init__`); what need
 groups at once is here: the world size and the GPUs (launcher, device, sharding), the
 model against its blocks and the data, offload and meta-device init against the
 sharding, the memory limit against the machine, and what the task needs.
+
+The plan's experiment is the config as checked and resolved (device=auto made cpu or
+cuda, sharding=none's global batch, the wandb run's id), and nothing changes it
+afterwards: what a run learns on its way is its RunContext (fsdp_exp.run_context).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
                 if in_driver else "")
         raise ConfigError(f"device=cuda: this machine has no GPU; use device=auto or device=cpu{hint}")
     on_gpu = exp.device == Device.cuda or (exp.device == Device.auto and gpus > 0)
-    exp.device = Device.cuda if on_gpu else Device.cpu
+    exp = replace(exp, device=Device.cuda if on_gpu else Device.cpu)
     if in_driver:
         return prepare_in_driver(exp)
     world = world_size or exp.launcher.world_size(gpus if on_gpu else 0)
@@ -78,10 +82,8 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
             check_limit(exp.memory.limit_gb, exp.device, 1 if on_gpu else nproc)
     exp.checkpoint.check()
     exp.task.check(exp)
-    if not exp.sharding.distributed:
-        exp.train = replace(exp.train, batch_size=exp.train.batch_size * world)
-    exp.wandb = exp.wandb.resolved()
-    return RunPlan(exp, nproc)
+    global_batch = exp.train.batch_size * (1 if exp.sharding.distributed else world)
+    return RunPlan(replace(exp, train=replace(exp.train, batch_size=global_batch), wandb=exp.wandb.resolved()), nproc)
 
 
 def prepare_in_driver(exp: Experiment) -> RunPlan:
@@ -91,8 +93,7 @@ def prepare_in_driver(exp: Experiment) -> RunPlan:
     check_model_reads_data(exp.model, model.module, exp.data)
     exp.checkpoint.check()
     exp.task.check(exp)
-    exp.wandb = exp.wandb.resolved()
-    return RunPlan(exp, 1)
+    return RunPlan(replace(exp, wandb=exp.wandb.resolved()), 1)
 
 
 def check_attention(exp: Experiment) -> None:

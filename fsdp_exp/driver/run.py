@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
 )
 from fsdp_exp.metrics.sinks import summary_table, write_summary
+from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")
 
@@ -37,24 +39,25 @@ def run_experiment(
     choices: dict[str, str],
     group: str | None = None,
     writes_files: bool = True,
+    startup: dict[str, float] | None = None,
 ) -> dict:
     """Run the planned experiment: its task's driver side, which launches the ranks; the
     run's summary (written to summary.json unless `writes_files` is off: under an external
-    torchrun only rank 0 writes)."""
-    exp, nproc = plan.exp, plan.nproc
-    exp.environment = environment(nproc, overrides)
-    exp.wandb = exp.wandb.for_run(overrides, group, job_type=choices.get("task", "train"))
+    torchrun only rank 0 writes). `startup`: the command's start-up marks so far."""
+    nproc = plan.nproc
+    exp = replace(plan.exp, wandb=plan.exp.wandb.for_run(overrides, group, job_type=choices.get("task", "train")))
+    context = RunContext(environment=environment(nproc, overrides), startup=dict(startup or {}))
     if writes_files:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / DEVICE_RECORD).unlink(missing_ok=True)  # an earlier run's, in a reused directory
 
     def record() -> dict:
         return {"overrides": overrides, "choices": choices, "device": str(exp.device),
-                "environment": {**exp.environment, **device_seen(exp, run_dir)}}
+                "environment": {**context.environment, **device_seen(exp, run_dir)}}
 
     start = time.perf_counter()
     try:
-        figures = exp.task.run(exp, run_dir, exp.launcher, nproc)
+        figures = exp.task.run(exp, context, run_dir, exp.launcher, nproc)
         summary = {"status": "ok", **figures}
     except RunFailed as err:
         log.error("%s", err)

@@ -23,7 +23,6 @@ Three things differ from the run itself, and none changes what a step holds:
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import math
 import os
@@ -207,15 +206,14 @@ def fake_world(world_size: int) -> Iterator[None]:
 
 def for_tracing(exp: Experiment, on_gpu: bool) -> Experiment:
     """The run's experiment as the trace builds it (see the module's docstring)."""
-    traced = copy.deepcopy(exp)
-    traced.model = Uninitialised(replace(traced.model, init_device="cpu"))
-    traced.train = replace(traced.train, compile=False)
-    traced.precision = replace(traced.precision, loss_scaling=False)
-    if replicates(exp.sharding):
-        traced.sharding = NoSharding()
-    if on_gpu:
-        traced.optimizer = foreach(traced.optimizer)
-    return traced
+    return replace(
+        exp,
+        model=Uninitialised(replace(exp.model, init_device="cpu")),
+        train=replace(exp.train, compile=False),
+        precision=replace(exp.precision, loss_scaling=False),
+        sharding=NoSharding() if replicates(exp.sharding) else exp.sharding,
+        optimizer=foreach(exp.optimizer) if on_gpu else exp.optimizer,
+    )
 
 
 @dataclass

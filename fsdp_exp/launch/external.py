@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +95,7 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
                               "torchrun; run it as python -m fsdp_exp task=max_batch ...")
     except ConfigError as err:
         return refuse(rank, str(err))
-    plan.exp.launcher = ExternalLauncher(rank, world_size)
+    plan = replace(plan, exp=replace(plan.exp, launcher=ExternalLauncher(rank, world_size)))
 
     distributed.init(plan.exp.device, plan.exp.offload)
     run_dir = Path(distributed.from_main(run_dir_text))

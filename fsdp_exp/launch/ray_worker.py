@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_exp.checkpoint.files import LATEST, METADATA, TRAIN_STATE, latest, step_name
+from fsdp_exp.checkpoint.files import LATEST, METADATA, latest, step_name
 from fsdp_exp.errors import one_line
 from fsdp_exp.launch.core import POLL_S
 from fsdp_exp.launch.tail import NewLines
@@ -59,7 +59,8 @@ class RayJob:
         restored = ray.train.get_checkpoint()
         os.environ.update(worker_variables(
             context, device, restarts=self.count_start(restored) if rank == 0 else 0,
-            restored=restored_path(restored, self.cfg, rank) if restored is not None else None))
+            restored=restored_path(restored, self.cfg.checkpoint.dir_for(Path(self.run_dir)), rank)
+            if restored is not None else None))
         reporter = Reporter(rank, self.cfg, Path(self.run_dir))
 
         def task(cfg: Experiment, run_dir: Path) -> Any:
@@ -113,14 +114,15 @@ class QuietRay(logging.Filter):
         return record.levelno >= logging.WARNING or not record.pathname.startswith(self.package)
 
 
-def restored_path(checkpoint: Any, cfg: Experiment, rank: int) -> str:
+def restored_path(checkpoint: Any, checkpoint_dir: Path | None, rank: int) -> str:
     """Where the ranks read Ray's checkpoint: its own path on a local (or mounted) file
     system; from remote storage, rank 0 first downloads it into checkpoint.dir, which every
     rank reads (train_rank takes rank 0's `resume` on every rank)."""
     filesystem = getattr(checkpoint, "filesystem", None)
     if filesystem is None or filesystem.type_name == "local":
         return str(checkpoint.path)
-    target = Path(cfg.checkpoint.dir) / ".ray_restored" / Path(checkpoint.path).name
+    assert checkpoint_dir is not None, "Ray holds checkpoints only of a run that saves them"
+    target = checkpoint_dir / ".ray_restored" / Path(checkpoint.path).name
     if rank == 0:
         shutil.rmtree(target, ignore_errors=True)
         checkpoint.to_directory(str(target))
@@ -129,16 +131,6 @@ def restored_path(checkpoint: Any, cfg: Experiment, rank: int) -> str:
 
 def json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
-
-
-def resume_step(cfg: Experiment) -> int:
-    resume = cfg.resume
-    if not resume:
-        return 0
-    try:
-        return int(json.loads((Path(resume) / TRAIN_STATE).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
 
 
 def step_of(path: Path | None) -> int:
@@ -166,8 +158,8 @@ class Reporter:
     def __init__(self, rank: int, cfg: Experiment, run_dir: Path):
         self.rank = rank
         steps, log_every, ckpt = cfg.train.steps, cfg.train.log_every, cfg.checkpoint
-        self.root = Path(ckpt.dir) if ckpt.saves and ckpt.dir else None
-        self.reported = resume_step(cfg)
+        self.root = ckpt.dir_for(run_dir)
+        self.reported = 0
         self.logged = lambda step: step % log_every == 0 or step == steps
         # An earlier attempt's `latest` names a checkpoint this attempt will write again:
         # only one committed by this attempt (the marker replaced since) is reported.

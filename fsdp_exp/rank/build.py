@@ -42,6 +42,7 @@ from fsdp_exp.models.contract import check_logits
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
+from fsdp_exp.run_context import RunContext
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes, units_line
@@ -143,10 +144,12 @@ def buffers_from_rank0(model: nn.Module, plain: nn.Module | None) -> None:
                 dist.broadcast(buffer, src=0)
 
 
-def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path | None = None,
-                     probe: bool = False) -> Built:
-    """Every object of the run on this rank; with `resume`, restored from that checkpoint.
-    `probe`: a probe of task=max_batch, which draws no progress bar of its own."""
+def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext,
+                     checkpoint_dir: Path | None = None, resume: Path | None = None, probe: bool = False) -> Built:
+    """Every object of the run on this rank, saving its checkpoints into `checkpoint_dir`;
+    with `resume`, restored from that checkpoint. `context`: the run's, which gets the
+    mark of the build's end. `probe`: a probe of task=max_batch, which draws no progress
+    bar of its own."""
     model, fsdp_units = build_model_for_training(cfg, ranks)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
 
@@ -166,7 +169,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
     schedule = lr_schedule(optimizer, train.lr_schedule, train.lr_warmup_steps, train.steps)
 
     state = TrainState(model, optimizer, ranks, cfg.model.as_dict(), batches, schedule, grad_scaler)
-    checkpoint = cfg.checkpoint.start(state)
+    checkpoint = cfg.checkpoint.start(state, checkpoint_dir)
     start_step, start_loss = state.load(resume) if resume is not None else (0, None)
     if resume is not None and ranks.is_main:
         log.info("resumed from %s at step %d", resume, start_step)
@@ -192,7 +195,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         if resume is not None:  # earlier records stay; readers take the last record of a step
             jsonl.log({"event": "resumed", "step": start_step, "checkpoint": str(resume)})
 
-        wandb = cfg.wandb.sink(as_dict(cfg), run_dir)
+        wandb = cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)
         # A probe draws no bar of its own: the search reports each probe in one line.
         progress = Progress(train.steps, done=start_step, live=False if probe else None)
         sinks = [jsonl, progress, wandb]
@@ -222,7 +225,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, resume: Path 
         hooks=hooks,
         first_micro_batch=first,
     )
-    cfg.startup["built"] = time.time()
+    context.startup["built"] = time.time()
     return Built(trainer, checkpoint, wandb, jsonl, progress, figures)
 
 

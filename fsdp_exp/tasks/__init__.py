@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from fsdp_exp.launch.core import Launcher
     from fsdp_exp.config import Experiment
+    from fsdp_exp.launch.core import Launcher
+    from fsdp_exp.run_context import RunContext
 
 
 class Task:
@@ -25,13 +26,13 @@ class Task:
     def check(self, exp: Experiment) -> None:
         """Refuse what the task cannot do with these settings, in one ConfigError line."""
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         """Do the task; returns the run's figures for summary.json."""
         raise NotImplementedError
 
 
-def setup_line(cfg: Experiment) -> str:
+def setup_line(context: RunContext) -> str:
     """What a task's record calls the setup it ran: the command line's overrides, but the
     task's own and Hydra's."""
-    overrides = [o for o in cfg.environment.get("overrides", []) if not o.startswith(("task=", "hydra."))]
+    overrides = [o for o in context.overrides() if not o.startswith(("task=", "hydra."))]
     return " ".join(overrides) or "defaults"

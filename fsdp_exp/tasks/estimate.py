@@ -24,6 +24,7 @@ from fsdp_exp.tasks import Task, setup_line
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
+    from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")
 
@@ -65,9 +66,9 @@ class Estimate(Task):
     def on_gpu(self, exp: Experiment) -> bool:
         return self.device == "cuda" or (self.device == "auto" and exp.device == "cuda")
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb)
-        record["setup"] = setup_line(exp)
+        record["setup"] = setup_line(context)
         write_json(Path(run_dir) / RECORD, record)
         print(table(record), flush=True)
         log.info("%s -> %s", answer_line(record), run_dir / RECORD)

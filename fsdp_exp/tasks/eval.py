@@ -20,8 +20,9 @@ from fsdp_exp.tasks import Task
 from fsdp_exp.tasks.export import plain_model
 
 if TYPE_CHECKING:
-    from fsdp_exp.launch.core import Launcher
     from fsdp_exp.config import Experiment
+    from fsdp_exp.launch.core import Launcher
+    from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")
 
@@ -52,7 +53,7 @@ class Eval(Task):
             check_weights_file(path, exp.model)
 
     @torch.no_grad()
-    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         """In this process, on this machine's first GPU when it has one (the plan decided
         exp.device from this machine, not from the launcher's nodes)."""
         device = torch.device("cuda", 0) if exp.device == "cuda" else torch.device("cpu")

@@ -18,8 +18,9 @@ from fsdp_exp.tasks import Task
 Format = choice("Format", FORMATS, __name__)
 
 if TYPE_CHECKING:
-    from fsdp_exp.launch.core import Launcher
     from fsdp_exp.config import Experiment
+    from fsdp_exp.launch.core import Launcher
+    from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")
 
@@ -48,7 +49,7 @@ class Export(Task):
             raise ConfigError("task.checkpoint: task=export needs a checkpoint (a step_* directory or a checkpoint.dir)")
         open_checked(self.checkpoint, exp.model, "task.checkpoint")
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         """In this process on CPU: the weights are read shard by shard from the files, so
         no GPU ever holds the whole model."""
         checkpoint = open_checked(self.checkpoint, exp.model, "task.checkpoint")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from fsdp_exp.metrics.environment import (
 )
 from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.rank.worker import rank_log_path
+from fsdp_exp.run_context import RunContext
 from fsdp_exp.sharding.wrap import units_line
 from fsdp_exp.tasks import Task, setup_line
 from fsdp_exp.tasks.batch_answer import (
@@ -83,8 +84,8 @@ class MaxBatch(Task):
             raise ConfigError(f"resume={exp.resume}: task=max_batch starts every probe fresh; "
                               "resume is for task=train")
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
-        return MaxBatchSearch(exp, run_dir, launcher, nproc).run()
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+        return MaxBatchSearch(exp, run_dir, launcher, nproc, context).run()
 
 
 @dataclass
@@ -93,6 +94,7 @@ class MaxBatchSearch:
     run_dir: Path
     launcher: Launcher
     nproc: int
+    context: RunContext = field(default_factory=RunContext)  # the search's; the probes have their own
 
     def __post_init__(self) -> None:
         settings = self.cfg.max_batch
@@ -147,8 +149,8 @@ class MaxBatchSearch:
             return self.cfg.max_batch.resolution
         if self.estimated is None and self.cfg.max_batch.estimate and any(o.fits for o in self.outcomes()):
             # After the first probe: nothing to place when it does not fit, and the limit is known.
-            estimate_cfg = probe_config(self.cfg, self.cfg.max_batch.resolution, self.steps, self.nproc)
-            estimate_cfg.max_batch = replace(estimate_cfg.max_batch, search_up_to=self.up_to())  # traced no further
+            probe = probe_config(self.cfg, self.cfg.max_batch.resolution, self.steps, self.nproc)
+            estimate_cfg = replace(probe, max_batch=replace(probe.max_batch, search_up_to=self.up_to()))  # traced no further
             self.estimated = estimate_curve(estimate_cfg, self.nproc, self.limit_gb)
             self.save(None)
         return self.search().next_size(self.outcomes())
@@ -252,7 +254,7 @@ class MaxBatchSearch:
         else:
             return
         write_device_record(self.run_dir, self.device_seen)
-        self.cfg.environment.update(self.device_seen)
+        self.context.environment.update(self.device_seen)
         if self.limit_gb is None:
             self.limit_gb = self.device_seen["device_memory_gb"]
 
@@ -330,7 +332,7 @@ class MaxBatchSearch:
         past = {p.status for p in self.probes if p.batch_size == hi and not p.killed}
         fastest_size, fastest_speed, near_fastest = fastest(self.probes, boundary) if boundary else (None,) * 3
         record = {
-            "setup": setup_line(self.cfg),
+            "setup": setup_line(self.context),
             "device": self.cfg.device.value,
             "device_name": self.device_seen.get("device"),  # rank 0's
             "world_size": self.nproc,
@@ -379,7 +381,7 @@ class MaxBatchSearch:
 
         png = self.run_dir / "max_batch.png"
         plot_max_batch(record, png)
-        log_to_wandb(self.cfg, self.run_dir, record, png)
+        log_to_wandb(self.cfg, self.context, self.run_dir, record, png)
         log.info("%s", answer_line(record, self.cfg.memory.limit_gb) + f" -> {self.run_dir / RECORD}")
 
 
@@ -391,10 +393,9 @@ def summary_figures(record: dict) -> dict:
     return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"]}
 
 
-def log_to_wandb(cfg: Experiment, run_dir: Path, record: dict, png: Path) -> None:
+def log_to_wandb(cfg: Experiment, context: RunContext, run_dir: Path, record: dict, png: Path) -> None:
     """The probes as a wandb table, the plot as an image, the answer in the run summary."""
-
-    sink = cfg.wandb.sink(as_dict(cfg), run_dir)
+    sink = cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)
     if sink.run is None:
         return
     import wandb

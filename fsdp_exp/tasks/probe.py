@@ -7,11 +7,11 @@ an out-of-memory rank can never poison the allocator or hang a collective for th
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from fsdp_exp.config import Experiment, as_dict
 from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.metrics.sinks import WandbMode, write_summary
 from fsdp_exp.profile import NoProfile
+from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.batch_search import Outcome
 from fsdp_exp.tasks.train import train_rank
 
@@ -104,24 +105,23 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
     them warm-up (with train.compile the first two, and then at least 3 steps, so that the
     probe's samples/s times training, not the compiler), no profile, export or wandb run of
     its own."""
-    probe = copy.deepcopy(cfg)
     warmup = warmup_steps_to_skip(cfg.train.compile)
     steps = max(steps, warmup + 1)
-    probe.train = replace(probe.train, batch_size=batch_size, steps=steps, log_every=steps)
-    probe.metrics.warmup_steps = warmup
-    probe.profile = NoProfile()
-    probe.checkpoint = NoCheckpoint()
-    probe.wandb.mode = WandbMode.disabled
-    if limit_gb != "same":
-        probe.memory.limit_gb = limit_gb
-    probe.data = probe.data.enough_for(batch_size * world_size)  # generated data: one global batch
-    probe.environment = {}
-    return probe
+    return replace(
+        cfg,
+        train=replace(cfg.train, batch_size=batch_size, steps=steps, log_every=steps),
+        metrics=replace(cfg.metrics, warmup_steps=warmup),
+        profile=NoProfile(),
+        checkpoint=NoCheckpoint(),
+        wandb=replace(cfg.wandb, mode=WandbMode.disabled),
+        memory=cfg.memory if limit_gb == "same" else replace(cfg.memory, limit_gb=limit_gb),
+        data=cfg.data.enough_for(batch_size * world_size),  # generated data: one global batch
+    )
 
 
-def probe_rank(cfg: Experiment, run_dir: Path) -> dict:
+def probe_rank(cfg: Experiment, run_dir: Path, context: RunContext) -> dict:
     """One rank of a probe: a training run that knows it is one (`train_rank`'s `probe`)."""
-    return train_rank(cfg, run_dir, probe=True)
+    return train_rank(cfg, run_dir, context, probe=True)
 
 
 def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
@@ -149,9 +149,10 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
     probe_dir.mkdir(parents=True, exist_ok=True)
     run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb)
     start = time.perf_counter()
-    run_cfg.startup = {"launched": time.time()}
+    context = RunContext(startup={"launched": time.time()})
     try:
-        figures = launcher.launch(probe_rank, run_cfg, probe_dir, world_size, time_limit_s=timeout_s)
+        figures = launcher.launch(partial(probe_rank, context=context), run_cfg, probe_dir, world_size,
+                                  time_limit_s=timeout_s)
         probe = Probe(
             batch_size, "ok",
             peak_mem_gb=figures["peak_mem_gb"],
@@ -164,7 +165,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
             held_mem_gb=figures["held_mem_gb"],
             alloc_retries=figures.get("alloc_retries"),
             samples_per_s=figures["samples_per_s"],
-            startup_s=startup_s(figures, run_cfg.startup["launched"]),
+            startup_s=startup_s(figures, context.startup["launched"]),
         )
         summary = {"status": "ok", **figures}
     except RunFailed as err:

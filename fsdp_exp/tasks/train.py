@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,8 +30,9 @@ from fsdp_exp.rank.build import build_experiment
 from fsdp_exp.tasks import Task
 
 if TYPE_CHECKING:
-    from fsdp_exp.launch.core import Launcher
     from fsdp_exp.config import Experiment
+    from fsdp_exp.launch.core import Launcher
+    from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")
 
@@ -40,43 +42,40 @@ class Train(Task):
 
     def check(self, exp: Experiment) -> None:
         """The checkpoint to resume from, when one is named, must be usable."""
-        resolve_resume(exp)
+        named = exp.checkpoint.dir
+        resolve_resume(exp, Path(named).expanduser().resolve() if named else None)
 
-    def settle(self, exp: Experiment, run_dir: Path) -> None:
-        """Checkpoints go to checkpoint.dir, or <run>/checkpoints; `resume` becomes the
-        checkpoint's absolute path (or null), so every rank reads the same one."""
-        ckpt = exp.checkpoint
-        if ckpt.saves:
-            ckpt.dir = str(Path(ckpt.dir or run_dir / "checkpoints").expanduser().resolve())
-        exp.resume = resolve_resume(exp)
-        if exp.resume:
-            log.info("resuming from %s", exp.resume)
+    def settle(self, exp: Experiment, context: RunContext, run_dir: Path) -> None:
+        """The checkpoint the run starts from, as an absolute path (or None), so every rank
+        reads the same one."""
+        context.resume = resolve_resume(exp, exp.checkpoint.dir_for(run_dir))
+        if context.resume:
+            log.info("resuming from %s", context.resume)
 
-    def run(self, exp: Experiment, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
-        self.settle(exp, run_dir)
-        exp.startup["launched"] = time.time()
-        return launcher.launch(train_rank, exp, run_dir, nproc)
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+        self.settle(exp, context, run_dir)
+        context.startup["launched"] = time.time()
+        return launcher.launch(partial(train_rank, context=context), exp, run_dir, nproc)
 
 
-def train_rank(cfg: Experiment, run_dir: Path, probe: bool = False) -> dict:
+def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool = False) -> dict:
     """One rank's whole training run; returns the run's figures (the same on every rank).
-    `probe`: it is a probe of task=max_batch (fsdp_exp.tasks.probe.probe_rank)."""
-    cfg.startup.update(rank_started=process_started(), rank_ready=time.time())
+    `context`: this rank's copy of the run's (it adds its start-up marks). `probe`: it is a
+    probe of task=max_batch (fsdp_exp.tasks.probe.probe_rank)."""
+    context.startup.update(rank_started=process_started(), rank_ready=time.time())
     if probe:
         worker.console_warnings_only()
     ranks = distributed.init(cfg.device, cfg.offload)
-    cfg.startup["process_group"] = time.time()
+    context.startup["process_group"] = time.time()
     if records_history(cfg.memory.limit_gb, probe):
         record_allocation_history(ranks.device)
     if ranks.is_main:  # the run's device is rank 0's, not the driver's
         seen = rank_environment(ranks.device)
         write_device_record(run_dir, seen)
-        cfg.environment.update(seen)
+        context.environment.update(seen)
     # Under a multi-node launch every node's command chose its own run directory:
     # the checkpoints are rank 0's, so every rank saves into and resumes from those.
-    ckpt_dir, cfg.resume = distributed.from_main((cfg.checkpoint.dir, cfg.resume))
-    if cfg.checkpoint.saves:
-        cfg.checkpoint.dir = ckpt_dir
+    ckpt_dir, settled = distributed.from_main((cfg.checkpoint.dir_for(run_dir), context.resume))
     limit_gb = cfg.memory.limit_gb
     runtime_gb = mark_runtime(ranks.device)
     try:
@@ -85,13 +84,13 @@ def train_rank(cfg: Experiment, run_dir: Path, probe: bool = False) -> dict:
             log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
         mine, restored = worker.restarts()
         restarts = restart_count(ranks.device, mine)
-        resume = resume_point(cfg, restarts, restored)
+        resume = resume_point(ckpt_dir, settled, restarts, restored)
         if restarts and ranks.is_main:
             log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
-        exp = build_experiment(cfg, ranks, run_dir, resume, probe)
-        cfg.startup["ready"] = time.time()
+        exp = build_experiment(cfg, ranks, run_dir, context, ckpt_dir, resume, probe)
+        context.startup["ready"] = time.time()
         try:
-            summary = exp.trainer.fit() | exp.figures | {"startup": in_order(cfg.startup)}
+            summary = exp.trainer.fit() | exp.figures | {"startup": in_order(context.startup)}
             if ranks.device.type == "cpu":  # left out of peak_mem_gb (fsdp_exp.metrics.peaks)
                 summary["runtime_gb"] = max(distributed.gather(runtime_gb, ranks.device))
             counted = held = None

@@ -18,6 +18,26 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL_VIT = ["model.num_layers=2", "wandb.mode=disabled"]
 
 
+def precheck(argv: list[str]) -> dict:
+    """The command's check of `argv`, in this process: each run composed with Hydra's compose
+    API and checked as fsdp_exp.driver.check checks it for `python -m fsdp_exp`; the plan
+    of each run launched (a RunPlan, or Refused for a run of a sweep). A refusal of the
+    command as the ConfigError whose line it prints."""
+    from fsdp_exp.cli import compose_config
+    from fsdp_exp.driver.check import BadInput, check_run, check_sweep, combinations, parse_overrides, run_key, take_plan
+    from fsdp_exp.errors import ConfigError
+
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    args = [a for a in argv if a not in ("-m", "--multirun")]
+    if not multirun:
+        return {run_key(args): check_run(compose_config(args))}
+    try:
+        launched = check_sweep(combinations(parse_overrides(args)), compose_config)
+    except BadInput as err:
+        raise ConfigError(str(err)) from None
+    return {run_key(run): take_plan(run) for run in launched}
+
+
 def run_cli(*args: str, cwd: Path, timeout: float = 240, extra_env: dict | None = None,
             module: tuple[str, ...] = ("-m", "fsdp_exp")) -> subprocess.CompletedProcess:
     """`python -m fsdp_exp ARGS` in `cwd`, as a user would type it; output captured."""

@@ -27,14 +27,14 @@ from safetensors.torch import load_file
 
 from fsdp_exp.checkpoint.files import latest, open_checkpoint
 from fsdp_exp.checkpoint.resume import resolve_resume
-from fsdp_exp.cli import compose_checked, precheck
+from fsdp_exp.cli import compose_checked
+from tests.conftest import SMALL_VIT, precheck, read_json, read_jsonl, run_cli, signal_at_step
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.local import LocalLauncher
 from fsdp_exp.models import build_model
 from fsdp_exp.run_context import RunContext
 from tests import rank_tasks
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 from tests.test_data import make_dataset
 
 STEPS, EVERY = 24, 6

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.cli import parse_override, sweep_runs
+from fsdp_exp.driver.check import combinations, parse_overrides
 from fsdp_exp.errors import ConfigError
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
 
@@ -101,7 +101,7 @@ def test_a_failed_run_under_hydras_submitit_launcher_fails_the_command(tmp_path:
 
 def test_a_sweep_runs_every_combination_in_hydras_order() -> None:
     def runs(*texts: str) -> list[list[str]]:
-        return sweep_runs([parse_override(text) for text in texts])
+        return combinations(parse_overrides(texts))
 
     assert runs("sharding=ddp,full", "precision=fp32,bf16", "train.steps=3") == [
         ["sharding=ddp", "precision=fp32", "train.steps=3"], ["sharding=ddp", "precision=bf16", "train.steps=3"],

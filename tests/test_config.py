@@ -8,10 +8,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fsdp_exp.cli import compose_checked, precheck
+from fsdp_exp.cli import compose_checked
+from tests.conftest import precheck, run_cli
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.sharding import FullyShard
-from tests.conftest import run_cli
 
 
 def test_default_config_composes_and_passes_checks() -> None:
@@ -129,7 +129,7 @@ def test_hydras_launcher_plugins_are_checked_with_the_runs(
 
 def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:
     """The runs a check refuses are known before the first starts (the others then run)."""
-    from fsdp_exp.cli import Refused
+    from fsdp_exp.driver.check import Refused
 
     plans = precheck(["-m", "sharding=full,grad_op", "train.steps=5,0"])
     refused = {key: plan.reason for key, plan in plans.items() if isinstance(plan, Refused)}
@@ -194,7 +194,7 @@ def test_a_language_model_brings_token_data_unless_the_command_line_names_other_
 
 
 def test_the_readmes_estimate_command_is_accepted_as_typed() -> None:
-    from fsdp_exp.cli import precheck
+    from tests.conftest import precheck
 
     plans = precheck(["task=estimate", "model=gpt", "model.size=xl", "task.world_size=64"])
     (plan,) = plans.values()

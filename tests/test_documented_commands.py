@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.cli import compose_config, parse_override, precheck, sweep_runs
+from fsdp_exp.cli import compose_config
+from fsdp_exp.driver.check import combinations, parse_overrides
+from tests.conftest import REPO, precheck, run_cli
 from fsdp_exp.errors import ConfigError
-from tests.conftest import REPO, run_cli
 
 DOCUMENTS = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
              *sorted(str(p.relative_to(REPO)) for p in (REPO / "examples").glob("*/README.md"))]
@@ -130,7 +131,7 @@ def test_every_documented_command_is_accepted_as_written(command: Command, workd
         args = [re.sub(r"<[^>]+>", "x", a) for a in command.args if a not in ("--cfg", "job")]
         multirun = any(a in ("-m", "--multirun") for a in args)
         args = [a for a in args if a not in ("-m", "--multirun")]
-        for run in sweep_runs([parse_override(a) for a in args]) if multirun else [args]:
+        for run in combinations(parse_overrides(args)) if multirun else [args]:
             compose_config(run)
     else:
         precheck(list(command.args))

@@ -20,7 +20,8 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_exp.checkpoint.export import load_weights
-from fsdp_exp.cli import compose_checked, compose_config, precheck
+from fsdp_exp.cli import compose_checked, compose_config
+from tests.conftest import REPO, precheck, read_json, read_jsonl, run_cli
 from fsdp_exp.config import ConfigError
 from fsdp_exp.data.tokens import SyntheticTokens
 from fsdp_exp.driver.plan import prepare
@@ -30,7 +31,6 @@ from fsdp_exp.models import ModelSpec, build_model
 from fsdp_exp.models.hf import build_hf, transformers_state_dict
 from fsdp_exp.sharding.wrap import select_units
 from fsdp_exp.tasks.export import plain_model
-from tests.conftest import REPO, read_json, read_jsonl, run_cli
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 172,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.cli import precheck
+from tests.conftest import SMALL_VIT, precheck, read_json, read_jsonl, run_cli, signal_at_step
 from fsdp_exp.errors import ConfigError
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
 
 RUN = [*SMALL_VIT, "train.steps=4", "train.log_every=1", "train.batch_size=8"]
 

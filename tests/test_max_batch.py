@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_exp.cli import compose_checked, precheck
+from fsdp_exp.cli import compose_checked
+from tests.conftest import REPO, SMALL_VIT, precheck, rank_pid, read_json, run_cli
 from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.tasks.max_batch import MaxBatchSearch
-from tests.conftest import REPO, SMALL_VIT, rank_pid, read_json, run_cli
 from tests.test_data import make_dataset
 
 LIMIT = "memory.limit_gb=0.6"

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_exp.cli import precheck
+from tests.conftest import REPO, precheck, read_json, read_jsonl, run_cli
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
-from tests.conftest import REPO, read_json, read_jsonl, run_cli
 
 EXAMPLE = REPO / "examples" / "my_project"
 SEARCHPATH = "hydra.searchpath=[file://conf]"  # as the example's README shows it

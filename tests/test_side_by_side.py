@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_exp.cli import precheck, run_key
-from tests.conftest import SMALL_VIT, rank_pid, read_json, read_jsonl, run_cli
+from fsdp_exp.driver.check import run_key
+from tests.conftest import SMALL_VIT, precheck, rank_pid, read_json, read_jsonl, run_cli
 
 ONE_RANK = ["sharding=none", *SMALL_VIT, "train.steps=6", "data.num_samples=64"]
 

@@ -12,10 +12,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from fsdp_exp.cli import precheck
+from tests.conftest import precheck, read_json, read_jsonl, run_cli
 from fsdp_exp.config import ConfigError
 from fsdp_exp.data.token_file import TokenFile, TokenWindows, first_bad_id
-from tests.conftest import read_json, read_jsonl, run_cli
 
 
 def write_tokens(file: Path, tokens) -> Path:

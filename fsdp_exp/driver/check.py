@@ -1,0 +1,212 @@
+"""Every run is checked before the first starts, on the config Hydra composed for it.
+
+Hydra composes each run once; the check builds its plan (fsdp_exp.driver.plan) from that
+config, and the task function runs the plan it finds here. A single run is checked by
+`CheckRun`, Hydra's callback at the start of a run, before Hydra makes its directory; a
+-m sweep by its sweeper (hydra_plugins/fsdp_exp_sweeper), which composes every
+combination and checks it before it hands any to the launcher. Bad input ends the command
+with one line and exit 2 (fsdp_exp.cli), and nothing is written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fsdp_exp import config
+from fsdp_exp.driver.plan import RunPlan, prepare
+from fsdp_exp.errors import ConfigError
+
+T = TypeVar("T")
+
+class BadInput(BaseException):
+    """A run's ConfigError on its way out of Hydra to the command line (fsdp_exp.cli), which
+    prints it as one line and exits 2. A BaseException, because Hydra's callbacks turn an
+    Exception into a warning and carry on."""
+
+    def __init__(self, error: ConfigError):
+        super().__init__(str(error))
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A run of a sweep that its check refused: the sweep runs the others."""
+
+    reason: str
+
+
+# The plans the check made in this process, by run (`run_key`), for the task function (a
+# run that a launcher plugin starts in another process is checked there again), and the
+# keys the sweep varies, which name its runs.
+_checked: dict[tuple[str, ...], RunPlan | Refused] = {}
+_swept: set[str] = set()
+
+
+def take_plan(overrides: Sequence[str]) -> RunPlan | Refused | None:
+    return _checked.pop(run_key(overrides), None)
+
+
+def run_key(overrides: Sequence[str]) -> tuple[str, ...]:
+    """A run's overrides less Hydra's own (`hydra.*`, `hydra/...`), which Hydra keeps apart."""
+    return tuple(o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/")))
+
+
+def swept_values(overrides: Sequence[str]) -> list[str]:
+    """A run's overrides of the keys its sweep varies: its name among the sweep's runs."""
+    return [o for o in overrides if o.partition("=")[0] in _swept]
+
+
+def swept_keys(runs: Sequence[Sequence[str]]) -> set[str]:
+    """The keys whose values differ between the runs: what names a run of a sweep."""
+    values: dict[str, set[str]] = {}
+    for run in runs:
+        for override in run:
+            key, _, value = override.partition("=")
+            values.setdefault(key, set()).add(value)
+    return {key for key, seen in values.items() if len(seen) > 1}
+
+
+def check_run(cfg: DictConfig, hydra: DictConfig | None = None) -> RunPlan:
+    """The plan of one composed run, after every check; a ConfigError says what is wrong.
+    `hydra`: the run's hydra node, when `cfg` is the task function's (which has none)."""
+    import torch
+
+    plan = prepare(cfg, torch.cuda.device_count())
+    check_launcher_plugin(hydra if hydra is not None else cfg.hydra)
+    return plan
+
+
+def check_sweep(runs: Sequence[Sequence[str]], compose: Callable[[list[str]], DictConfig]) -> list[list[str]]:
+    """Compose (`compose`) and check every run of a sweep; the runs to launch. A run whose
+    check refused it is launched too, as a row of its own (`Refused`); one that does not
+    compose is named here and left out. When every run is refused: BadInput, with the
+    first one's reason."""
+    refused: list[tuple[Sequence[str], ConfigError]] = []
+    launch: list[list[str]] = []
+    _swept.clear()
+    _swept.update(swept_keys(runs))
+    for overrides in runs:
+        try:
+            cfg = composed(lambda: compose(list(overrides)))
+        except ConfigError as err:
+            refused.append((overrides, err))
+            continue
+        launch.append(list(overrides))
+        try:
+            _checked[run_key(overrides)] = check_run(cfg)
+        except ConfigError as err:
+            _checked[run_key(overrides)] = Refused(str(err))
+            refused.append((overrides, err))
+    if len(refused) == len(runs):
+        raise BadInput(refused[0][1])
+    for overrides, err in refused:
+        shown = " ".join(swept_values(overrides))
+        print(f"fsdp_exp: refused {shown}: {err}; the sweep runs the other {len(runs) - len(refused)}",
+              file=sys.stderr)
+    return launch
+
+
+class CheckRun(Callback):
+    """Hydra's callback (conf/config.yaml): a single run is checked before Hydra makes its
+    directory."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            _checked[run_key(list(config.hydra.overrides.task))] = check_run(config)
+        except ConfigError as err:
+            raise BadInput(err) from None
+
+
+def parse_overrides(texts: Sequence[str], config_loader: Any = None) -> list[Override]:
+    """The command line's overrides, parsed by Hydra; a bad one as a one-line ConfigError."""
+    return composed(lambda: OverridesParser.create(config_loader=config_loader).parse_overrides(list(texts)))
+
+
+def combinations(overrides: Sequence[Override]) -> list[list[str]]:
+    """The runs of a -m sweep: every combination of the listed values, the first key
+    varying slowest, as Hydra's basic sweeper orders them; a later override of a key
+    replaces an earlier one."""
+    values: dict[str, list[str]] = {}
+    for override in overrides:
+        key = override.get_key_element()
+        if override.is_sweep_override() and not override.is_discrete_sweep():
+            raise ConfigError(f"{override.input_line}: a range sweep needs a sweeper plugin; list the values "
+                              "instead (key=a,b,c)")
+        if override.is_sweep_override():
+            values[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            values[key] = [f"{key}={override.get_value_element_as_str()}"]
+    return [list(run) for run in itertools.product(*values.values())]
+
+
+def check_launcher_plugin(hydra: DictConfig) -> None:
+    """Hydra's submitit plugins run each run as one task, which starts the run's ranks itself."""
+    plugin = str(OmegaConf.select(hydra, "launcher._target_", default=""))
+    if not plugin.startswith("hydra_plugins.hydra_submitit_launcher."):
+        return
+    for key in ("nodes", "tasks_per_node"):
+        if hydra.launcher[key] != 1:
+            raise ConfigError(f"hydra.launcher.{key}={hydra.launcher[key]}: must be 1 (each run is one task that "
+                              "starts its ranks on one node); for a run across nodes, use launcher=slurm")
+    if plugin.endswith(".SlurmLauncher") and shutil.which("srun") is None:  # else a traceback from submitit
+        raise ConfigError("hydra/launcher=submitit_slurm: no SLURM here (srun not found); "
+                          "use hydra/launcher=submitit_local to try it on this machine")
+
+
+# ---- composition errors as one line ---------------------------------------------------------
+def composed(compose: Callable[[], T]) -> T:
+    """`compose()`, its Hydra and OmegaConf errors as one-line ConfigErrors."""
+    try:
+        return compose()
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(explain(err)) from None
+
+
+def explain(err: Exception) -> str:
+    """One line from a Hydra or OmegaConf composition error: the key, and what is allowed."""
+    if isinstance(err, OverrideParseException):
+        return f"{err.override}: not a valid override ({err.message.strip().splitlines()[0]})"
+    if isinstance(err, MissingConfigException) and err.options is not None:
+        group, _, name = (err.missing_cfg_file or "").rpartition("/")
+        options = [o for o in err.options if not o.startswith("schema_")]  # schemas, not options
+        return f"{group}={name}: no such option; choose one of: {', '.join(options)}"
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    key = getattr(cause, "full_key", None)
+    first_line = str(getattr(cause, "msg", None) or cause).strip().split("\n")[0]
+    if key is None:
+        match = re.search(r"argument '([^']+)'", first_line)
+        if "Ambiguous value" in first_line and match:
+            return f"{match.group(1)}: a list of values is a sweep; add -m (--multirun)"
+        return first_line
+    if "Could not override" in first_line or "Key '" in first_line:
+        return str(config.unknown_key(key, getattr(cause, "object_type", None)))
+    value = getattr(cause, "value", None)
+    return f"{key}={'' if value is None else value}: {reason(first_line)}"
+
+
+def reason(omegaconf_message: str) -> str:
+    for pattern, text in [
+        (r"converted to Integer", "must be an integer"),
+        (r"converted to Float", "must be a number"),
+        (r"not a valid bool", "must be true or false"),
+        (r"is not Optional", "must have a value (null is not allowed)"),
+        (r"is not a subclass of", "is a group of settings; set one of its keys instead"),
+    ]:
+        if re.search(pattern, omegaconf_message):
+            return text
+    match = re.search(r"expected one of \[([^\]]*)\]", omegaconf_message)
+    if match:
+        return f"choose one of: {match.group(1)}"
+    return omegaconf_message

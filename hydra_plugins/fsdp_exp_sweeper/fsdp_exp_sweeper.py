@@ -1,0 +1,53 @@
+"""hydra/sweeper=fsdp_exp: a -m sweep whose every run is composed and checked before the
+first starts (fsdp_exp.driver.check), then handed to Hydra's launcher as one batch.
+
+Hydra finds sweepers in the hydra_plugins namespace package (and loads this module
+outside sys.modules, so its annotations are not postponed); this one is the default of
+fsdp_exp's config. It runs every combination of the listed values, in the order of
+Hydra's basic sweeper.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from fsdp_exp.driver.check import check_sweep, combinations, parse_overrides
+
+
+@dataclass
+class CheckingSweeperConf:
+    _target_: str = "hydra_plugins.fsdp_exp_sweeper.fsdp_exp_sweeper.CheckingSweeper"
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="fsdp_exp", node=CheckingSweeperConf, provider="fsdp_exp")
+
+
+class CheckingSweeper(Sweeper):
+    def __init__(self) -> None:
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+        self.launcher: Any = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+
+    def sweep(self, arguments: List[str]) -> Any:
+        assert self.config is not None and self.hydra_context is not None
+        loader = self.hydra_context.config_loader
+        runs = combinations(parse_overrides(arguments, loader))
+        launch = check_sweep(runs, lambda overrides: loader.load_sweep_config(self.config, overrides))
+        sweep_dir = Path(self.config.hydra.sweep.dir)  # as Hydra's basic sweeper keeps it, once checked
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        results = self.launcher.launch(launch, initial_job_idx=0)
+        for result in results:
+            _ = result.return_value  # raises a run's exception, as Hydra's basic sweeper does
+        return [results]

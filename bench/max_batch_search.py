@@ -1,7 +1,7 @@
 """Max-batch search on a corpus of real setups: the project's search against the two
 policies users know, every policy reading the same real probes.
 
-- fsdp_exp: `task=max_batch` itself (`fsdp_exp.tasks.max_batch.MaxBatchSearch`), into a scratch run
+- fsdp_exp: `task=max_batch` itself (`fsdp_exp.tasks.max_batch.search.MaxBatchSearch`), into a scratch run
   directory, with the estimate's curve placing its probes (max_batch.estimate=true).
 - fsdp_exp without the estimate: the same search from the probes alone (max_batch.estimate=false).
 - doubling then bisection (Lightning's `scale_batch_size(mode="binsearch")`, from its
@@ -35,10 +35,10 @@ from machine import header
 
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
-from fsdp_exp.tasks.batch_answer import noise_band_gb
-from fsdp_exp.tasks.batch_search import BatchSearch
-from fsdp_exp.tasks.max_batch import MaxBatchSearch
-from fsdp_exp.tasks.probe import Probe, run_probe
+from fsdp_exp.tasks.max_batch.answer import noise_band_gb
+from fsdp_exp.tasks.max_batch.policy import BatchSearch
+from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
+from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
 
 HEAVY_VIT = ["model.num_layers=8", "model.hidden_dim=384", "model.mlp_dim=1536", "model.num_heads=4",
              "model.patch_size=28"]

@@ -28,7 +28,7 @@ from fsdp_exp.metrics.sinks import WandbSettings
 from fsdp_exp.models import NO_BUILDER, ModelSpec
 from fsdp_exp.precision import Precision
 from fsdp_exp.schedule import LrSchedule
-from fsdp_exp.tasks.max_batch_settings import MaxBatchSettings
+from fsdp_exp.tasks.max_batch.settings import MaxBatchSettings
 
 __all__ = ["ConfigError", "Experiment"]
 

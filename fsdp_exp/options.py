@@ -25,7 +25,7 @@ from fsdp_exp.sharding import DDP, FullyShard, HybridShard, NoSharding
 from fsdp_exp.tasks.estimate import Estimate
 from fsdp_exp.tasks.eval import Eval
 from fsdp_exp.tasks.export import Export
-from fsdp_exp.tasks.max_batch import MaxBatch
+from fsdp_exp.tasks.max_batch.task import MaxBatch
 from fsdp_exp.tasks.train import Train
 
 # Each group's options, by schema name: conf/<group>/<option>.yaml extends one of these.

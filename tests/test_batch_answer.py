@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_exp.tasks.batch_answer import (
+from fsdp_exp.tasks.max_batch.answer import (
     answer_line,
     fastest,
     fits_with_room,
     noise_band_gb,
     probe_to_place_fastest,
 )
-from fsdp_exp.tasks.probe import Probe
+from fsdp_exp.tasks.max_batch.probe import Probe
 
 LIMIT = 0.6
 MB = 1 / 1024

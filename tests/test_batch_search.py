@@ -4,7 +4,7 @@ A small simulator answers each probe from a curve, peak(batch) -> GB: the batch 
 peak is at most the limit, and then the probe shows that peak (jittered, for the noisy
 curves). The search runs to its end, and its answer and probe count are checked against the
 curve's exact boundary. The families are the shapes real peaks take (see the docstring of
-fsdp_exp/tasks/batch_search.py): linear from the first sample; flat, then linear past a knee
+fsdp_exp/tasks/max_batch/policy.py): linear from the first sample; flat, then linear past a knee
 (GPT-2 small's shape); a step, where a new allocation appears; peaks that scatter; a cliff.
 Probe series recorded on real ranks are replayed too; real probes themselves run in
 test_max_batch.py.
@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import pytest
 
-from fsdp_exp.tasks.batch_prior import doubling
-from fsdp_exp.tasks.batch_search import (
+from fsdp_exp.tasks.max_batch.prior import doubling
+from fsdp_exp.tasks.max_batch.policy import (
     BatchSearch,
     MemoryModel,
     Outcome,

@@ -245,7 +245,7 @@ def test_max_batch_traces_doubling_sizes_up_to_the_first_over_the_limit():
     """max_batch.estimate traces resolution, 2x, 4x, ... and stops at the first size whose
     step goes over the limit (task=max_batch's own call runs it in a child process, as
     task=estimate does; tests/test_max_batch.py runs that end to end)."""
-    from fsdp_exp.tasks.batch_prior import doubling, prior
+    from fsdp_exp.tasks.max_batch.prior import doubling, prior
 
     assert doubling(1, 4096) == [2**k for k in range(13)] and doubling(4, 100) == [4, 8, 16, 32, 64, 100]
     exp, everything = traced(batch_sizes=doubling(1, 4096))
@@ -266,7 +266,7 @@ def test_max_batch_traces_doubling_sizes_up_to_the_first_over_the_limit():
 
 
 def test_max_batch_searches_without_the_estimate_when_it_cannot_trace(caplog):
-    from fsdp_exp.tasks.batch_prior import estimate_curve, prior
+    from fsdp_exp.tasks.max_batch.prior import estimate_curve, prior
 
     stack = [o.replace("tests.test_estimate.linear_stack", "tests.test_estimate.ReadsItsInput") for o in STACK]
     exp = prepare(compose_checked([*stack, "task=max_batch", "memory.limit_gb=1"]), 0).exp

@@ -345,7 +345,7 @@ class ClusterLauncher:
 @pytest.mark.slow
 def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
-    from fsdp_exp.tasks import max_batch
+    from fsdp_exp.tasks.max_batch import search as max_batch
 
     def login_node(device: object) -> float:
         raise AssertionError("the driver has no GPU")

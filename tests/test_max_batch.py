@@ -21,7 +21,7 @@ from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
-from fsdp_exp.tasks.max_batch import MaxBatchSearch
+from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from tests.test_data import make_dataset
 
 LIMIT = "memory.limit_gb=0.6"
@@ -455,7 +455,7 @@ def test_a_probes_warmup_covers_the_step_that_compiles(compile: bool, steps_per_
                                                       steps: int) -> None:
     from fsdp_exp.cli import compose_checked
     from fsdp_exp.driver.plan import prepare
-    from fsdp_exp.tasks.probe import probe_config
+    from fsdp_exp.tasks.max_batch.probe import probe_config
 
     exp = prepare(compose_checked(["task=max_batch", LIMIT, f"train.compile={compile}".lower()]), 0).exp
     probe = probe_config(exp, batch_size=4, steps=steps_per_probe, world_size=2)

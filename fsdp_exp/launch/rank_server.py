@@ -14,7 +14,7 @@ import multiprocessing
 import multiprocessing.forkserver
 
 # What a rank runs, imported once by the server.
-RANK_MODULES = ("torch", "fsdp_exp.tasks.train", "fsdp_exp.tasks.probe", "fsdp_exp.tasks.eval", "fsdp_exp.tasks.export")
+RANK_MODULES = ("torch", "fsdp_exp.tasks.train", "fsdp_exp.tasks.max_batch.probe", "fsdp_exp.tasks.eval", "fsdp_exp.tasks.export")
 
 
 def start_rank_server() -> None:

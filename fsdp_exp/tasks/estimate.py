@@ -122,7 +122,7 @@ def crossing(batches: list, limit_gb: float | None) -> int | None:
     """Where the estimate's curve (straight between the sizes traced, on past the largest
     along the last two) reaches the limit: the boundary it predicts, also between or
     beyond the sizes asked for."""
-    from fsdp_exp.tasks.batch_search import Prior
+    from fsdp_exp.tasks.max_batch.policy import Prior
 
     if limit_gb is None or len(batches) < 2:
         return None

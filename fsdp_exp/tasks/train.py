@@ -61,7 +61,7 @@ class Train(Task):
 def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool = False) -> dict:
     """One rank's whole training run; returns the run's figures (the same on every rank).
     `context`: this rank's copy of the run's (it adds its start-up marks). `probe`: it is a
-    probe of task=max_batch (fsdp_exp.tasks.probe.probe_rank)."""
+    probe of task=max_batch (fsdp_exp.tasks.max_batch.probe.probe_rank)."""
     context.startup.update(rank_started=process_started(), rank_ready=time.time())
     if probe:
         worker.console_warnings_only()

@@ -2,7 +2,7 @@
 
 One task=estimate trace (`fsdp_exp.tasks.estimate`, on fake tensors, nothing allocated) at
 doubling sizes from max_batch.resolution, up to the first predicted to peak above the
-memory limit. The search (`batch_search.Prior`) moves the curve through its probes, so its
+memory limit. The search (`policy.Prior`) moves the curve through its probes, so its
 level need not be right, only its shape; each probe shows the estimate beside its peak.
 """
 
@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from fsdp_exp.launch.core import RunFailed
-from fsdp_exp.tasks.batch_search import Prior
+from fsdp_exp.tasks.max_batch.policy import Prior
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

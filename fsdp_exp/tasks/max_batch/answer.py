@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fsdp_exp.tasks.probe import Probe
+    from fsdp_exp.tasks.max_batch.probe import Probe
 
 NOISE_FLOOR = 0.001  # the noise band is at least this share of the limit
 NEAR_FASTEST = 0.05  # the batch to use: the smallest whose samples/s is within this of the fastest

@@ -1,6 +1,7 @@
-"""task=max_batch: the largest per-rank batch that trains within the memory limit.
+"""The search of task=max_batch, on the driver: the largest per-rank batch that trains
+within the memory limit.
 
-The driver runs probes (fresh launches of all ranks, `fsdp_exp.tasks.probe`) at the batch
+The driver runs probes (fresh launches of all ranks, `fsdp_exp.tasks.max_batch.probe`) at the batch
 sizes `BatchSearch` picks, records each one in max_batch.json as soon as it ends, and
 reuses the recorded probes when it is run again into the same run directory.
 
@@ -30,8 +31,8 @@ from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.rank.worker import rank_log_path
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.sharding.wrap import units_line
-from fsdp_exp.tasks import Task, setup_line
-from fsdp_exp.tasks.batch_answer import (
+from fsdp_exp.tasks import setup_line
+from fsdp_exp.tasks.max_batch.answer import (
     SPACING,
     answer_line,
     fastest,
@@ -40,52 +41,20 @@ from fsdp_exp.tasks.batch_answer import (
     noise_band_gb,
     probe_to_place_fastest,
 )
-from fsdp_exp.tasks.batch_prior import estimate_curve, prior
-from fsdp_exp.tasks.batch_search import (
+from fsdp_exp.tasks.max_batch.prior import estimate_curve, prior
+from fsdp_exp.tasks.max_batch.policy import (
     BatchSearch,
     Outcome,
     fit_memory,
     recommended_size,
     too_small,
 )
-from fsdp_exp.tasks.probe import Probe, fingerprint, probe_config, run_probe
+from fsdp_exp.tasks.max_batch.probe import Probe, fingerprint, probe_config, run_probe
 
 
 log = logging.getLogger("fsdp_exp")
 
 RECORD = "max_batch.json"
-
-
-@dataclass
-class MaxBatch(Task):
-
-    def check(self, exp: Experiment) -> None:
-        """Refuse what the search cannot do, before any probe starts."""
-        if exp.device == "cpu" and exp.memory.limit_gb is None:
-            raise ConfigError(
-                "memory.limit_gb: task=max_batch on CPU needs a per-rank limit to fit in "
-                "(without one the boundary is the machine's RAM and the kernel's OOM killer)"
-            )
-        if exp.train.grad_accum != 1:
-            raise ConfigError(
-                f"train.grad_accum={exp.train.grad_accum}: task=max_batch searches the batch "
-                "of one forward and backward; set train.grad_accum=1"
-            )
-        if not exp.launcher.starts_all_ranks:
-            raise ConfigError(
-                f"launcher.nnodes={exp.launcher.nnodes}: with launcher=torchrun each node's command would search "
-                "on its own; search on one node, or with launcher=slurm or ray, whose one command starts every probe")
-        if exp.launcher.restarts:
-            key = exp.launcher.restarts_key
-            raise ConfigError(
-                f"{key}={exp.launcher.restarts}: task=max_batch needs every probe "
-                f"to fail when it runs out of memory, not to restart; set {key}=0")
-        if exp.resume:
-            raise ConfigError(f"resume={exp.resume}: task=max_batch starts every probe fresh; "
-                              "resume is for task=train")
-
-    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
-        return MaxBatchSearch(exp, run_dir, launcher, nproc, context).run()
 
 
 @dataclass
@@ -105,7 +74,7 @@ class MaxBatchSearch:
         self.fingerprint = fingerprint(self.cfg, self.nproc, self.steps)
         self.probes: list[Probe] = []
         self.need: Probe | None = None  # the smallest batch under all this device gives a rank, when none fits
-        self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.batch_prior), once traced
+        self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.max_batch.prior), once traced
         self.reused = 0
         self.units_told = False
         self.start = time.perf_counter()

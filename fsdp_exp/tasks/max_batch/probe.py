@@ -22,7 +22,7 @@ from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.metrics.sinks import WandbMode, write_summary
 from fsdp_exp.profile import NoProfile
 from fsdp_exp.run_context import RunContext
-from fsdp_exp.tasks.batch_search import Outcome
+from fsdp_exp.tasks.max_batch.policy import Outcome
 from fsdp_exp.tasks.train import train_rank
 
 

@@ -93,7 +93,7 @@ def blog(sizes: list[str], seq_len: int, limit_gb: float, search_up_to: int, ran
             out = fsdp_exp([*TOKENS, f"launcher.nproc_per_node={ranks}", "task=max_batch", f"model.size={size}",
                             "precision=fp32", *setup,
                             f"data.seq_len={seq_len}", f"model.block_size={seq_len}",
-                            f"memory.limit_gb={limit_gb}", f"max_batch.search_up_to={search_up_to}", *extra],
+                            f"memory.limit_gb={limit_gb}", f"task.search_up_to={search_up_to}", *extra],
                            workdir / f"blog-{size}-{name.replace(' + ', '-')}")
             r = json.loads((out / "max_batch.json").read_text())
             size_text = "none fits" if r["max_batch_size"] is None else r["max_batch_size"]
@@ -120,7 +120,7 @@ def main() -> None:
     if args.smoke:
         sizes, seq_len, limit_gb, search_up_to = ["tiny"], 128, 1.0, 64
         batch_size, steps, reps = 4, 8, 1
-        extra = ["device=cpu", "max_batch.steps_per_probe=2"]
+        extra = ["device=cpu", "task.steps_per_probe=2"]
     else:
         sizes, seq_len, limit_gb, search_up_to = args.sizes, 1024, 24.0, 4096
         batch_size, steps, reps, extra = args.batch_size, args.steps, args.reps, []

@@ -2,8 +2,8 @@
 policies users know, every policy reading the same real probes.
 
 - fsdp_exp: `task=max_batch` itself (`fsdp_exp.tasks.max_batch.search.MaxBatchSearch`), into a scratch run
-  directory, with the estimate's curve placing its probes (max_batch.estimate=true).
-- fsdp_exp without the estimate: the same search from the probes alone (max_batch.estimate=false).
+  directory, with the estimate's curve placing its probes (task.estimate=true).
+- fsdp_exp without the estimate: the same search from the probes alone (task.estimate=false).
 - doubling then bisection (Lightning's `scale_batch_size(mode="binsearch")`, from its
   default start of 2): double until a size fails, then bisect to a gap of 1.
 - shrink by 10% (Accelerate's `find_executable_batch_size`): start at the top of the
@@ -121,7 +121,7 @@ class SharedProbes:
     def run(self, size: int) -> Probe:
         exp = self.plan.exp
         probe = run_probe(exp, size, self.scratch / f"b{size}", self.plan.launcher, self.plan.nproc,
-                          exp.max_batch.steps_per_probe, exp.max_batch.probe_timeout)
+                          exp.task.steps_per_probe, exp.task.probe_timeout)
         print(f"    probe: {probe.line()}", flush=True)
         self.add(probe)
         return probe
@@ -172,7 +172,7 @@ class SharedProbes:
 
 
 def bench(setup: Setup, up_to: int) -> dict:
-    overrides = ["task=max_batch", f"memory.limit_gb={setup.limit_gb}", f"max_batch.search_up_to={up_to}",
+    overrides = ["task=max_batch", f"memory.limit_gb={setup.limit_gb}", f"task.search_up_to={up_to}",
                  "wandb.mode=disabled", *setup.overrides]
     plan = prepare(compose_checked(overrides), torch.cuda.device_count())
     print(f"\n{setup.name}: {' '.join(overrides)}", flush=True)

@@ -73,7 +73,7 @@ def probes(workdir: Path, method: str) -> list[float]:
     out = workdir / f"search-{method}"
     subprocess.run(
         [sys.executable, "-m", "fsdp_exp", "task=max_batch", "memory.limit_gb=0.6", "model.num_layers=2",
-         "max_batch.resolution=64", "max_batch.search_up_to=1024", "wandb.mode=disabled",
+         "task.resolution=64", "task.search_up_to=1024", "wandb.mode=disabled",
          f"launcher.start_method={method}", f"hydra.run.dir={out}"],
         cwd=REPO, check=True, capture_output=True,
     )

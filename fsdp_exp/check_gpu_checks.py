@@ -131,7 +131,7 @@ def runs(setup: Setup, workdir: Path) -> dict[str, Overrides]:
         "at_max_batch": lambda done: at_max_batch(done["max_batch"], memory_gpt, setup.limit_gb),
         # one probe (batch 1) of task=max_batch with train.compile=true
         "compiled_probe": [*memory_gpt, "task=max_batch", f"memory.limit_gb={setup.limit_gb:g}", "train.compile=true",
-                           "max_batch.search_up_to=1", "max_batch.estimate=false"],
+                           "task.search_up_to=1", "task.estimate=false"],
     }
 
 

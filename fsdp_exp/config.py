@@ -28,7 +28,7 @@ from fsdp_exp.metrics.sinks import WandbSettings
 from fsdp_exp.models import NO_BUILDER, ModelSpec
 from fsdp_exp.precision import Precision
 from fsdp_exp.schedule import LrSchedule
-from fsdp_exp.tasks.max_batch.settings import MaxBatchSettings
+from fsdp_exp.tasks.max_batch.settings import OldSearchSettings
 
 __all__ = ["ConfigError", "Experiment"]
 
@@ -97,7 +97,7 @@ class Experiment:
     optimizer: Any = MISSING  # open: a `_target_` with `_partial_: true`, given the parameters on each rank
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
-    max_batch: MaxBatchSettings = field(default_factory=MaxBatchSettings)
+    max_batch: OldSearchSettings = field(default_factory=OldSearchSettings)  # task=max_batch's task.*, by their old names
 
     def __post_init__(self) -> None:
         # From the composed config, the model and the user's own data (`_target_`, fsdp_exp.data.custom)

@@ -379,7 +379,7 @@ def test_peaks_that_move_between_runs_end_in_a_split_bracket_not_a_walk(shape):
     assert sum(counts) / len(counts) <= most, counts
 
 
-# --- with the estimate's curve (max_batch.estimate=true) ---
+# --- with the estimate's curve (task.estimate=true) ---
 
 
 def estimated(curve: Curve, limit_gb: float = LIMIT_GB, low_by_gb: float = 0.0, slope_off: float = 1.0) -> Prior:

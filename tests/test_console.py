@@ -33,8 +33,8 @@ class LateChannelsLast(nn.Module):
 @pytest.mark.slow
 def test_a_search_shows_its_fsdp_units_once_and_each_probe_in_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "search"
-    result = run_cli("task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT, "max_batch.search_up_to=8",
-                     "max_batch.estimate=false", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    result = run_cli("task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT, "task.search_up_to=8",
+                     "task.estimate=false", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     probes = read_json(run_dir / "max_batch.json")["probes"]
     assert len(probes) >= 2

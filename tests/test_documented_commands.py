@@ -137,8 +137,8 @@ def test_every_documented_command_is_accepted_as_written(command: Command, workd
         precheck(list(command.args))
 
 
-SHORT = ["train.steps=2", "train.log_every=1", "wandb.mode=disabled", "max_batch.search_up_to=32",
-         "max_batch.estimate=false"]
+SHORT = ["train.steps=2", "train.log_every=1", "wandb.mode=disabled", "task.search_up_to=32",
+         "task.estimate=false"]
 
 
 @pytest.mark.slow

@@ -238,11 +238,11 @@ def test_estimate_for_a_gpu_on_a_machine_without_one(tmp_path):
     assert result.returncode != 0 and "task.device=cuda" in result.stderr
 
 
-# --- the estimate in task=max_batch (max_batch.estimate=true) ---
+# --- the estimate in task=max_batch (task.estimate=true) ---
 
 
 def test_max_batch_traces_doubling_sizes_up_to_the_first_over_the_limit():
-    """max_batch.estimate traces resolution, 2x, 4x, ... and stops at the first size whose
+    """task.estimate traces resolution, 2x, 4x, ... and stops at the first size whose
     step goes over the limit (task=max_batch's own call runs it in a child process, as
     task=estimate does; tests/test_max_batch.py runs that end to end)."""
     from fsdp_exp.tasks.max_batch.prior import doubling, prior

@@ -356,7 +356,7 @@ def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch:
     launcher = ClusterLauncher()
     search = max_batch.MaxBatchSearch(exp, tmp_path, launcher, 2)
     figures = search.run()
-    assert launcher.batches[0] == exp.max_batch.resolution
+    assert launcher.batches[0] == exp.task.resolution
     assert figures["limit_gb"] == 8.0
     assert 650 <= figures["max_batch_size"] <= 700
     record = json.loads((tmp_path / "max_batch.json").read_text())

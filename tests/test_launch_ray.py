@@ -248,12 +248,12 @@ def test_a_probe_past_its_timeout_is_ended_and_recorded_as_timed_out(tmp_path: P
     run_dir = tmp_path / "search"
     start = time.monotonic()
     result = run_cli(*RAY, f"launcher.address={cluster}", "task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT,
-                     "max_batch.probe_timeout=1", f"hydra.run.dir={run_dir}", cwd=tmp_path, extra_env=AUTH)
+                     "task.probe_timeout=1", f"hydra.run.dir={run_dir}", cwd=tmp_path, extra_env=AUTH)
     assert time.monotonic() - start < 200
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "batch 1 does not train: ran past max_batch.probe_timeout=1 s" in result.stdout
+    assert "batch 1 does not train: ran past task.probe_timeout=1 s" in result.stdout
     (probe,) = read_json(run_dir / "max_batch.json")["probes"]
-    assert probe["status"] == "failed" and probe["reason"] == "ran past max_batch.probe_timeout=1 s"
+    assert probe["status"] == "failed" and probe["reason"] == "ran past task.probe_timeout=1 s"
     assert read_json(run_dir / "summary.json")["status"] == "failed"
 
 

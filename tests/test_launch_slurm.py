@@ -77,10 +77,10 @@ def test_a_rank_out_of_memory_makes_the_run_an_oom(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_max_batch_probes_run_as_jobs_and_the_answer_is_printed(tmp_path: Path) -> None:
     run_dir = tmp_path / "search"
-    result = run_cli(*SLURM_LOCAL, "task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT, "max_batch.resolution=8",
-                     "max_batch.search_up_to=8", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    result = run_cli(*SLURM_LOCAL, "task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT, "task.resolution=8",
+                     "task.search_up_to=8", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert ("max batch: 8 per rank on 2 rank(s) (fits at max_batch.search_up_to=8 under memory.limit_gb=0.6)"
+    assert ("max batch: 8 per rank on 2 rank(s) (fits at task.search_up_to=8 under memory.limit_gb=0.6)"
             in result.stdout)
     summary = read_json(run_dir / "summary.json")
     assert summary["status"] == "ok" and summary["max_batch_size"] == 8 and summary["world_size"] == 2
@@ -111,12 +111,12 @@ def test_max_batch_oom_probes_are_ooms(tmp_path: Path) -> None:
 def test_a_probe_past_its_timeout_is_recorded_as_failed(tmp_path: Path) -> None:
     """The ranks' own SIGALRM ends them; the launcher reports it as timed_out."""
     run_dir = tmp_path / "search"
-    result = run_cli(*SLURM_LOCAL, "task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT, "max_batch.probe_timeout=1",
+    result = run_cli(*SLURM_LOCAL, "task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT, "task.probe_timeout=1",
                      f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 1
-    assert "batch 1 does not train: ran past max_batch.probe_timeout=1 s" in result.stdout
+    assert "batch 1 does not train: ran past task.probe_timeout=1 s" in result.stdout
     (probe,) = read_json(run_dir / "max_batch.json")["probes"]
-    assert probe["status"] == "failed" and probe["reason"] == "ran past max_batch.probe_timeout=1 s"
+    assert probe["status"] == "failed" and probe["reason"] == "ran past task.probe_timeout=1 s"
 
 
 # ---- preemption, requeue and restarts --------------------------------------------------------

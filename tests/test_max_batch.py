@@ -44,7 +44,7 @@ def test_the_boundary_trains_and_one_step_more_runs_out_of_memory(tmp_path: Path
     answer and runs out of memory one step of resolution past the noise band. Resolution 4
     is 0.8 MB here, about the noise band (0.6 MB), so the steps are few."""
     run_dir = tmp_path / "search"
-    args = ["task=max_batch", LIMIT, "model.num_layers=2", "max_batch.resolution=4", "wandb.mode=offline",
+    args = ["task=max_batch", LIMIT, "model.num_layers=2", "task.resolution=4", "wandb.mode=offline",
             f"hydra.run.dir={run_dir}"]
     found = run_cli(*args, cwd=tmp_path, timeout=400)
     assert found.returncode == 0, found.stderr[-3000:]
@@ -103,8 +103,8 @@ def test_a_killed_probe_is_recorded_and_the_search_finishes(tmp_path: Path) -> N
     run_dir = tmp_path / "search"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
     search = subprocess.Popen(
-        [sys.executable, "-m", "fsdp_exp", "task=max_batch", LIMIT, *SMALL_VIT, "max_batch.resolution=32",
-         "max_batch.search_up_to=256", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "fsdp_exp", "task=max_batch", LIMIT, *SMALL_VIT, "task.resolution=32",
+         "task.search_up_to=256", f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -151,12 +151,12 @@ def test_a_limit_below_batch_one_says_what_batch_one_needs(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_a_probe_past_its_timeout_is_recorded_as_failed(tmp_path: Path) -> None:
     run_dir = tmp_path / "search"
-    result = run_cli("task=max_batch", LIMIT, *SMALL_VIT, "max_batch.probe_timeout=1", f"hydra.run.dir={run_dir}",
+    result = run_cli("task=max_batch", LIMIT, *SMALL_VIT, "task.probe_timeout=1", f"hydra.run.dir={run_dir}",
                      cwd=tmp_path)
     assert result.returncode == 1
-    assert "batch 1 does not train: ran past max_batch.probe_timeout=1 s" in result.stdout
+    assert "batch 1 does not train: ran past task.probe_timeout=1 s" in result.stdout
     (probe,) = read_json(run_dir / "max_batch.json")["probes"]
-    assert probe["status"] == "failed" and probe["reason"] == "ran past max_batch.probe_timeout=1 s"
+    assert probe["status"] == "failed" and probe["reason"] == "ran past task.probe_timeout=1 s"
     assert read_json(run_dir / "summary.json")["status"] == "failed"
 
 
@@ -170,8 +170,8 @@ def test_bad_input_is_one_line_before_any_probe(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args, message", [
     ([LIMIT, "train.grad_accum=2"], "train.grad_accum=2: task=max_batch searches the batch of one forward"),
-    ([LIMIT, "max_batch.steps_per_probe=1"], "max_batch.steps_per_probe=1: must be at least 2"),
-    ([LIMIT, "max_batch.margin=1.5"], "max_batch.margin=1.5: must be at least 0 and below 1"),
+    ([LIMIT, "task.steps_per_probe=1"], "task.steps_per_probe=1: must be at least 2"),
+    ([LIMIT, "task.margin=1.5"], "task.margin=1.5: must be at least 0 and below 1"),
     (["memory.limit_gb=100000"], "memory.limit_gb=100000.0: above the device's memory"),
 ])
 def test_bad_settings_are_refused_by_the_checks_before_any_probe(args: list[str], message: str) -> None:
@@ -209,7 +209,7 @@ def test_full_sharding_fits_a_larger_batch_than_ddp(tmp_path: Path) -> None:
     """A ViT with 14M parameters and one token per image: parameters, gradients and Adam state
     (16 bytes per parameter) outweigh the activations. Full sharding splits them over the 2
     ranks, DDP keeps all of them on each (plus its gradient buckets)."""
-    sweep, ddp, full, compared = search_ddp_and_full(tmp_path, "memory.limit_gb=0.735", "max_batch.resolution=16")
+    sweep, ddp, full, compared = search_ddp_and_full(tmp_path, "memory.limit_gb=0.735", "task.resolution=16")
     assert ddp["max_batch_size"] and full["max_batch_size"]
     # Seen here: ddp 208, full 352 (DDP's peak grows more slowly with the batch, so the gap is
     # not the 2x that halving the parameter state alone would suggest).
@@ -224,7 +224,7 @@ def test_a_sweep_where_one_setup_fits_nothing_exits_0_and_compare_says_what_batc
     """ddp holds the whole ViT's parameters, gradients and Adam state on each rank, full
     sharding half of them: under 0.65 GB, batch 1 fits only with full sharding (seen here:
     ddp needs 0.69 GB, full 0.61 GB)."""
-    sweep, ddp, full, compared = search_ddp_and_full(tmp_path, "memory.limit_gb=0.65", "max_batch.search_up_to=8")
+    sweep, ddp, full, compared = search_ddp_and_full(tmp_path, "memory.limit_gb=0.65", "task.search_up_to=8")
     assert ddp["max_batch_size"] == 0 and ddp["smallest_batch_needs_gb"] > 0.65
     assert full["max_batch_size"] >= 1
     assert read_json(sweep / "0" / "summary.json")["status"] == "ok"
@@ -251,7 +251,7 @@ def test_a_flat_then_linear_peak_is_searched_in_few_probes_and_the_answer_trains
     run_dir = tmp_path / "search"
     limit = "memory.limit_gb=0.62"
     # From the probes alone (test_the_estimate_places_the_probes_and_each_shows_it has the estimate)
-    found = run_cli("task=max_batch", limit, *FLAT_GPT, "max_batch.estimate=false", f"hydra.run.dir={run_dir}",
+    found = run_cli("task=max_batch", limit, *FLAT_GPT, "task.estimate=false", f"hydra.run.dir={run_dir}",
                     cwd=tmp_path, timeout=600)
     assert found.returncode == 0, found.stderr[-3000:]
     record = read_json(run_dir / "max_batch.json")
@@ -282,7 +282,7 @@ def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> Non
     runs = {}
     for estimate in ("true", "false"):
         run_dir = tmp_path / estimate
-        found = run_cli("task=max_batch", "memory.limit_gb=0.62", *FLAT_GPT, f"max_batch.estimate={estimate}",
+        found = run_cli("task=max_batch", "memory.limit_gb=0.62", *FLAT_GPT, f"task.estimate={estimate}",
                         f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=600)
         assert found.returncode == 0, found.stderr[-3000:]
         runs[estimate] = (read_json(run_dir / "max_batch.json"), found.stdout + found.stderr)
@@ -349,7 +349,7 @@ def test_on_a_gpu_a_probe_that_trained_fits_though_its_reserved_peak_is_at_the_c
     noise band (8 MB, a tenth of a percent of the limit). Judged by reserved memory they read
     as not fitting, and the answer was 656, bounded by "noise". Judged by allocated memory,
     the answer is the largest size that trained, bounded by the size that ran out."""
-    exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "max_batch.estimate=false",
+    exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "task.estimate=false",
                                    "wandb.mode=disabled"]), 0).exp
     exp.device, exp.memory.limit_gb = Device.cuda, CappedGpu.CAP_GB
     gpu = CappedGpu()
@@ -380,7 +380,7 @@ def test_the_search_stops_at_each_ranks_share_of_a_fixed_data_set(tmp_path: Path
     make_dataset(tmp_path / "data", "FashionMNIST", n=64)
     run_dir = tmp_path / "search"
     result = run_cli("task=max_batch", LIMIT, *SMALL_VIT, "data=fashion_mnist", f"data.root={tmp_path / 'data'}",
-                     "max_batch.estimate=false", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=500)
+                     "task.estimate=false", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
     record = read_json(run_dir / "max_batch.json")
     assert max(p["batch_size"] for p in record["probes"]) == 32, [p["batch_size"] for p in record["probes"]]
@@ -415,7 +415,7 @@ class PooledNorm(nn.Module):
 def test_a_model_that_cannot_train_at_batch_1_is_searched_from_the_first_size_that_trains(tmp_path: Path) -> None:
     run_dir = tmp_path / "search"
     result = run_cli("task=max_batch", LIMIT, "model=custom", "model._target_=tests.test_max_batch.PooledNorm",
-                     "model.blocks=[torch.nn.Conv2d]", "max_batch.search_up_to=8", "max_batch.estimate=false",
+                     "model.blocks=[torch.nn.Conv2d]", "task.search_up_to=8", "task.estimate=false",
                      "wandb.mode=disabled", f"hydra.run.dir={run_dir}", cwd=REPO, timeout=500)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     record = read_json(run_dir / "max_batch.json")
@@ -433,11 +433,11 @@ def test_a_resolution_above_each_ranks_share_of_the_data_is_one_line_before_any_
 
     make_dataset(tmp_path / "data", "FashionMNIST", n=7)  # 3 a rank on 2 ranks; the seventh is left over
     plan = prepare(compose_checked(["task=max_batch", LIMIT, *SMALL_VIT, "data=fashion_mnist",
-                                    f"data.root={tmp_path / 'data'}", "max_batch.resolution=4"]), 0)
+                                    f"data.root={tmp_path / 'data'}", "task.resolution=4"]), 0)
     assert plan.exp.data.share_per_rank(2) == 3
     with pytest.raises(ConfigError) as err:
         MaxBatchSearch(plan.exp, tmp_path / "search", plan.launcher, 2)
-    assert str(err.value) == ("max_batch.resolution=4: larger than each rank's share of the data (3 samples on each "
+    assert str(err.value) == ("task.resolution=4: larger than each rank's share of the data (3 samples on each "
                               "of 2 ranks); lower it or use more data")
     assert not (tmp_path / "search").exists()
 
@@ -470,7 +470,7 @@ def test_a_compiled_probe_measures_its_samples_per_s_after_compiling(tmp_path: P
     small part of the probe's wall time, which holds the compiler."""
     run_dir = tmp_path / "search"
     found = run_cli("task=max_batch", "memory.limit_gb=3", "model.num_layers=1", "train.compile=true",
-                    "max_batch.search_up_to=1", "max_batch.estimate=false", "wandb.mode=disabled",
+                    "task.search_up_to=1", "task.estimate=false", "wandb.mode=disabled",
                     f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=800)
     assert found.returncode == 0, found.stderr[-3000:]
     (probe,) = read_json(run_dir / "max_batch.json")["probes"]

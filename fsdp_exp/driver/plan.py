@@ -13,6 +13,7 @@ afterwards: what a run learns on its way is its RunContext (fsdp_exp.run_context
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +26,7 @@ from fsdp_exp.errors import ConfigError
 from fsdp_exp.memory import check_limit
 from fsdp_exp.models.contract import check_model, check_model_reads_data
 from fsdp_exp.models.hf import needs_gpu
+from fsdp_exp.tasks.max_batch.settings import OldSearchSettings, SearchSettings
 
 
 @dataclass
@@ -50,7 +52,7 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     so its losses are the reference the sharded runs must match. `world_size`: given by
     an external torchrun; otherwise the launcher decides.
     """
-    exp = config.build(cfg)
+    exp = settings_moved(config.build(cfg))
     in_driver = exp.task.runs_in_driver
     # task=eval and export run here, whatever the launcher: on a login node, on its CPU.
     gpus = local_gpus if in_driver else exp.launcher.gpus(local_gpus)
@@ -84,6 +86,28 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     exp.task.check(exp)
     global_batch = exp.train.batch_size * (1 if exp.sharding.distributed else world)
     return RunPlan(replace(exp, train=replace(exp.train, batch_size=global_batch), wandb=exp.wandb.resolved()), nproc)
+
+
+def settings_moved(exp: Experiment) -> Experiment:
+    """task=max_batch's settings are task.*; max_batch.*, their old names, are still read,
+    with a one-line note, until the next release."""
+    given = exp.max_batch.given()
+    if not given:
+        return exp
+    old = ", ".join(f"max_batch.{key}" for key in given)
+    if not isinstance(exp.task, SearchSettings):
+        raise ConfigError(f"{old}: settings of task=max_batch (now task.*), and this run is "
+                          f"task={type(exp.task).__name__.lower()}")
+    new = " ".join(f"task.{key}={str(value).lower() if isinstance(value, bool) else value}"
+                   for key, value in given.items())
+    if old not in _noted:  # once per command, not once per run of a sweep
+        _noted.add(old)
+        print(f"fsdp_exp: {old} moved under task.*: write {new}; the old names are read until the next release",
+              file=sys.stderr)
+    return replace(exp, task=replace(exp.task, **given), max_batch=OldSearchSettings())
+
+
+_noted: set[str] = set()
 
 
 def prepare_in_driver(exp: Experiment) -> RunPlan:

@@ -119,7 +119,7 @@ def answer_line(record: dict, limit_gb: float | None) -> str:
         head = (f"max batch: {size} per rank on {ranks} rank(s), bounded by the data "
                 f"({record['data_share_per_rank']} samples a rank); {left:.1f} GB of {record['limit_gb']:g} left")
     else:
-        why = {"search_up_to": f"fits at max_batch.search_up_to={record['search_up_to']} under {under}",
+        why = {"search_up_to": f"fits at task.search_up_to={record['search_up_to']} under {under}",
                "oom": f"{size + step} ran out of memory under {under}",
                "noise": f"{size + step} fit with less than the {noise} that runs of this setup vary by to spare "
                         f"under {under}",

@@ -1,7 +1,7 @@
-"""The estimate's curve for task=max_batch (max_batch.estimate=true).
+"""The estimate's curve for task=max_batch (task.estimate=true).
 
 One task=estimate trace (`fsdp_exp.tasks.estimate`, on fake tensors, nothing allocated) at
-doubling sizes from max_batch.resolution, up to the first predicted to peak above the
+doubling sizes from task.resolution, up to the first predicted to peak above the
 memory limit. The search (`policy.Prior`) moves the curve through its probes, so its
 level need not be right, only its shape; each probe shows the estimate beside its peak.
 """
@@ -34,14 +34,14 @@ def estimate_curve(cfg: Experiment, world_size: int, limit_gb: float) -> dict:
     GPU, what the allocator would reserve), or why there are none."""
     from fsdp_exp.tasks.estimate import estimate
 
-    settings = cfg.max_batch
+    settings = cfg.task
     start = time.perf_counter()
     on_gpu = cfg.device == "cuda"
     try:
         record = estimate(cfg, world_size, doubling(settings.resolution, settings.search_up_to), on_gpu,
                           stop_above_gb=limit_gb)
     except RunFailed as err:
-        log.warning("%s; the search places its probes without it (max_batch.estimate=false skips it)", err)
+        log.warning("%s; the search places its probes without it (task.estimate=false skips it)", err)
         return {"error": str(err), "wall_s": time.perf_counter() - start}
     peaks = [[b["batch_size"], b["limited_gb"]] for b in record["batches"]]
     wall = time.perf_counter() - start

@@ -43,7 +43,7 @@ class Probe:
     alloc_retries: float | None = None  # GPU: the caching allocator's retries (it freed its cache to allocate)
     samples_per_s: float | None = None
     predicted_peak_gb: float | None = None  # the line fitted to the probes that fit
-    estimated_peak_gb: float | None = None  # task=estimate's, before any probe (max_batch.estimate)
+    estimated_peak_gb: float | None = None  # task=estimate's, before any probe (task.estimate)
     margin_gb: float | None = None  # the room left under the limit
     within_noise: bool = False  # trained, with less room than the noise band: counted as not fitting
     for_fastest: bool = False  # spent to place the fastest batch, not by the search
@@ -51,7 +51,7 @@ class Probe:
     startup_s: float | None = None  # from the launch to the first step's start: forked ranks, process group, build
     dir: str = ""
     killed: bool = False  # stopped by a signal from outside, not by its own error
-    timed_out: bool = False  # ran past max_batch.probe_timeout (a larger batch would not train sooner)
+    timed_out: bool = False  # ran past task.probe_timeout (a larger batch would not train sooner)
 
     def limited_peak_gb(self) -> float | None:
         """The peak that the memory limit caps: reserved memory on GPU, the limit's own
@@ -129,7 +129,7 @@ def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
 
     probe = as_dict(probe_config(cfg, 1, steps, world_size))
     probe["wandb"] = None  # tags and mode differ between runs; they change no probe
-    probe["max_batch"] = None
+    probe["task"] = None  # the search's own settings
     probe["data"].pop("num_samples", None)  # follows the batch
     text = json.dumps({"cfg": probe, "world_size": world_size}, sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
@@ -170,7 +170,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
         summary = {"status": "ok", **figures}
     except RunFailed as err:
         status = "oom" if err.out_of_memory else "failed"
-        reason = f"ran past max_batch.probe_timeout={timeout_s:g} s" if err.timed_out else str(err)
+        reason = f"ran past task.probe_timeout={timeout_s:g} s" if err.timed_out else str(err)
         probe = Probe(batch_size, status, reason=reason, killed=err.killed_by is not None and not err.timed_out,
                       timed_out=err.timed_out)
         summary = {"status": status, "error": reason}

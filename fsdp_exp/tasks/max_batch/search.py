@@ -66,7 +66,7 @@ class MaxBatchSearch:
     context: RunContext = field(default_factory=RunContext)  # the search's; the probes have their own
 
     def __post_init__(self) -> None:
-        settings = self.cfg.max_batch
+        settings = self.cfg.task
         self.steps = settings.steps_per_probe
         self.timeout_s = settings.probe_timeout
         self.limit_gb = self.cfg.memory.limit_gb  # or, without one, what rank 0's device holds (`learn_device`)
@@ -88,19 +88,19 @@ class MaxBatchSearch:
         if not self.launcher.runs_here:
             return None
         share = self.cfg.data.share_per_rank(self.nproc)
-        if share is not None and share < self.cfg.max_batch.resolution:
-            raise ConfigError(f"max_batch.resolution={self.cfg.max_batch.resolution}: larger than each rank's share "
+        if share is not None and share < self.cfg.task.resolution:
+            raise ConfigError(f"task.resolution={self.cfg.task.resolution}: larger than each rank's share "
                               f"of the data ({share} samples on each of {self.nproc} ranks); lower it or use more data")
         return share
 
     def up_to(self) -> int:
-        """The largest size the search tries: max_batch.search_up_to, or the data's share."""
-        up_to = self.cfg.max_batch.search_up_to
+        """The largest size the search tries: task.search_up_to, or the data's share."""
+        up_to = self.cfg.task.search_up_to
         return up_to if self.data_share is None else min(up_to, self.data_share)
 
     def search(self) -> BatchSearch:
         """The search for the largest size that fits with the noise band to spare."""
-        settings = self.cfg.max_batch
+        settings = self.cfg.task
         return BatchSearch(self.limit_gb, settings.resolution, self.up_to(), self.noise_gb(), prior(self.estimated))
 
     def noise_gb(self) -> float:
@@ -115,11 +115,11 @@ class MaxBatchSearch:
         """The search's next size; before any probe has told the device's memory, its first
         one, which needs none."""
         if self.limit_gb is None:
-            return self.cfg.max_batch.resolution
-        if self.estimated is None and self.cfg.max_batch.estimate and any(o.fits for o in self.outcomes()):
+            return self.cfg.task.resolution
+        if self.estimated is None and self.cfg.task.estimate and any(o.fits for o in self.outcomes()):
             # After the first probe: nothing to place when it does not fit, and the limit is known.
-            probe = probe_config(self.cfg, self.cfg.max_batch.resolution, self.steps, self.nproc)
-            estimate_cfg = replace(probe, max_batch=replace(probe.max_batch, search_up_to=self.up_to()))  # traced no further
+            probe = probe_config(self.cfg, self.cfg.task.resolution, self.steps, self.nproc)
+            estimate_cfg = replace(probe, task=replace(probe.task, search_up_to=self.up_to()))  # traced no further
             self.estimated = estimate_curve(estimate_cfg, self.nproc, self.limit_gb)
             self.save(None)
         return self.search().next_size(self.outcomes())
@@ -134,11 +134,11 @@ class MaxBatchSearch:
         return [p for p in self.probes if p.batch_size in sizes and not p.killed]
 
     def searched_from(self) -> int:
-        """The smallest size the search read: max_batch.resolution, or the first size past
+        """The smallest size the search read: task.resolution, or the first size past
         those too small to train."""
         small = {p.batch_size for p in self.too_small()}
         return min((p.batch_size for p in self.probes if not p.killed and p.batch_size not in small),
-                   default=self.cfg.max_batch.resolution)
+                   default=self.cfg.task.resolution)
 
     def run(self) -> dict:
         self.probes = self.recorded_probes()
@@ -149,7 +149,7 @@ class MaxBatchSearch:
             size, for_fastest = self.next_size(), False
             if size is None and not placed and self.boundary():
                 placed = for_fastest = True
-                size = probe_to_place_fastest(self.probes, self.boundary(), self.cfg.max_batch.resolution)
+                size = probe_to_place_fastest(self.probes, self.boundary(), self.cfg.task.resolution)
                 if size is not None:
                     log.info("one more probe, at batch %d: the probes next to the fastest batch are more than %gx "
                              "apart", size, SPACING)
@@ -244,7 +244,7 @@ class MaxBatchSearch:
         probes = [Probe.from_json(p) for p in earlier.get("probes", [])]
         if self.limit_gb is None:  # the device's memory then, should its probes not say it
             self.limit_gb = earlier.get("limit_gb")
-        self.estimated = earlier.get("estimate") if self.cfg.max_batch.estimate else None
+        self.estimated = earlier.get("estimate") if self.cfg.task.estimate else None
         if earlier.get("smallest_batch_need_probe"):
             self.need = Probe.from_json(earlier["smallest_batch_need_probe"])
         if probes:
@@ -283,7 +283,7 @@ class MaxBatchSearch:
 
     def save(self, boundary: int | None) -> dict:
         """max_batch.json, rewritten whole after every probe, so no probe is ever lost."""
-        settings = self.cfg.max_batch
+        settings = self.cfg.task
         noise = self.noise_gb()
         outcomes = self.outcomes()
         model = fit_memory(outcomes)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.tasks import Task
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
+from fsdp_exp.tasks.max_batch.settings import SearchSettings
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class MaxBatch(Task):
+class MaxBatch(SearchSettings, Task):
+    """task=max_batch; its settings (task.*) are SearchSettings."""
 
     def check(self, exp: Experiment) -> None:
         """Refuse what the search cannot do, before any probe starts."""

@@ -8,6 +8,8 @@ nothing but the command line imports it.
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.plugins import Plugins
+from hydra_plugins.fsdp_exp_sweeper.fsdp_exp_sweeper import CheckingSweeper
 
 from fsdp_exp.checkpoint import DCPCheckpoint, NoCheckpoint
 from fsdp_exp.config import Experiment
@@ -45,7 +47,11 @@ SCHEMAS: dict[str, dict[str, type]] = {
 
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore: `schema` (the top level) and
-    `<group>/schema_<name>` for each option to extend."""
+    `<group>/schema_<name>` for each option to extend; and fsdp_exp's sweeper in Hydra's
+    plugins. Hydra finds plugins by walking the hydra_plugins folders, which an editable
+    install (pip install -e) hides behind an import hook; registered by name, the sweeper
+    is found however fsdp_exp was installed."""
+    Plugins.instance().register(CheckingSweeper)
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Experiment)
     for group, options in SCHEMAS.items():

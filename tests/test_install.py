@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.conftest import REPO, read_json, run_cli
 
 # What the build reads. It runs on a copy, so the checkout gets no build/ or egg-info.
-BUILD_INPUTS = ["pyproject.toml", "setup.py", "README.md", "fsdp_exp", "conf"]
+BUILD_INPUTS = ["pyproject.toml", "setup.py", "README.md", "fsdp_exp", "conf", "hydra_plugins"]
 
 
 def pip(*args: str) -> None:
@@ -43,6 +43,7 @@ def test_an_installed_wheel_runs_from_any_directory_with_user_configs(tmp_path: 
         names = archive.namelist()
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         assert "fsdp-exp = fsdp_exp.cli:main" in archive.read(entry_points).decode()
+    assert "hydra_plugins/fsdp_exp_sweeper/fsdp_exp_sweeper.py" in names  # the sweeper of -m
     shipped = {n.removeprefix("fsdp_exp/conf/") for n in names if n.startswith("fsdp_exp/conf/")}
     assert shipped == {p.relative_to(REPO / "conf").as_posix() for p in (REPO / "conf").rglob("*.yaml")}
 
@@ -74,6 +75,14 @@ def test_an_installed_wheel_runs_from_any_directory_with_user_configs(tmp_path: 
     # The installed package says its version; no repository around it is fsdp_exp's.
     assert summary["environment"]["fsdp_exp"] == "0.1.0" and summary["environment"]["git_commit"] is None
     assert "num_layers: 2" in (empty / "run" / ".hydra" / "config.yaml").read_text()
+
+    # A sweep: the installed sweeper checks both runs (one refused), then the other runs.
+    sweep = run_cli("-m", "train.steps=1,0", "wandb.mode=disabled", "model.num_layers=1",
+                    "hydra.sweep.dir=sweep", cwd=empty, extra_env=env)
+    assert sweep.returncode == 0, sweep.stderr
+    assert "fsdp_exp: refused train.steps=0: train.steps=0: must be at least 1; the sweep runs the other 1" in sweep.stderr
+    assert read_json(empty / "sweep" / "0" / "summary.json")["status"] == "ok"
+    assert read_json(empty / "sweep" / "1" / "summary.json")["status"] == "refused"
 
     script = run_cli("--cfg", "job", "sharding=grad_op", cwd=empty, extra_env=env, module=(str(site / "bin" / "fsdp-exp"),))
     assert script.returncode == 0, script.stderr

@@ -283,8 +283,9 @@ def test_wandb_settings_the_config_leaves_open_come_from_the_environment(
 
 
 def test_a_bad_wandb_mode_in_the_environment_is_one_line(tmp_path: Path) -> None:
-    result = run_cli("--cfg", "job", cwd=tmp_path, extra_env={"WANDB_MODE": "loud"})
+    result = run_cli("train.steps=1", cwd=tmp_path, extra_env={"WANDB_MODE": "loud"})  # refused before it trains
     assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
     assert result.stderr.strip().splitlines() == [
         "fsdp_exp: WANDB_MODE=loud: with wandb.mode=auto, choose one of: online, offline, disabled"]
 

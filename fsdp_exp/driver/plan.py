@@ -95,16 +95,17 @@ def settings_moved(exp: Experiment) -> Experiment:
     if not given:
         return exp
     old = ", ".join(f"max_batch.{key}" for key in given)
-    if not isinstance(exp.task, SearchSettings):
-        raise ConfigError(f"{old}: settings of task=max_batch (now task.*), and this run is "
-                          f"task={type(exp.task).__name__.lower()}")
+    searches = isinstance(exp.task, SearchSettings)
     new = " ".join(f"task.{key}={str(value).lower() if isinstance(value, bool) else value}"
                    for key, value in given.items())
-    if old not in _noted:  # once per command, not once per run of a sweep
-        _noted.add(old)
-        print(f"fsdp_exp: {old} moved under task.*: write {new}; the old names are read until the next release",
-              file=sys.stderr)
-    return replace(exp, task=replace(exp.task, **given), max_batch=OldSearchSettings())
+    note = (f"{old} moved under task.* of task=max_batch: write {new}; the old names are read until the next release"
+            if searches else f"{old}: settings of task=max_batch (now task.*); task={type(exp.task).__name__.lower()} "
+            "ignores them, as it did, until the next release refuses them")
+    if note not in _noted:  # once per command, not once per run of a sweep
+        _noted.add(note)
+        print(f"fsdp_exp: {note}", file=sys.stderr)
+    task = replace(exp.task, **given) if searches else exp.task
+    return replace(exp, task=task, max_batch=OldSearchSettings())
 
 
 _noted: set[str] = set()

@@ -274,3 +274,17 @@ def test_max_batch_searches_without_the_estimate_when_it_cannot_trace(caplog):
         record = estimate_curve(exp, 2, limit_gb=1.0)
     assert "could not trace this setup" in record["error"] and prior(record) is None
     assert "the search places its probes without it" in caplog.text
+
+
+def test_the_trace_of_a_gpu_run_asks_for_foreach_and_leaves_the_runs_settings_as_they_were() -> None:
+    """On a GPU torch's AdamW takes its foreach kernels, whose temporaries the trace (on the
+    CPU) must see, so the traced experiment asks for them; it is derived with `replace`, so
+    the run's own experiment keeps the user's optimizer and model."""
+    from fsdp_exp.estimate.trace import for_tracing
+
+    exp = prepare(compose_checked(["task=estimate", "task.device=cuda", "wandb.mode=disabled"]), 0).exp
+    before = dict(exp.optimizer)
+    on_gpu, on_cpu = for_tracing(exp, on_gpu=True), for_tracing(exp, on_gpu=False)
+    assert on_gpu.optimizer["foreach"] is True and "foreach" not in on_cpu.optimizer
+    assert dict(exp.optimizer) == before and "foreach" not in exp.optimizer
+    assert on_gpu.model is not exp.model and exp.model.init_device == "cpu" and not exp.train.compile

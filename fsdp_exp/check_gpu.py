@@ -26,8 +26,11 @@ import time
 from datetime import date
 from pathlib import Path
 
+import torch
+
 from fsdp_exp.check_gpu_checks import RunResult, Setup, checks, runs, setup_for
 from fsdp_exp.errors import one_line
+from fsdp_exp.metrics.environment import package_version
 
 RUN_TIMEOUT_S = 900
 EXIT_FAILED, EXIT_NO_GPU = 1, 2
@@ -77,10 +80,6 @@ def read_run(out: Path, stderr: str = "") -> RunResult:
 
 
 def title(setup: Setup) -> str:
-    import torch
-
-    from fsdp_exp.metrics.environment import package_version
-
     where = (f"{setup.ranks} GPU(s) visible, one rank each (nccl)" if setup.device == "cuda" else
              f"CPU, {setup.ranks} gloo ranks: a development run of the checks, which says nothing of a GPU")
     return (f"fsdp_exp.check_gpu  {date.today()}  {platform.node()}  fsdp_exp {package_version() or '-'}  "
@@ -124,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: for development only, the same checks on 2 CPU ranks with gloo")
     args = parser.parse_args(argv)
-
-    import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fsdp_exp.check_gpu: no GPU here (torch.cuda.is_available() is False), so nothing to check",

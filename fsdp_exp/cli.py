@@ -32,6 +32,7 @@ from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import stop_on_signals, stop_signal
+from fsdp_exp.launch.external import run_as_worker
 from fsdp_exp.metrics.sinks import write_summary
 from fsdp_exp.metrics.startup import process_started
 
@@ -58,8 +59,6 @@ warnings.filterwarnings("ignore", message="provider=hydra.searchpath in command-
 
 def main() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from fsdp_exp.launch.external import run_as_worker
-
         sys.exit(run_as_worker(sys.argv[1:], compose_config))
     stop_on_signals()
     side_by_side = SideBySide()

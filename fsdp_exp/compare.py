@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_exp.errors import one_line
-from fsdp_exp.metrics.plots import none_fits
+from fsdp_exp.metrics.plots import none_fits, plot_comparison, plot_throughput_vs_memory
 from fsdp_exp.metrics.sinks import wandb_project
 
 EXIT_BAD_INPUT = 2
@@ -90,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"fsdp_exp.compare: --out {out}: cannot write there ({err.strerror})", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from fsdp_exp.metrics.plots import plot_comparison, plot_throughput_vs_memory
-
     plot_comparison(rows, paths[2])
     points = memory_points(rows)
     if points:

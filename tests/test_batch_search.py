@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 import pytest
 
+from fsdp_exp.estimate.curve import PeakCurve
 from fsdp_exp.tasks.max_batch.prior import doubling
 from fsdp_exp.tasks.max_batch.policy import (
     BatchSearch,
     MemoryModel,
     Outcome,
-    Prior,
     fit_memory,
     recommended_size,
     too_small,
@@ -83,7 +83,7 @@ def true_boundary(curve: Curve, limit_gb: float = LIMIT_GB, up_to: int = UP_TO) 
 
 
 def search(curve: Curve, limit_gb: float = LIMIT_GB, resolution: int = 1, up_to: int = UP_TO,
-           noise: float = 0.0, seed: int = 0, prior: Prior | None = None) -> tuple[int, list[Outcome]]:
+           noise: float = 0.0, seed: int = 0, prior: PeakCurve | None = None) -> tuple[int, list[Outcome]]:
     """Run the search to its end against `curve`: (its answer, the probes it made). `noise`:
     each measured peak is off by up to that share of it; whether a batch fits is not.
     `prior`: the estimate's curve, as task=max_batch gives it."""
@@ -337,7 +337,7 @@ def test_a_probe_that_trained_inside_the_noise_band_does_not_fit_but_its_peak_co
 
 
 def search_real_noise(base_gb: float, slope_gb: float, limit_gb: float, band_gb: float, seed: int,
-                      prior: Prior | None = None) -> list[Outcome]:
+                      prior: PeakCurve | None = None) -> list[Outcome]:
     """As on real ranks: every run of a size peaks somewhere within the noise band around the
     line, and runs out of memory when that peak passes the limit, so near the boundary a size
     may train in one run and not in the next. The search leaves the band free."""
@@ -382,7 +382,7 @@ def test_peaks_that_move_between_runs_end_in_a_split_bracket_not_a_walk(shape):
 # --- with the estimate's curve (task.estimate=true) ---
 
 
-def estimated(curve: Curve, limit_gb: float = LIMIT_GB, low_by_gb: float = 0.0, slope_off: float = 1.0) -> Prior:
+def estimated(curve: Curve, limit_gb: float = LIMIT_GB, low_by_gb: float = 0.0, slope_off: float = 1.0) -> PeakCurve:
     """What task=estimate would give for `curve`: its peaks at doubling sizes up to the first
     above the limit, `low_by_gb` too low everywhere (memory the trace does not see, as the
     ViT's 80 MB on gloo) and with what grows past batch 0 scaled by `slope_off`."""
@@ -392,11 +392,11 @@ def estimated(curve: Curve, limit_gb: float = LIMIT_GB, low_by_gb: float = 0.0, 
         points.append((b, peak))
         if peak > limit_gb:
             break
-    return Prior(tuple(points))
+    return PeakCurve(tuple(points))
 
 
 def test_the_prior_is_straight_between_traced_sizes_and_goes_on_past_the_last():
-    prior = Prior(((1, 1.0), (2, 1.0), (4, 1.2), (8, 1.6)))
+    prior = PeakCurve(((1, 1.0), (2, 1.0), (4, 1.2), (8, 1.6)))
     assert prior.peak_gb(0.5) == 1.0 and prior.peak_gb(3) == pytest.approx(1.1)
     assert prior.peak_gb(16) == pytest.approx(2.4)  # on along 0.1 GB a sample
     assert prior.slope_at(6) == pytest.approx(0.1) and prior.slope_at(1.5) == 0.0
@@ -411,7 +411,7 @@ def test_the_prior_is_straight_between_traced_sizes_and_goes_on_past_the_last():
     assert not prior.through((1, 1.0), (2, 1.3)).scaled  # the curve is flat between them: only moved
     assert not prior.through((2, 1.0), (4, 2.0)).scaled  # five times its growth: not the same curve
     assert prior.crossing(0.9) == 0.0  # the first traced size is over it
-    assert math.isinf(Prior(((1, 1.0), (2, 1.0))).crossing(2.0))  # never rises
+    assert math.isinf(PeakCurve(((1, 1.0), (2, 1.0))).crossing(2.0))  # never rises
 
 
 def counts_with_and_without(curves: dict[int, Curve], **estimate) -> tuple[dict[int, int], dict[int, int]]:

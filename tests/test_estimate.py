@@ -12,7 +12,8 @@ from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.estimate.breakdown import GB, attention_workspace, estimate_batch
-from fsdp_exp.estimate.trace import cuda_block, cuda_segment, trace
+from fsdp_exp.estimate.allocator import cuda_block, cuda_segment
+from fsdp_exp.estimate.trace import for_tracing, trace
 from tests.conftest import REPO, read_json, run_cli
 
 WIDTH, DEPTH, FP32, INT64 = 256, 4, 4, 8
@@ -280,8 +281,6 @@ def test_the_trace_of_a_gpu_run_asks_for_foreach_and_leaves_the_runs_settings_as
     """On a GPU torch's AdamW takes its foreach kernels, whose temporaries the trace (on the
     CPU) must see, so the traced experiment asks for them; it is derived with `replace`, so
     the run's own experiment keeps the user's optimizer and model."""
-    from fsdp_exp.estimate.trace import for_tracing
-
     exp = prepare(compose_checked(["task=estimate", "task.device=cuda", "wandb.mode=disabled"]), 0).exp
     before = dict(exp.optimizer)
     on_gpu, on_cpu = for_tracing(exp, on_gpu=True), for_tracing(exp, on_gpu=False)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fsdp_exp.estimate.trace import CATEGORIES, CUDA_SEGMENT, OFFLOADED, StepTrace, Trace, TracedPeak, cuda_block
+from fsdp_exp.estimate.allocator import CUDA_SEGMENT, cuda_block
+from fsdp_exp.estimate.traced import CATEGORIES, OFFLOADED, StepTrace, Trace, TracedPeak
 
 GB = 2**30
 # The CUDA context with torch's kernels loaded lazily (CUDA_MODULE_LOADING=LAZY, the default

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,8 @@ from torch.nn import functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from fsdp_exp.estimate.allocator import cuda_block, cuda_segment
+from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace, TracedPeak
 from fsdp_exp.rank.build import build_model_for_training
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
@@ -51,48 +52,6 @@ from fsdp_exp.sharding import NoSharding
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
-
-# The tracker's categories (FSDPMemTracker's, then MemTracker's), by the estimate's.
-CATEGORIES = {
-    "parameters": ("Sharded Param", "Parameter"),
-    "gradients": ("Sharded Grad", "Gradient"),
-    "optimizer_state": ("OptState", "Optstate"),
-    "activations": ("Activation", "Inputs"),
-    "temporaries": ("Temp",),
-    "unsharded_and_buffers": ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Buffer"),
-}
-# With offload=true these live in host memory: on a GPU they leave the device.
-OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
-
-# The CUDA caching allocator: every block a multiple of 512 bytes; blocks up to 1 MiB come
-# from 2 MiB segments, larger ones from segments rounded up to 2 MiB.
-CUDA_BLOCK = 512
-CUDA_SMALL = 2**20
-CUDA_SEGMENT = 2 * 2**20
-
-
-def cuda_block(nbytes: int) -> int:
-    return max(CUDA_BLOCK, math.ceil(nbytes / CUDA_BLOCK) * CUDA_BLOCK) if nbytes else 0
-
-
-def cuda_segment(nbytes: int) -> int:
-    """The reserved memory a live block of this size takes when it does not share a segment."""
-    block = cuda_block(nbytes)
-    return block if block <= CUDA_SMALL else math.ceil(block / CUDA_SEGMENT) * CUDA_SEGMENT
-
-
-@dataclass
-class TracedPeak:
-    """The largest total of one count over a traced stretch, and its categories then."""
-
-    bytes: int = 0
-    categories: dict[str, int] = field(default_factory=dict)
-    phase: str = ""
-
-    def see(self, total: int, categories: dict[str, int], phase: str) -> None:
-        if total > self.bytes:
-            self.bytes, self.categories, self.phase = total, dict(categories), phase
-
 
 class Counts:
     """Live bytes by tracker category, three ways: as stored (the CPU), in the CUDA
@@ -169,29 +128,6 @@ def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, counts: Co
     made = PlainTracker(counts)
     made.track_external(model, optimizer)
     return made
-
-
-@dataclass
-class StepTrace:
-    """One batch size's trace: the peaks of its training steps, and what it ran."""
-
-    batch_size: int
-    peaks: dict[str, TracedPeak]
-    optimizer_state_bytes: int  # what the optimizer keeps between steps
-    ddp_buckets_bytes: int  # sharding=ddp: the reducer's flat copy of the gradients
-    attention: list[tuple[int, ...]]  # query shapes, (batch, heads, tokens, head dim)
-
-
-@dataclass
-class Trace:
-    world_size: int
-    steps: list[StepTrace]
-    build_bytes: int  # building and sharding the model, when each rank builds the whole model first
-    params: int  # the model's parameter count
-    shard_count: int  # how many ranks share each parameter
-    baseline_bytes: int  # what this process held before tracing (torch, the data), as a rank before its model
-    data_bytes: int  # of which the data set: a rank loads it after its runtime is marked, so it is the run's own
-    seconds: float
 
 
 @contextlib.contextmanager

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.errors import ConfigError, at_least, one_line
 from fsdp_exp.launch.core import (
-    POLL_S,
     Echo,
     RankOutcome,
     RunFailed,
@@ -36,6 +35,7 @@ from fsdp_exp.launch.core import (
     watch,
 )
 from fsdp_exp.launch.ray_worker import RayJob, _train_loop, size
+from fsdp_exp.rank.distributed import backend_for
 from fsdp_exp.rank.worker import rank_log_path
 
 if TYPE_CHECKING:
@@ -134,8 +134,6 @@ class RayLauncher:
             from ray.train.torch import TorchConfig, TorchTrainer
         except ImportError:
             raise missing_extra("ray", "ray[train]", "ray") from None
-
-        from fsdp_exp.rank.distributed import backend_for
 
         run_dir = Path(run_dir).resolve()
         resources = {str(k): float(v) for k, v in dict(self.resources_per_worker or {}).items()}

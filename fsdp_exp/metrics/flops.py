@@ -17,6 +17,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from fsdp_exp.models.gpt import GPT
+
 
 class DevicePeak(NamedTuple):
     """One GPU variant's dense peak TFLOP/s (without 2:4 sparsity), from NVIDIA's datasheet."""
@@ -261,8 +263,6 @@ def flops_per_token(model: nn.Module, seq_len: int) -> int | None:
 def _layers_and_width(model: nn.Module) -> tuple[int, int] | None:
     """(layers, attention width): fsdp_exp's GPT from its modules, a Hugging Face model
     from its config (GPT-2's `n_layer`/`n_embd` or the usual `num_hidden_layers`/`hidden_size`)."""
-    from fsdp_exp.models.gpt import GPT
-
     for module in model.modules():
         if isinstance(module, GPT):
             return len(module.blocks), module.wte.embedding_dim

@@ -1,8 +1,8 @@
 """The estimate's curve for task=max_batch (task.estimate=true).
 
-One task=estimate trace (`fsdp_exp.tasks.estimate`, on fake tensors, nothing allocated) at
+One task=estimate trace (`fsdp_exp.estimate.predict`, on fake tensors, nothing allocated) at
 doubling sizes from task.resolution, up to the first predicted to peak above the
-memory limit. The search (`policy.Prior`) moves the curve through its probes, so its
+memory limit. The search moves the curve through its probes, so its
 level need not be right, only its shape; each probe shows the estimate beside its peak.
 """
 
@@ -12,8 +12,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from fsdp_exp.estimate.curve import PeakCurve
+from fsdp_exp.estimate.predict import estimate
 from fsdp_exp.launch.core import RunFailed
-from fsdp_exp.tasks.max_batch.policy import Prior
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -32,8 +33,6 @@ def doubling(resolution: int, up_to: int) -> list[int]:
 def estimate_curve(cfg: Experiment, world_size: int, limit_gb: float) -> dict:
     """The record of the estimate: its peaks by batch size as the limit counts them (on a
     GPU, what the allocator would reserve), or why there are none."""
-    from fsdp_exp.tasks.estimate import estimate
-
     settings = cfg.task
     start = time.perf_counter()
     on_gpu = cfg.device == "cuda"
@@ -49,7 +48,7 @@ def estimate_curve(cfg: Experiment, world_size: int, limit_gb: float) -> dict:
     return {"device": record["device"], "peaks_gb": peaks, "wall_s": wall}
 
 
-def prior(record: dict | None) -> Prior | None:
+def prior(record: dict | None) -> PeakCurve | None:
     if not record or not record.get("peaks_gb"):
         return None
-    return Prior(tuple((int(b), float(p)) for b, p in record["peaks_gb"]))
+    return PeakCurve(tuple((int(b), float(p)) for b, p in record["peaks_gb"]))

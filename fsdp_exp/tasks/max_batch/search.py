@@ -27,6 +27,7 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
     write_device_record,
 )
+from fsdp_exp.metrics.plots import plot_max_batch
 from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.rank.worker import rank_log_path
 from fsdp_exp.run_context import RunContext
@@ -346,8 +347,6 @@ class MaxBatchSearch:
 
     def report(self, record: dict) -> None:
         """max_batch.png, wandb, and the answer in one line."""
-        from fsdp_exp.metrics.plots import plot_max_batch
-
         png = self.run_dir / "max_batch.png"
         plot_max_batch(record, png)
         log_to_wandb(self.cfg, self.context, self.run_dir, record, png)

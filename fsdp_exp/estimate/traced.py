@@ -1,0 +1,54 @@
+"""What a trace records: the peaks of a rank's training steps by the tracker's categories,
+for each batch size traced (`fsdp_exp.estimate.trace` makes them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The tracker's categories (FSDPMemTracker's, then MemTracker's), by the estimate's.
+CATEGORIES = {
+    "parameters": ("Sharded Param", "Parameter"),
+    "gradients": ("Sharded Grad", "Gradient"),
+    "optimizer_state": ("OptState", "Optstate"),
+    "activations": ("Activation", "Inputs"),
+    "temporaries": ("Temp",),
+    "unsharded_and_buffers": ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter", "Buffer"),
+}
+# With offload=true these live in host memory: on a GPU they leave the device.
+OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
+
+
+@dataclass
+class TracedPeak:
+    """The largest total of one count over a traced stretch, and its categories then."""
+
+    bytes: int = 0
+    categories: dict[str, int] = field(default_factory=dict)
+    phase: str = ""
+
+    def see(self, total: int, categories: dict[str, int], phase: str) -> None:
+        if total > self.bytes:
+            self.bytes, self.categories, self.phase = total, dict(categories), phase
+
+
+@dataclass
+class StepTrace:
+    """One batch size's trace: the peaks of its training steps, and what it ran."""
+
+    batch_size: int
+    peaks: dict[str, TracedPeak]
+    optimizer_state_bytes: int  # what the optimizer keeps between steps
+    ddp_buckets_bytes: int  # sharding=ddp: the reducer's flat copy of the gradients
+    attention: list[tuple[int, ...]]  # query shapes, (batch, heads, tokens, head dim)
+
+
+@dataclass
+class Trace:
+    world_size: int
+    steps: list[StepTrace]
+    build_bytes: int  # building and sharding the model, when each rank builds the whole model first
+    params: int  # the model's parameter count
+    shard_count: int  # how many ranks share each parameter
+    baseline_bytes: int  # what this process held before tracing (torch, the data), as a rank before its model
+    data_bytes: int  # of which the data set: a rank loads it after its runtime is marked, so it is the run's own
+    seconds: float

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
+from omegaconf import OmegaConf
 
-from fsdp_exp.driver.check import combinations, parse_overrides
+from fsdp_exp.cli import CONF_DIR
+from fsdp_exp.driver.check import check_sweep, combinations, parse_overrides
+from hydra_plugins.fsdp_exp_sweeper.fsdp_exp_sweeper import ComposedOnce
 from fsdp_exp.errors import ConfigError
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
 
@@ -132,3 +139,32 @@ def test_a_sweep_whose_every_run_is_refused_is_one_line_and_exit_2(tmp_path: Pat
     assert result.returncode == 2
     assert result.stderr.strip().startswith("fsdp_exp: offload=true: sharding=ddp keeps a full replica")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+class CountingLoader:
+    """Hydra's own config loader, counting how often it composes a run."""
+
+    def __init__(self, loader: object) -> None:
+        self.loader, self.calls = loader, 0
+
+    def load_sweep_config(self, master: object, overrides: list[str]) -> object:
+        self.calls += 1
+        return self.loader.load_sweep_config(master, overrides)
+
+
+def test_the_sweeper_hands_the_launcher_each_run_as_the_check_composed_it() -> None:
+    """A run of a -m sweep is composed once: for its check, before any run starts; the
+    launcher gets that config, not a second composing of the same overrides."""
+    with initialize_config_dir(CONF_DIR, version_base="1.3", job_name="fsdp_exp"):
+        counting = CountingLoader(GlobalHydra.instance().config_loader())
+        master = counting.loader.load_configuration("config", [], run_mode=RunMode.MULTIRUN)
+        once = ComposedOnce(counting)
+        runs = combinations(parse_overrides(["sharding=full,ddp", *SMALL_VIT], counting.loader))
+        launch = check_sweep(runs, lambda overrides: once.compose(master, overrides))
+        checked = dict(once.composed)
+        given = [once.load_sweep_config(master, overrides) for overrides in launch]
+        assert counting.calls == 2 and [checked[tuple(o)] for o in launch] == given
+        assert [OmegaConf.get_type(g.sharding).__name__ for g in given] == ["FullyShard", "DDP"]
+        again = once.load_sweep_config(master, launch[0])  # not kept twice: composed anew
+        assert counting.calls == 3 and again is not given[0] and again == given[0]
+        assert pickle.loads(pickle.dumps(ComposedOnce(None))).composed == {}  # a launcher plugin pickles it

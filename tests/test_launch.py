@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,3 +86,57 @@ def test_ranks_start_from_the_rank_server_or_fresh_and_never_inherit_a_launch(tm
     parent = multiprocessing.forkserver._forkserver._forkserver_pid if method == "forkserver" else os.getpid()
     assert first["parent"] == second["parent"] == parent
     assert first["threads"] == second["threads"] == rank_threads(2)
+
+
+WORKER = """
+import os, sys
+from pathlib import Path
+from fsdp_exp.cli import compose_config
+from fsdp_exp.launch.external import run_as_worker
+
+def counted(argv):
+    Path(sys.argv[1], "composed_by_rank" + os.environ["RANK"]).touch()
+    return compose_config(argv)
+
+sys.exit(run_as_worker(sys.argv[2:], counted))
+"""
+
+
+def two_ranks_of_an_outside_launcher(tmp_path: Path, *args: str) -> list[subprocess.CompletedProcess]:
+    """`python -m fsdp_exp ARGS` as two processes that an outside launcher (srun, mpirun, a
+    torchrun without its agent's store) gave RANK, WORLD_SIZE and a MASTER_ADDR:PORT; each
+    counts its own composing of the config in tmp_path."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(tmp_path), *args], cwd=tmp_path,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "PYTHONPATH": os.pathsep.join(sys.path)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+def test_outside_launched_ranks_compose_once_and_run_rank_0s_plan(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    rank0, rank1 = two_ranks_of_an_outside_launcher(tmp_path, *SMALL_VIT, "train.steps=2", "train.log_every=1",
+                                                    f"hydra.run.dir={out}")
+    assert rank0.returncode == 0 and rank1.returncode == 0, rank0.stderr[-2000:] + rank1.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.glob("composed_by_rank*")) == ["composed_by_rank0"]
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["steps"] == 2
+    assert (out / "rank1.log").exists(), "rank 1 ran in rank 0's run directory"
+
+
+def test_outside_launched_ranks_refuse_bad_input_in_one_line_from_rank_0(tmp_path: Path) -> None:
+    rank0, rank1 = two_ranks_of_an_outside_launcher(tmp_path, *SMALL_VIT, "train.steps=0")
+    assert (rank0.returncode, rank1.returncode) == (2, 2)
+    assert rank0.stderr.strip() == "fsdp_exp: train.steps=0: must be at least 1", rank0.stderr
+    assert rank1.stderr.strip() == "" and not list(tmp_path.glob("outputs"))
+    assert sorted(p.name for p in tmp_path.glob("composed_by_rank*")) == ["composed_by_rank0"]

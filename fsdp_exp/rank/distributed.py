@@ -43,10 +43,11 @@ def backend_for(device_type: str, offload: bool) -> str:
     return "cpu:gloo,cuda:nccl" if offload else "nccl"
 
 
-def init(device_type: str, offload: bool = False, timeout_s: float = 600) -> Ranks:
+def init(device_type: str, offload: bool = False, timeout_s: float = 600, store: dist.Store | None = None) -> Ranks:
     """Join the process group that torchrun or the elastic launcher described in the env,
-    with `backend_for(device_type, offload)`. The sharding plan makes its own device mesh
-    from `device.type`, never from the accelerator's default.
+    with `backend_for(device_type, offload)`; `store`: the env's rendezvous store, when the
+    caller has met the other ranks through it already. The sharding plan makes its own
+    device mesh from `device.type`, never from the accelerator's default.
     """
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -58,7 +59,9 @@ def init(device_type: str, offload: bool = False, timeout_s: float = 600) -> Ran
         device = torch.device("cpu")
     if not dist.is_initialized():
         device_id = device if device_type == "cuda" else None
-        dist.init_process_group(backend_for(device_type, offload), timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+        met = {"store": store, "rank": rank, "world_size": world_size} if store is not None else {}
+        dist.init_process_group(backend_for(device_type, offload), timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device_id, **met)
     return Ranks(rank, local_rank, world_size, device)
 
 

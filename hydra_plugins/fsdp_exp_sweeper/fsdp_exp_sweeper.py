@@ -4,12 +4,13 @@ first starts (fsdp_exp.driver.check), then handed to Hydra's launcher as one bat
 Hydra finds sweepers in the hydra_plugins namespace package (and loads this module
 outside sys.modules, so its annotations are not postponed); this one is the default of
 fsdp_exp's config. It runs every combination of the listed values, in the order of
-Hydra's basic sweeper.
+Hydra's basic sweeper. Each run is composed once: the launcher is handed the config the
+check composed (`ComposedOnce`), not a second composing of the same overrides.
 """
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.plugins import Plugins
@@ -28,22 +29,49 @@ class CheckingSweeperConf:
 ConfigStore.instance().store(group="hydra/sweeper", name="fsdp_exp", node=CheckingSweeperConf, provider="fsdp_exp")
 
 
+class ComposedOnce:
+    """Hydra's config loader, as the sweeper hands it to the launcher: a run's config that
+    the check has composed is given out once more as it is, in place of composing its
+    overrides again. The rest is the loader's own."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.composed: Dict[Tuple[str, ...], DictConfig] = {}
+
+    def compose(self, master: DictConfig, overrides: List[str]) -> DictConfig:
+        """A run's config, composed, and kept for the launcher."""
+        cfg = self.loader.load_sweep_config(master, list(overrides))
+        self.composed[tuple(overrides)] = cfg
+        return cfg
+
+    def load_sweep_config(self, master: DictConfig, overrides: List[str]) -> DictConfig:
+        kept = self.composed.pop(tuple(overrides), None)
+        return kept if kept is not None else self.loader.load_sweep_config(master, overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "loader":  # pickling (a launcher plugin's jobs) looks before it is set
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
 class CheckingSweeper(Sweeper):
     def __init__(self) -> None:
         self.config: Optional[DictConfig] = None
         self.hydra_context: Optional[HydraContext] = None
         self.launcher: Any = None
+        self.loader: Optional[ComposedOnce] = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
+        self.loader = ComposedOnce(hydra_context.config_loader)
         self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config)
+            hydra_context=HydraContext(config_loader=self.loader, callbacks=hydra_context.callbacks),
+            task_function=task_function, config=config)
 
     def sweep(self, arguments: List[str]) -> Any:
-        assert self.config is not None and self.hydra_context is not None
-        loader = self.hydra_context.config_loader
-        runs = combinations(parse_overrides(arguments, loader))
-        launch = check_sweep(runs, lambda overrides: loader.load_sweep_config(self.config, overrides))
+        assert self.config is not None and self.loader is not None
+        runs = combinations(parse_overrides(arguments, self.loader.loader))
+        launch = check_sweep(runs, lambda overrides: self.loader.compose(self.config, overrides))
         sweep_dir = Path(self.config.hydra.sweep.dir)  # as Hydra's basic sweeper keeps it, once checked
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")

@@ -168,3 +168,39 @@ def test_the_sweeper_hands_the_launcher_each_run_as_the_check_composed_it() -> N
         again = once.load_sweep_config(master, launch[0])  # not kept twice: composed anew
         assert counting.calls == 3 and again is not given[0] and again == given[0]
         assert pickle.loads(pickle.dumps(ComposedOnce(None))).composed == {}  # a launcher plugin pickles it
+
+
+DRIVER = """
+import sys
+from fsdp_exp.launch.rank_server import start_rank_server
+from fsdp_exp.cli import main
+
+if __name__ == "__main__":  # as python -m fsdp_exp does it
+    start_rank_server()
+    sys.argv = ["fsdp_exp", *sys.argv[1:]]
+    try:
+        main()
+    finally:
+        print("driver imported:", sorted(m for m in ("torchvision", "fsdp_exp.models.vit") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_the_model_is_checked_against_the_data_in_a_fork_of_the_rank_server(tmp_path: Path, bad: bool) -> None:
+    """The command never imports the model's modules (torchvision's take 1.1 s): its check
+    of the model against the data runs forked from the rank server, which has them; a
+    model that cannot read the data is refused from there in one line, before any run
+    directory exists."""
+    (tmp_path / "driver.py").write_text(DRIVER)
+    out = tmp_path / "run"
+    args = [*SMALL_VIT, "train.steps=1", f"hydra.run.dir={out}", *(["data=synthetic_tokens"] if bad else [])]
+    result = run_cli(str(tmp_path / "driver.py"), *args, cwd=tmp_path, module=())
+    assert result.stdout.strip().splitlines()[-1] == "driver imported: []", result.stdout + result.stderr
+    if bad:
+        assert result.returncode == 2 and not out.exists()
+        assert result.stderr.strip().startswith("fsdp_exp: data.seq_len=128: model fsdp_exp.models.vit.build_vit "
+                                                "cannot read this data's inputs"), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    else:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert read_json(out / "summary.json")["status"] == "ok"

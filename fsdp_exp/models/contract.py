@@ -61,6 +61,15 @@ def check_model(spec: ModelSpec) -> BuiltOnMeta:
     return BuiltOnMeta(model, blocks)
 
 
+def check_model_and_data(spec: ModelSpec, data: TrainData | None) -> bool:
+    """`check_model`, then, given the `data`, `check_model_reads_data`: whether the model
+    has blocks to shard one by one."""
+    model = check_model(spec)
+    if data is not None:
+        check_model_reads_data(spec, model.module, data)
+    return bool(model.blocks)
+
+
 def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: TrainData) -> None:
     """One forward on the meta device, with a batch shaped like the data's: the model must
     take the data's inputs and return logits for its targets. `model`: built on the meta

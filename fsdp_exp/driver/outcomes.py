@@ -14,6 +14,8 @@ from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from fsdp_exp.errors import one_line
+
 EXIT_RUN_FAILED = 1
 
 
@@ -77,4 +79,4 @@ def outcome(summary: dict | Future) -> dict:
     try:
         return summary.result()
     except Exception as err:  # noqa: BLE001 - a run that failed outside its launch is a failed run
-        return {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+        return {"status": "failed", "error": one_line(err, named=True, whole=True)}

@@ -14,9 +14,13 @@ from typing import Any, Callable, Mapping
 from hydra.utils import get_class, get_method
 from torch import nn
 
-from fsdp_exp.errors import ConfigError, one_line
+from fsdp_exp.errors import Choice, ConfigError, one_line
 
-INIT_DEVICES = ("cpu", "meta")
+
+
+class InitDevice(Choice):
+    cpu = "cpu"  # build, then move to the device
+    meta = "meta"  # build without memory, shard, then fill each rank's shards
 OWN_KEYS = ("_target_", "blocks", "init_device")
 NO_BUILDER = ("model._target_: name the builder, a class or function such as mypkg.Net "
               "(model=custom model._target_=mypkg.Net)")
@@ -37,11 +41,14 @@ class ModelSpec:
     target: str
     kwargs: dict = field(default_factory=dict)
     blocks: list[str] = field(default_factory=list)
-    init_device: str = "cpu"
+    init_device: InitDevice = InitDevice.cpu
 
     def __post_init__(self) -> None:
-        if self.init_device not in INIT_DEVICES:
-            raise ConfigError(f"model.init_device={self.init_device}: choose one of: {', '.join(INIT_DEVICES)}")
+        try:  # the model group is open: its own keys are typed here, not by OmegaConf
+            self.init_device = InitDevice(self.init_device)
+        except ValueError:
+            raise ConfigError(f"model.init_device={self.init_device}: choose one of: "
+                              f"{', '.join(d.value for d in InitDevice)}") from None
 
     @classmethod
     def from_config(cls, node: Mapping[str, Any]) -> ModelSpec:

@@ -1,7 +1,8 @@
-"""The model contract, checked on the driver before any rank starts: the builder takes the
-option's keys and builds, the option's blocks are in the model, and one forward on the
-meta device (no memory) takes the data's inputs and returns logits for its targets. The
-ranks check the logits once more on the first real batch (`check_logits`).
+"""The model contract, checked before any rank starts (by the driver, in a fork of the rank
+server when `python -m fsdp_exp` started one): the builder takes the option's keys and
+builds, the option's blocks are in the model, and one forward on the meta device (no
+memory) takes the data's inputs and returns logits for its targets. The ranks check the
+logits once more on the first real batch (`check_logits`).
 
 A model may also state `max_seq_len` (the longest sequence it reads) and, where its
 forward cannot run on the meta device, `vocab_size` (its logits per token).

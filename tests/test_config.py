@@ -38,6 +38,7 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["model=custom", "model._target_=torch.nn.Linear", "+model.in_features=4"],
          "model: torch.nn.Linear: Linear.__init__() missing 1 required positional argument: 'out_features'"),
         (["model=custom", "model._target_=nowhere.Net"], "model._target_=nowhere.Net: cannot import it"),
+        (["data=custom", "data._target_=nowhere.Squares"], "data._target_=nowhere.Squares: cannot import it"),
         (["model.blocks=[torch.nn.GRU]"], "model.blocks: torch.nn.modules.rnn.GRU is not in the model"),
         (["model.init_device=disk"], "model.init_device=disk: choose one of: cpu, meta"),
         (["train.batch_size=0"], "train.batch_size=0: must be at least 1"),

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-from hydra.utils import get_method
 from torch.utils.data import Dataset
 
 from fsdp_exp.data import TrainData
-from fsdp_exp.errors import ConfigError, one_line
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.targets import imported
 
 OWN_KEYS = ("_target_", "num_workers")
 
@@ -42,10 +42,7 @@ class CustomData(TrainData):
         return cls(target, kwargs, num_workers=int(node.get("num_workers", 0)))
 
     def builder(self) -> Any:
-        try:
-            return get_method(self.target)
-        except Exception as err:  # Hydra: ImportError or ValueError, with a long text
-            raise ConfigError(f"data._target_={self.target}: cannot import it ({one_line(err)})") from None
+        return imported("data._target_", self.target)
 
     def __getstate__(self) -> dict:
         """Ranks build their own dataset: the driver's copy, made for the checks, stays."""

@@ -11,10 +11,11 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from hydra.utils import get_class, get_method
+from hydra.utils import get_class
 from torch import nn
 
 from fsdp_exp.errors import Choice, ConfigError, one_line
+from fsdp_exp.targets import imported
 
 
 
@@ -71,10 +72,7 @@ class ModelSpec:
         return {"_target_": self.target, **self.kwargs, "blocks": list(self.blocks), "init_device": self.init_device}
 
     def builder(self) -> Callable[..., nn.Module]:
-        try:
-            return get_method(self.target)
-        except Exception as err:  # Hydra: ImportError or ValueError, with a long text
-            raise ConfigError(f"model._target_={self.target}: cannot import it ({one_line(err)})") from None
+        return imported("model._target_", self.target)
 
     def block_classes(self) -> tuple[type[nn.Module], ...]:
         classes = []

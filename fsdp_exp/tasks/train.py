@@ -77,6 +77,10 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
     # the checkpoints are rank 0's, so every rank saves into and resumes from those.
     ckpt_dir, settled = distributed.from_main((cfg.checkpoint.dir_for(run_dir), context.resume))
     limit_gb = cfg.memory.limit_gb
+    # The model's module is imported before the runtime is marked, whatever started the
+    # rank (forked from the rank server, which imported it already, or fresh): its import
+    # is runtime under every launcher, not part of the run's own peak.
+    cfg.model.builder()
     runtime_gb = mark_runtime(ranks.device)
     try:
         apply_limit(limit_gb, ranks.device)

@@ -4,8 +4,8 @@ Hugging Face's "Accelerate Large Model Training using PyTorch Fully Sharded Data
 (2022) trained GPT-2 large (762M) and XL (1.5B) with `run_clm_no_trainer.py` on 2 Titan RTX
 (23.65 GiB each), fp32 and AdamW, under DDP and FSDP1 FULL_SHARD with `min_num_params: 2000`,
 with and without `offload_params`, and tried batch sizes until one fit. This predicts the
-largest batch per GPU for the same setups without a GPU: `task.device=cuda`,
-`task.world_size=2`, `memory.limit_gb=23.65`, FSDP2 with `sharding.wrap=size
+largest batch per GPU for the same setups without a GPU: `task.gpu=23.65` (a GPU of that
+memory), `task.world_size=2`, FSDP2 with `sharding.wrap=size
 sharding.min_params=2000`. The blog printed `--block_size 12`, but its command has no line
 continuation before that flag, so the shell ran the script without it: block size 1024
 (GPT-2's context), as run_clm_no_trainer.py then takes. Both are predicted.
@@ -41,13 +41,13 @@ SETUPS = {
 # The blog's "Batch Size Max" per GPU on 2 GPUs (0: out of memory at batch 1).
 BLOG = {("large", "DDP"): 7, ("large", "FSDP"): 15, ("large", "FSDP + offload"): 22,
         ("xl", "DDP"): 0, ("xl", "FSDP"): 5, ("xl", "FSDP + offload"): 14}
-COMMON = ["hydra.searchpath=[file://bench/conf]", "task=estimate", "task.device=cuda", "task.world_size=2",
-          f"memory.limit_gb={LIMIT_GB}", "precision=fp32", "data=synthetic_tokens", "data.vocab_size=50257",
-          "wandb.mode=disabled"]
+COMMON = ["hydra.searchpath=[file://bench/conf]", "task=estimate", f"task.gpu={LIMIT_GB}", "task.world_size=2",
+          "precision=fp32", "data=synthetic_tokens", "data.vocab_size=50257", "wandb.mode=disabled"]
 
 
 def estimate(overrides: list[str], sizes: list[int], out: Path) -> list[dict]:
-    """The estimate's batches (batch_size, limited_gb: what the allocator would reserve)."""
+    """The estimate's batches (batch_size, device_gb: what the GPU would hold, the allocator's
+    reserved memory and the CUDA context and NCCL beside it)."""
     result = subprocess.run([sys.executable, "-m", "fsdp_exp", *COMMON, *overrides,
                              f"task.batch_sizes=[{','.join(map(str, sizes))}]", f"hydra.run.dir={out}"],
                             cwd=REPO, capture_output=True, text=True)
@@ -57,7 +57,7 @@ def estimate(overrides: list[str], sizes: list[int], out: Path) -> list[dict]:
 
 
 def predicted_max(overrides: list[str], scratch: Path) -> tuple[int, dict[int, float], int]:
-    """(the largest batch predicted to fit, the reserved GB of every size traced, estimate calls)."""
+    """(the largest batch predicted to fit, the device GB of every size traced, estimate calls)."""
     seen: dict[int, float] = {}
     calls = 0
 
@@ -65,7 +65,7 @@ def predicted_max(overrides: list[str], scratch: Path) -> tuple[int, dict[int, f
         nonlocal calls
         calls += 1
         for b in estimate(overrides, sizes, scratch / f"call{calls}"):
-            seen[b["batch_size"]] = b["limited_gb"]
+            seen[b["batch_size"]] = b["device_gb"]
 
     trace([1, 128, 512])  # past the knee at 128 and 512 the peak grows by a fixed amount a sample
     while calls < 10:
@@ -100,11 +100,11 @@ def main() -> None:
                     at = seen.get(found) if found else seen.get(1)
                     cells.append(f"{found or 'OOM at 1'} ({at:.2f} GB)")
                     print(f"GPT-2 {model}, {setup}, block {block}: {found} ({calls} estimate calls, {wall:.0f} s); "
-                          f"reserved GB by batch: {json.dumps({b: round(gb, 3) for b, gb in sorted(seen.items())})}",
+                          f"device GB by batch: {json.dumps({b: round(gb, 3) for b, gb in sorted(seen.items())})}",
                           flush=True)
                 blog = BLOG[(model, setup)]
                 rows.append(f"| GPT-2 {model} | {setup} | {blog or 'OOM at 1'} | " + " | ".join(cells) + " |")
-    print("\n| model | setup | blog (FSDP1, 2022) | " + " | ".join(f"predicted, block {b} (reserved at it)"
+    print("\n| model | setup | blog (FSDP1, 2022) | " + " | ".join(f"predicted, block {b} (device GB at it)"
                                                             for b in args.block_sizes) + " |")
     print("| --- | --- | ---: | " + " | ".join("---:" for _ in args.block_sizes) + " |")
     print("\n".join(rows))

@@ -121,6 +121,8 @@ def runs(setup: Setup, workdir: Path) -> dict[str, Overrides]:
         "resumed": [*vit, "sharding=full", *checkpoint, "resume=auto"],
         "gpt": [*gpt, "precision=bf16", f"train.batch_size={setup.mfu_batch}", "train.steps=20",
                 "metrics.warmup_steps=5", *peak],
+        # task=estimate of the MFU run, traced for this device and these ranks
+        "estimate_gpt": [*gpt, "precision=bf16", f"train.batch_size={setup.mfu_batch}", "task=estimate"],
         "under_limit": [*memory_gpt, f"memory.limit_gb={setup.limit_gb:g}", f"train.batch_size={setup.limit_batch}",
                         "train.steps=4"],
         "oom": [*memory_gpt, f"memory.limit_gb={setup.limit_gb:g}", f"train.batch_size={setup.oom_batch}",
@@ -163,6 +165,7 @@ def checks(setup: Setup) -> list[Check]:
         Check("peak under memory.limit_gb", ("under_limit",), lambda run: under_limit(run, setup.limit_gb)),
         Check("forced OOM is status oom", ("oom",), out_of_memory),
         Check("device and peak", ("gpt",), lambda run: device(run, setup.device)),
+        Check("task=estimate against the run", ("gpt", "estimate_gpt"), estimated),
         Check("meta init + offload, a model with buffers", ("resnet_offload", "resnet_meta_offload"),
               lambda plain, meta: same_training(plain, meta, tol)),
         Check("max_batch's answer trains under the limit", ("max_batch", "at_max_batch"),
@@ -288,6 +291,28 @@ def mfu(run: RunResult) -> tuple[bool, str]:
                        f"--peak-tflops <its dense bf16 peak>; {flops}")
     detail = f"MFU {s['mfu']:.1%} of {s.get('peak_tflops'):g} TFLOP/s ({s.get('peak_tflops_source')}); {flops}"
     return 0 < s["mfu"] < 1 and ratio is not None and abs(ratio - 1) <= 0.1, detail
+
+
+ESTIMATE_ERROR = 0.10  # the estimate's goal: within 10% of what a run measures
+
+
+def estimated(run: RunResult, estimate: RunResult) -> tuple[bool, str]:
+    """task=estimate's figures for the run beside what the run measured: the run's own peak
+    (allocated, on a GPU) and, on a GPU, what the caching allocator reserved; within 10%."""
+    problem = not_ok(run, "run") or not_ok(estimate, "estimate")
+    if problem:
+        return False, problem
+    s, e = run.summary, estimate.summary
+    pairs = [("peak", e.get("peak_mem_gb"), s.get("peak_mem_gb"))]
+    if s.get("device") == "cuda":
+        pairs.append(("reserved", e.get("reserved_gb"), s.get("peak_reserved_gb")))
+    missing = [name for name, guess, seen in pairs if guess is None or not seen]
+    if missing:
+        return False, f"no {' or '.join(missing)} figure in summary.json to compare"
+    errors = [(name, guess, seen, guess / seen - 1) for name, guess, seen in pairs]
+    detail = "; ".join(f"{name}: estimated {guess:.2f} GB, measured {seen:.2f} GB ({err:+.0%})"
+                       for name, guess, seen, err in errors)
+    return all(abs(err) <= ESTIMATE_ERROR for *_, err in errors), detail
 
 
 def limited_peak(summary: dict) -> tuple[float | None, str]:

@@ -29,6 +29,7 @@ from fsdp_exp.check_gpu_checks import (
     checks,
     compiled_probe,
     device,
+    estimated,
     limit_recorded,
     mfu,
     out_of_memory,
@@ -200,6 +201,18 @@ def test_a_gpu_without_a_known_peak_fails_the_mfu_check_and_names_the_option() -
     assert not passed and "NVIDIA GeForce RTX 4090" in detail and "--peak-tflops" in detail
 
 
+def test_the_estimate_row_passes_within_10_percent_and_prints_both_figures_either_way() -> None:
+    run = result(peak_mem_gb=10.0, peak_reserved_gb=12.0)
+    ok, detail = estimated(run, result(peak_mem_gb=9.5, reserved_gb=12.6))
+    assert ok and detail == ("peak: estimated 9.50 GB, measured 10.00 GB (-5%); "
+                             "reserved: estimated 12.60 GB, measured 12.00 GB (+5%)")
+    ok, detail = estimated(run, result(peak_mem_gb=9.5, reserved_gb=10.0))  # reserved 17% low
+    assert not ok and "reserved: estimated 10.00 GB, measured 12.00 GB (-17%)" in detail
+    on_cpu = result(device="cpu", peak_mem_gb=1.0)
+    assert estimated(on_cpu, result(device="cpu", peak_mem_gb=0.95)) == (True, "peak: estimated 0.95 GB, measured 1.00 GB (-5%)")
+    assert estimated(run, result(status="failed", error="boom"))[1].startswith("estimate: failed: boom")
+
+
 def test_peak_memory_is_judged_as_the_limit_counts_it() -> None:
     gpu = {"peak_mem_gb": 2.9, "peak_reserved_gb": 3.4}
     assert under_limit(result(**gpu), 8.0) == (True, "peak 3.400 GB (reserved) under memory.limit_gb=8")
@@ -296,7 +309,9 @@ def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_p
             return result(peak_reserved_gb=7.5)
         if out.name == "compiled_probe":
             return probe_run(tmp_path, step_time_s=0.1, wall_s=60.0)
-        return result(**GPT)
+        if out.name == "estimate_gpt":
+            return result(peak_mem_gb=10.2, reserved_gb=12.5)
+        return result(**GPT, peak_mem_gb=10.0, peak_reserved_gb=12.0)
 
     lines: list[str] = []
     assert check_all(GPU, tmp_path, run=fake_run, out=lines.append)

@@ -12,7 +12,7 @@ from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.estimate.breakdown import GB, attention_workspace, estimate_batch
-from fsdp_exp.estimate.allocator import cuda_block, cuda_segment
+from fsdp_exp.estimate.allocator import cuda_block
 from fsdp_exp.estimate.trace import for_tracing, trace
 from tests.conftest import REPO, read_json, run_cli
 
@@ -145,8 +145,6 @@ def test_attention_for_a_gpu_keeps_no_tokens_by_tokens_matrix():
 
 def test_gpu_side_rounds_blocks_offloads_state_and_adds_attention():
     assert cuda_block(1) == 512 and cuda_block(513) == 1024 and cuda_block(0) == 0
-    assert cuda_segment(2**20) == 2**20  # a small block shares a 2 MiB segment
-    assert cuda_segment(2**20 + 1) == 2 * 2**20 and cuda_segment(5 * 2**20) == 6 * 2**20
     # batch 2, 12 heads, 128 tokens, 64 per head: an fp32 copy of the query and a row sum
     assert attention_workspace([(2, 12, 128, 64), (1, 1, 1, 1)]) == 4 * (2 * 12 * 128 * 64 + 2 * 12 * 128)
     exp, result = traced("sharding=full", "offload=true", batch_sizes=[16])
@@ -229,12 +227,19 @@ def test_a_model_that_cannot_be_traced_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_estimate_for_a_gpu_on_a_machine_without_one(tmp_path):
     out = tmp_path / "run"
-    result = run_cli("task=estimate", "task.device=cuda", "model=gpt", "data=synthetic_tokens", "precision=bf16",
-                     "memory.limit_gb=80", "wandb.mode=disabled", f"hydra.run.dir={out}", cwd=REPO)
+    result = run_cli("task=estimate", "task.gpu=A100-40GB", "model=gpt", "data=synthetic_tokens", "precision=bf16",
+                     "memory.limit_gb=80", "task.world_size=8", "wandb.mode=disabled", f"hydra.run.dir={out}", cwd=REPO)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     record = read_json(out / "estimate.json")
-    assert record["device"] == "cuda" and record["breakdown_gb"]["baseline"] == 0.5
-    assert record["reserved_gb"] >= record["step_peak_gb"]
+    # outside the allocator: the CUDA context and the world's NCCL communicator of 8 (no NVLS on an A100)
+    assert record["device"] == "cuda" and record["outside_allocator_gb"] == {"cuda_context": 0.5, "nccl": 0.688}
+    assert record["breakdown_gb"]["baseline"] == pytest.approx(1.188)
+    allocated = record["step_peak_gb"] - record["breakdown_gb"]["baseline"]
+    assert record["reserved_gb"] >= allocated and record["device_gb"] == pytest.approx(record["reserved_gb"] + 1.188)
+    fitting = record["device_gb"] <= 40 and record["reserved_gb"] <= 80
+    assert record["gpu"] == "A100-40GB" and record["gpu_memory_gb"] == 40
+    assert record["largest_batch_fitting"] == (record["batch_size"] if fitting else 0)
+    assert "the device also holds cuda context 0.50 GB, nccl 0.69 GB outside it" in result.stdout
     result = run_cli("task=estimate", "device=cuda", "wandb.mode=disabled", cwd=tmp_path)
     assert result.returncode != 0 and "task.device=cuda" in result.stderr
 

@@ -25,11 +25,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-# The CUDA caching allocator: every block a multiple of 512 bytes; blocks up to 1 MiB come
-# from 2 MiB segments, larger ones from segments rounded up to 2 MiB.
-CUDA_BLOCK = 512
-CUDA_SMALL = 2**20
-CUDA_SEGMENT = 2 * 2**20
+CUDA_BLOCK = 512  # every block a multiple of this
+CUDA_SMALL = 2**20  # the largest block of the small pool
 MIB = 2**20
 SMALL_BUFFER = 2 * MIB  # a small block's segment
 LARGE_BUFFER = 20 * MIB  # the segment of a block over 1 MiB and under MIN_LARGE_ALLOC
@@ -39,12 +36,6 @@ ROUND_LARGE = 2 * MIB
 
 def cuda_block(nbytes: int) -> int:
     return max(CUDA_BLOCK, math.ceil(nbytes / CUDA_BLOCK) * CUDA_BLOCK) if nbytes else 0
-
-
-def cuda_segment(nbytes: int) -> int:
-    """The reserved memory a live block of this size takes when it does not share a segment."""
-    block = cuda_block(nbytes)
-    return block if block <= CUDA_SMALL else math.ceil(block / CUDA_SEGMENT) * CUDA_SEGMENT
 
 
 def segment_size(block: int) -> int:

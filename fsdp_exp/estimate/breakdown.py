@@ -3,15 +3,19 @@ only a GPU has.
 
 On a GPU (`device=cuda`), added to the trace:
 - the caching allocator's rounding: every block a multiple of 512 bytes (the peak counts
-  blocks); `reserved_gb` also rounds every block over 1 MiB up to whole 2 MiB segments,
-  which is what the allocator holds when its cache keeps no other free blocks;
+  blocks); `reserved_gb` is what the allocator holds, from a replay of the traced
+  allocations and frees through its rules (`fsdp_exp.estimate.allocator`: 2 and 20 MiB
+  segments, splitting, merging, freed blocks cached per stream, FSDP2's all-gather and
+  reduce-scatter buffers on their own streams);
 - with `offload=true`, the sharded parameters, their gradients and the optimizer state
   (its step too) in host memory, off the device;
 - flash and memory-efficient attention's backward: an fp32 accumulator the size of the
   query and a row sum per query, for the largest attention call (the CPU's kernel keeps
   these inside itself, so the trace does not see them);
-- the CUDA context and NCCL's buffers, which sit outside the allocator: `task.baseline_gb`,
-  by default `CUDA_CONTEXT_GB`.
+- cuBLAS's workspace, through the allocator (`fsdp_exp.estimate.gpu`);
+- the CUDA context and NCCL's communicators, which sit outside the allocator: `task.baseline_gb`,
+  by default modelled for the setup (`fsdp_exp.estimate.gpu`). `reserved_gb` leaves them
+  out, as `memory.limit_gb`'s cap does; `device_gb` adds them, as the device counts.
 None of the GPU side has been checked against a GPU here (docs/BENCHMARKS.md says what has).
 """
 
@@ -20,13 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fsdp_exp.estimate.allocator import CUDA_SEGMENT, cuda_block
+from fsdp_exp.estimate.allocator import cuda_block, segment_size
 from fsdp_exp.estimate.traced import CATEGORIES, OFFLOADED, StepTrace, Trace, TracedPeak
 
 GB = 2**30
-# The CUDA context with torch's kernels loaded lazily (CUDA_MODULE_LOADING=LAZY, the default
-# since CUDA 11.7) plus NCCL's buffers for a few peers: about 0.5 GB on recent GPUs.
-CUDA_CONTEXT_GB = 0.5
 PARTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "unsharded_and_buffers")
 
 
@@ -40,9 +41,12 @@ class BatchEstimate:
     reserved_gb: float | None = None  # GPU: what the caching allocator would hold at the peak
     offloaded_gb: float | None = None  # GPU with offload=true: in host memory at the peak
     limited_gb: float = 0.0  # what memory.limit_gb caps: the peak, or on a GPU what the allocator reserves
+    device_gb: float | None = None  # GPU: what the device holds, the reserved memory and what sits outside it
 
     def __post_init__(self) -> None:
-        self.limited_gb = max(self.predicted_peak_gb, self.reserved_gb or 0.0)
+        self.limited_gb = self.predicted_peak_gb if self.reserved_gb is None else self.reserved_gb
+        if self.reserved_gb is not None:
+            self.device_gb = self.reserved_gb + self.breakdown_gb["baseline"]
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -69,20 +73,21 @@ def attention_workspace(shapes: list[tuple[int, ...]]) -> int:
 
 
 def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: bool, baseline_gb: float,
-                   builds_whole_model: bool) -> BatchEstimate:
+                   builds_whole_model: bool, workspace_bytes: int = 0) -> BatchEstimate:
     """One batch size's estimate. `builds_whole_model`: every rank first builds the whole
     model (model.init_device=cpu), which can outgrow a step when the shards are small; that
-    needs the `trace` of the build."""
+    needs the `trace` of the build. On a GPU, `baseline_gb` is what sits outside the
+    allocator (the CUDA context, NCCL) and `workspace_bytes` cuBLAS's workspace."""
     baseline = baseline_gb * GB
     peak = step.peaks["blocks" if on_gpu else "cpu"]
     found = parts(peak, step.optimizer_state_bytes)
     reserved = offloaded = None
     if on_gpu:
-        found["unsharded_and_buffers"] += cuda_block(step.ddp_buckets_bytes)
+        found["unsharded_and_buffers"] += cuda_block(step.ddp_buckets_bytes) + cuda_block(workspace_bytes)
         found["temporaries"] += attention_workspace(step.attention)
-        extra = cuda_block(step.ddp_buckets_bytes) + attention_workspace(step.attention)
-        segments = math.ceil(step.peaks["segments"].bytes / CUDA_SEGMENT) * CUDA_SEGMENT
-        reserved = (segments + extra + baseline) / GB
+        # allocations the trace does not see, each in a segment of its own
+        untraced = (step.ddp_buckets_bytes, attention_workspace(step.attention), workspace_bytes)
+        reserved = (step.peaks["segments"].bytes + sum(segment_size(cuda_block(n)) for n in untraced if n)) / GB
         if offload:
             offloaded = sum(v for c, v in step.peaks["cpu"].categories.items() if c in OFFLOADED) / GB
     else:

@@ -12,8 +12,9 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.errors import one_line
-from fsdp_exp.estimate.breakdown import CUDA_CONTEXT_GB, GB, estimate_batch
+from fsdp_exp.estimate.breakdown import GB, estimate_batch
 from fsdp_exp.estimate.curve import PeakCurve
+from fsdp_exp.estimate.gpu import Gpu, cublas_workspace_bytes, outside_allocator_gb
 from fsdp_exp.launch.core import RunFailed
 
 if TYPE_CHECKING:
@@ -23,18 +24,29 @@ TIME_LIMIT_S = 900  # a trace past this is stopped: something in it does not run
 
 
 def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
-             baseline_gb: float | None = None, stop_above_gb: float | None = None) -> dict:
+             baseline_gb: float | None = None, stop_above_gb: float | None = None, gpu: Gpu | None = None) -> dict:
     """The estimate record, traced in a fresh process (see `trace_in_child`). With
     `stop_above_gb`, the sizes are traced in order up to the first whose step is predicted
-    to peak above it."""
+    to peak above it. On a GPU, `gpu` (task.gpu) names the device whose memory it must fit in."""
     start = time.perf_counter()
-    traced = trace_in_child(exp, world_size, batch_sizes, on_gpu, baseline_gb, stop_above_gb)
-    baseline_gb = baseline_or_measured(baseline_gb, on_gpu, traced.baseline_bytes)
+    outside = outside_allocator_gb(world_size, exp.sharding.groups(world_size), gpu) if on_gpu else {}
+    workspace = cublas_workspace_bytes(gpu) if on_gpu else 0
+    traced = trace_in_child(exp, world_size, batch_sizes, on_gpu, baseline_gb, stop_above_gb, outside, workspace)
+    if baseline_gb is not None and on_gpu:  # the user's figure stands for everything outside the allocator
+        outside = {"task.baseline_gb": baseline_gb}
+    baseline_gb = baseline_or_measured(baseline_gb, on_gpu, traced.baseline_bytes, outside)
     builds_whole = exp.model.init_device != "meta"
-    batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole) for step in traced.steps]
+    batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole, workspace)
+               for step in traced.steps]
     limit = exp.memory.limit_gb
-    fitting = [b for b in batches if limit is not None and b.limited_gb <= limit]
+    device_gb = gpu.memory_gb if gpu is not None and on_gpu else None
+
+    judged = limit is not None or device_gb is not None
+    fitting = [b for b in batches if fits(b.to_json(), limit, device_gb)]
     chosen = fitting[-1] if fitting else batches[0]
+    crossings = [c for c in (crossing([(b.batch_size, b.limited_gb) for b in batches], limit),
+                             crossing([(b.batch_size, b.device_gb or 0.0) for b in batches], device_gb))
+                 if c is not None]
     return {
         "device": "cuda" if on_gpu else "cpu",
         "world_size": world_size,
@@ -47,45 +59,59 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         "step_peak_gb": chosen.step_peak_gb,
         "phase": chosen.phase,
         "breakdown_gb": chosen.breakdown_gb,
-        **({"reserved_gb": chosen.reserved_gb} if chosen.reserved_gb is not None else {}),
+        **({"reserved_gb": chosen.reserved_gb, "device_gb": chosen.device_gb,
+            "outside_allocator_gb": outside,
+            "cublas_workspace_mb": workspace / 2**20} if on_gpu else {}),
+        **({"gpu": gpu.name, "gpu_memory_gb": gpu.memory_gb} if gpu is not None and on_gpu else {}),
         **({"offloaded_gb": chosen.offloaded_gb} if chosen.offloaded_gb is not None else {}),
         "build_peak_gb": (traced.build_bytes / GB + baseline_gb) if builds_whole else None,
         "limit_gb": limit,
-        "largest_batch_fitting": fitting[-1].batch_size if fitting else (None if limit is None else 0),
-        "predicted_max_batch": crossing(batches, limit),
+        "largest_batch_fitting": fitting[-1].batch_size if fitting else (0 if judged else None),
+        "predicted_max_batch": min(crossings) if crossings else None,
         "batches": [b.to_json() for b in batches],
         "trace_s": traced.seconds,
         "wall_s": time.perf_counter() - start,
     }
 
 
-def crossing(batches: list, limit_gb: float | None) -> int | None:
-    """Where the estimate's curve (straight between the sizes traced, on past the largest
-    along the last two) reaches the limit: the boundary it predicts, also between or
-    beyond the sizes asked for."""
-    if limit_gb is None or len(batches) < 2:
+def fits(batch: dict, limit_gb: float | None, gpu_memory_gb: float | None) -> bool | None:
+    """Whether a batch of the record fits: what memory.limit_gb caps under it, and on a
+    named GPU (task.gpu) what the device holds within its memory; None: nothing to fit in."""
+    if limit_gb is None and gpu_memory_gb is None:
         return None
-    size = PeakCurve(tuple((b.batch_size, b.limited_gb) for b in batches)).crossing(limit_gb)
+    return ((limit_gb is None or batch["limited_gb"] <= limit_gb)
+            and (gpu_memory_gb is None or batch.get("device_gb", 0.0) <= gpu_memory_gb))
+
+
+def crossing(points: list[tuple[int, float]], target_gb: float | None) -> int | None:
+    """Where the estimate's curve (straight between the sizes traced, on past the largest
+    along the last two) reaches `target_gb`: the boundary it predicts, also between or
+    beyond the sizes asked for."""
+    if target_gb is None or len(points) < 2:
+        return None
+    size = PeakCurve(tuple(points)).crossing(target_gb)
     return None if math.isinf(size) else max(0, math.floor(size))
 
 
-def baseline_or_measured(baseline_gb: float | None, on_gpu: bool, measured_bytes: int) -> float:
-    """task.baseline_gb, or by default the CUDA context on a GPU and what the tracing process
-    held before building the model on CPU."""
+def baseline_or_measured(baseline_gb: float | None, on_gpu: bool, measured_bytes: int,
+                         outside: dict[str, float]) -> float:
+    """task.baseline_gb, or by default what sits outside the allocator on a GPU (`outside`)
+    and what the tracing process held before building the model on CPU."""
     if baseline_gb is not None:
         return baseline_gb
-    return CUDA_CONTEXT_GB if on_gpu else measured_bytes / GB
+    return sum(outside.values()) if on_gpu else measured_bytes / GB
 
 
 def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
-                   baseline_gb: float | None = None, stop_above_gb: float | None = None) -> Any:
+                   baseline_gb: float | None = None, stop_above_gb: float | None = None,
+                   outside: dict[str, float] | None = None, workspace: int = 0) -> Any:
     """The trace, in a fresh process: the fake process group is this process's own, nothing
     of the driver's (threads, a sweep's other runs) is in the way, and what the process
     holds before tracing is what a rank holds before building its model (the baseline)."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe(duplex=False)
     process = context.Process(target=_traced, args=(child, exp, world_size, batch_sizes, on_gpu, baseline_gb,
-                                                    stop_above_gb), daemon=True)
+                                                    stop_above_gb, outside or {}, workspace), daemon=True)
     process.start()
     child.close()
     try:
@@ -106,14 +132,14 @@ def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_
 
 
 def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
-            baseline_gb: float | None, stop_above_gb: float | None) -> None:
+            baseline_gb: float | None, stop_above_gb: float | None, outside: dict[str, float], workspace: int) -> None:
     warnings.filterwarnings("ignore")
     try:
         from fsdp_exp.estimate.trace import trace  # here, in the child: tracing's imports cost the driver 0.5 s
 
         def enough(step: Any, baseline_bytes: int) -> bool:
-            base = baseline_or_measured(baseline_gb, on_gpu, baseline_bytes)
-            return estimate_batch(step, None, on_gpu, exp.offload, base, False).limited_gb > stop_above_gb
+            base = baseline_or_measured(baseline_gb, on_gpu, baseline_bytes, outside)
+            return estimate_batch(step, None, on_gpu, exp.offload, base, False, workspace).limited_gb > stop_above_gb
 
         pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu, enough if stop_above_gb is not None else None)))
     except Exception as err:  # noqa: BLE001 - sent back as one line

@@ -43,7 +43,7 @@ from torch.nn import functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdp_exp.estimate.allocator import cuda_block, cuda_segment
+from fsdp_exp.estimate.allocator import CachingAllocator, cuda_block
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace, TracedPeak
 from fsdp_exp.rank.build import build_model_for_training
 from fsdp_exp.rank.distributed import Ranks
@@ -53,28 +53,47 @@ from fsdp_exp.sharding import NoSharding
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
 
+# FSDP2 allocates its all-gather buffers on its all-gather stream and its reduce-scatter
+# buffers on its reduce-scatter stream; everything else is the compute stream's. The caching
+# allocator caches freed blocks per stream, so the replay keeps them apart.
+STREAMS = {"All Gather": 1, "Reduce Scatter": 2}
+
+
 class Counts:
-    """Live bytes by tracker category, three ways: as stored (the CPU), in the CUDA
-    allocator's 512-byte blocks, and in its segments; and the peaks of each. The CPU peak
-    counts every category, the GPU's all but the `offloaded` ones (in host memory there)."""
+    """Live bytes by tracker category, two ways: as stored (the CPU) and in the CUDA
+    allocator's 512-byte blocks, and the peaks of each; and the storages on a GPU's device
+    replayed through the caching allocator (`device`), whose reserved memory is the
+    `segments` peak. The CPU peak counts every category, the GPU's all but the `offloaded`
+    ones (in host memory there)."""
 
     def __init__(self, offloaded: tuple[str, ...]):
         self.offloaded = offloaded
-        self.now: dict[str, dict[str, int]] = {"stored": {}, "blocks": {}, "segments": {}}
+        self.now: dict[str, dict[str, int]] = {"stored": {}, "blocks": {}}
         self.peaks = {"cpu": TracedPeak(), "blocks": TracedPeak(), "segments": TracedPeak()}
+        self.device = CachingAllocator()
         self.phase = ""
 
+    def allocate(self, key: object, category: str, nbytes: int) -> None:
+        self.change(category, nbytes, +1)
+        if category not in self.offloaded:
+            self.device.malloc(key, nbytes, STREAMS.get(category, 0))
+
+    def release(self, key: object, category: str, nbytes: int) -> None:
+        self.change(category, nbytes, -1)
+        if key in self.device.live:
+            self.device.free(key)
+
     def change(self, category: str, nbytes: int, sign: int) -> None:
-        for kind, size in (("stored", nbytes), ("blocks", cuda_block(nbytes)), ("segments", cuda_segment(nbytes))):
+        for kind, size in (("stored", nbytes), ("blocks", cuda_block(nbytes))):
             bucket = self.now[kind]
             bucket[category] = bucket.get(category, 0) + sign * size
 
     def see(self) -> None:
         stored = self.now["stored"]
         self.peaks["cpu"].see(sum(stored.values()), stored, self.phase)
-        for kind in ("blocks", "segments"):
-            on_device = {k: v for k, v in self.now[kind].items() if k not in self.offloaded}
-            self.peaks[kind].see(sum(on_device.values()), on_device, self.phase)
+        on_device = {k: v for k, v in self.now["blocks"].items() if k not in self.offloaded}
+        self.peaks["blocks"].see(sum(on_device.values()), on_device, self.phase)
+        self.peaks["segments"].see(self.device.reserved, on_device, self.phase)
 
 
 class Counting:
@@ -89,15 +108,15 @@ class Counting:
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)  # type: ignore[misc]
         category = str(winfo.reftype.value)
         if u_type == _UpdateType.ADD:
-            self.counts.change(category, winfo.mem_consumed, +1)
+            self.counts.allocate(winfo, category, winfo.mem_consumed)
         elif u_type == _UpdateType.DEL:
-            self.counts.change(category, winfo.mem_consumed, -1)
-        elif u_type == _UpdateType.REF:
+            self.counts.release(winfo, category, winfo.mem_consumed)
+        elif u_type == _UpdateType.REF:  # the same storage, counted under another category
             self.counts.change(str(old_reftype.value), winfo.mem_consumed, -1)
             self.counts.change(category, winfo.mem_consumed, +1)
         elif u_type == _UpdateType.SIZE:
-            self.counts.change(category, old_mem_consumed, -1)
-            self.counts.change(category, winfo.mem_consumed, +1)
+            self.counts.release(winfo, category, old_mem_consumed)
+            self.counts.allocate(winfo, category, winfo.mem_consumed)
 
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ANN001
         super()._update_peak_stats(peak_state)  # type: ignore[misc]

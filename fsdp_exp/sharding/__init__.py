@@ -49,6 +49,12 @@ class FullyShard:
         if self.min_params < 1:
             raise ConfigError(f"sharding.min_params={self.min_params}: must be at least 1")
 
+    def groups(self, world_size: int) -> tuple[int, ...]:
+        """The sizes of the process groups the plan makes beside the world's: its mesh is
+        the world; reshard_after_forward=<int> adds FSDP2's post-forward mesh of that size."""
+        raf = self.reshard_after_forward
+        return (raf,) if not isinstance(raf, bool) and 1 < raf < world_size else ()
+
     def shard_size(self, world_size: int) -> int:
         return world_size
 
@@ -100,6 +106,11 @@ class HybridShard(FullyShard):
     def shard_size(self, world_size: int) -> int:
         return world_size // self.replicate
 
+    def groups(self, world_size: int) -> tuple[int, ...]:
+        """The sizes of the process groups the mesh makes beside the world's: each rank is
+        in one replica group and one shard group."""
+        return (self.replicate, world_size // self.replicate, *super().groups(world_size // self.replicate))
+
     def check(self, world_size: int, has_blocks: bool, offload: bool) -> None:
         if self.replicate < 1 or world_size % self.replicate:
             raise ConfigError(
@@ -120,6 +131,10 @@ class DDP:
 
     shards_params = False
     distributed = True
+
+    def groups(self, world_size: int) -> tuple[int, ...]:
+        """The sizes of the process groups beside the world's: none."""
+        return ()
 
     def check(self, world_size: int, has_blocks: bool, offload: bool) -> None:
         if offload:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, ClassVar
 from fsdp_exp.config import Device
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.estimate.breakdown import PARTS
-from fsdp_exp.estimate.predict import estimate
+from fsdp_exp.estimate.gpu import Gpu, gpu_named
+from fsdp_exp.estimate.predict import estimate, fits
 from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.tasks import Task, setup_line
 
@@ -35,7 +36,8 @@ class Estimate(Task):
     world_size: int | None = None  # ranks to estimate for; null: what the launcher would start
     batch_sizes: list[int] = field(default_factory=list)  # per-rank sizes to predict; []: train.batch_size
     device: Device = Device.auto  # auto (the run's) | cpu | cuda: the device to estimate for, any machine
-    baseline_gb: float | None = None  # the runtime's own memory beside the tensors; null: measured (CPU), 0.5 (GPU)
+    baseline_gb: float | None = None  # the runtime's own memory beside the tensors; null: measured (CPU), modelled (GPU)
+    gpu: str | None = None  # a GPU (H100-SXM, A100-40GB, L4, ...) or its memory in GB: fits on it? implies device cuda
 
     uses_the_device: ClassVar[bool] = False  # it traces, for any device and world size
 
@@ -46,6 +48,10 @@ class Estimate(Task):
             at_least("task.batch_sizes", size, 1)
         if self.baseline_gb is not None and self.baseline_gb < 0:
             raise ConfigError(f"task.baseline_gb={self.baseline_gb}: must be at least 0")
+        if self.gpu is not None:
+            gpu_named(str(self.gpu))
+            if self.device == "cpu":
+                raise ConfigError(f"task.gpu={self.gpu}: names a GPU to estimate for; leave task.device=auto or set cuda")
 
     def world(self, launched: int) -> int:
         """The world size to estimate for: task.world_size, or what the launcher would start."""
@@ -62,19 +68,24 @@ class Estimate(Task):
         return sorted(set(self.batch_sizes)) or [exp.train.batch_size]
 
     def on_gpu(self, exp: Experiment) -> bool:
-        return self.device == "cuda" or (self.device == "auto" and exp.device == "cuda")
+        return self.device == "cuda" or self.gpu is not None or (self.device == "auto" and exp.device == "cuda")
+
+    def named_gpu(self) -> Gpu | None:
+        return gpu_named(str(self.gpu)) if self.gpu is not None else None
 
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
-        record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb)
+        record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu())
         record["setup"] = setup_line(context)
         write_json(Path(run_dir) / RECORD, record)
         print(table(record), flush=True)
         log.info("%s -> %s", answer_line(record), run_dir / RECORD)
-        return {"task": "estimate", **{k: record[k] for k in SUMMARY_KEYS}}
+        return {"task": "estimate", **{k: record[k] for k in SUMMARY_KEYS},
+                **{k: record[k] for k in GPU_KEYS if k in record}}
 
 
 SUMMARY_KEYS = ("peak_mem_gb", "predicted_peak_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
                 "predicted_max_batch", "wall_s")
+GPU_KEYS = ("reserved_gb", "device_gb", "gpu", "gpu_memory_gb")
 
 
 def answer_line(record: dict) -> str:
@@ -83,38 +94,47 @@ def answer_line(record: dict) -> str:
     line = (f"predicted peak per rank at batch {record['batch_size']}: {record['peak_mem_gb']:.2f} GB "
             f"({where}, at the {record['phase'] or 'step'}), {record['predicted_peak_gb']:.2f} GB "
             f"with {runtime:.2f} GB of runtime")
-    limit = record["limit_gb"]
-    if limit is not None and len(record["batches"]) > 1:
+    if "device_gb" in record:
+        line += f"; the GPU holds {record['device_gb']:.2f} GB ({record['reserved_gb']:.2f} GB reserved by torch)"
+    room = " and ".join(([f"memory.limit_gb={record['limit_gb']:g}"] if record["limit_gb"] is not None else [])
+                        + ([f"a {record['gpu']} ({record['gpu_memory_gb']:g} GB)"] if "gpu" in record else []))
+    if room and len(record["batches"]) > 1:
         fitting = record["largest_batch_fitting"]
-        line += (f"; largest batch predicted to fit under {limit:g} GB: {fitting}" if fitting
-                 else f"; no batch asked for fits under {limit:g} GB")
+        line += (f"; largest batch predicted to fit in {room}: {fitting}" if fitting
+                 else f"; no batch asked for fits in {room}")
         if record["predicted_max_batch"] is not None:
             line += f" (the estimate's curve reaches it at {record['predicted_max_batch']})"
-    elif limit is not None:
-        line += "; fits under" if record["batches"][0]["limited_gb"] <= limit else "; does not fit under"
-        line += f" memory.limit_gb={limit:g}"
+    elif room:
+        line += "; fits in " if fits(record["batches"][0], record["limit_gb"], record.get("gpu_memory_gb")) \
+            else "; does not fit in "
+        line += room
     return line
 
 
 def table(record: dict) -> str:
     """One screen: the peak per batch size and what it is made of, in GB."""
     columns = [*PARTS, "baseline"]
-    short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
-             "temporaries": "temps", "unsharded_and_buffers": "unshard", "baseline": "rt+data"}
     on_gpu = record["device"] == "cuda"
+    short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
+             "temporaries": "temps", "unsharded_and_buffers": "unshard", "baseline": "outside" if on_gpu else "rt+data"}
     runtime = record["predicted_peak_gb"] - record["peak_mem_gb"]
+    judged = record["limit_gb"] is not None or "gpu" in record
     lines = [f"estimate for {record['setup']}: {record['params']:,} parameters, {record['world_size']} ranks "
              f"({record['shards']} sharing each parameter), {record['device']}",
-             f"{'batch':>6} {'peak GB':>8} {'+runtime':>8}" + (f" {'reserved':>8}" if on_gpu else "") + f" {'phase':<15}"
-             + "".join(f"{short[c]:>8}" for c in columns) + (f" {'fits':>5}" if record["limit_gb"] is not None else "")]
+             f"{'batch':>6} {'peak GB':>8} {'+runtime':>8}" + (f" {'reserved':>8} {'device':>8}" if on_gpu else "")
+             + f" {'phase':<15}" + "".join(f"{short[c]:>8}" for c in columns) + (f" {'fits':>5}" if judged else "")]
     for b in record["batches"]:
         own = b["predicted_peak_gb"] - runtime
-        row = (f"{b['batch_size']:>6} {own:>8.3f} {b['predicted_peak_gb']:>8.3f}" + (f" {b['reserved_gb']:>8.3f}" if on_gpu else "")
-               + f" {b['phase'] or 'step':<15}")
+        row = (f"{b['batch_size']:>6} {own:>8.3f} {b['predicted_peak_gb']:>8.3f}"
+               + (f" {b['reserved_gb']:>8.3f} {b['device_gb']:>8.3f}" if on_gpu else "") + f" {b['phase'] or 'step':<15}")
         row += "".join(f"{b['breakdown_gb'][c]:>8.3f}" for c in columns)
-        if record["limit_gb"] is not None:
-            row += f" {'yes' if b['limited_gb'] <= record['limit_gb'] else 'no':>5}"
+        if judged:
+            row += f" {'yes' if fits(b, record['limit_gb'], record.get('gpu_memory_gb')) else 'no':>5}"
         lines.append(row)
+    if on_gpu:
+        outside = ", ".join(f"{k.replace('_', ' ')} {v:.2f} GB" for k, v in record["outside_allocator_gb"].items())
+        lines.append(f"on the GPU: reserved is what torch's caching allocator holds (memory.limit_gb caps it); "
+                     f"the device also holds {outside} outside it")
     if record.get("build_peak_gb") and any(b["phase"] == "model build" for b in record["batches"]):
         lines.append(f"building the whole model on every rank first peaks at {record['build_peak_gb']:.3f} GB; "
                      "model.init_device=meta builds only each rank's shards")

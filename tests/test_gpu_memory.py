@@ -1,0 +1,140 @@
+"""A GPU's memory as the estimate models it, without a GPU: the replay of the CUDA caching
+allocator on hand cases worked out from its rules (fsdp_exp/estimate/allocator.py names them;
+torch's c10/cuda/CUDACachingAllocator.cpp), and what sits beside it (fsdp_exp/estimate/gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.estimate.allocator import CachingAllocator, OutOfMemory, least_cap, replay, segment_size
+from fsdp_exp.estimate.breakdown import estimate_batch
+from fsdp_exp.estimate.gpu import cublas_workspace_bytes, gpu_named, outside_allocator_gb
+from fsdp_exp.estimate.predict import fits
+from fsdp_exp.estimate.trace import Counts
+from fsdp_exp.estimate.traced import StepTrace, TracedPeak
+from fsdp_exp.sharding import FullyShard, HybridShard
+
+MIB = 2**20
+
+
+def test_a_small_request_is_a_512_byte_block_of_a_2_mib_segment() -> None:
+    a = CachingAllocator()
+    a.malloc("x", 1)
+    assert (a.allocated, a.reserved) == (512, 2 * MIB)
+    a.malloc("y", 513)  # rounds up to 1024, from the same segment's rest
+    assert (a.allocated, a.reserved) == (512 + 1024, 2 * MIB)
+
+
+def test_small_blocks_pack_into_2_mib_segments_and_the_third_mib_takes_a_new_one() -> None:
+    a = CachingAllocator()
+    for key in "abc":
+        a.malloc(key, MIB)  # 1 MiB is still small: half a segment each
+    assert (a.allocated, a.reserved) == (3 * MIB, 4 * MIB)
+
+
+def test_a_request_between_1_and_10_mib_cuts_a_20_mib_segment_and_the_next_one_shares_it() -> None:
+    a = CachingAllocator()
+    a.malloc("a", MIB + 1)  # large pool: 1 MiB + 512 from a new 20 MiB segment, the rest stays free
+    a.malloc("b", 5 * MIB)
+    assert (a.allocated, a.reserved) == (6 * MIB + 512, 20 * MIB)
+
+
+def test_freed_blocks_are_cached_per_stream() -> None:
+    a = CachingAllocator()
+    a.malloc("a", 5 * MIB, stream=0)
+    a.malloc("b", 5 * MIB, stream=1)  # the first segment's rest is stream 0's
+    assert a.reserved == 40 * MIB
+    a.free("a")
+    a.malloc("c", 5 * MIB, stream=1)  # stream 1's own segment still has room
+    assert a.reserved == 40 * MIB
+
+
+def test_requests_from_10_mib_take_a_segment_of_their_size_rounded_to_2_mib() -> None:
+    assert [segment_size(s) for s in (512, MIB, MIB + 512, 10 * MIB - 512, 10 * MIB, 11 * MIB)] == \
+        [2 * MIB, 2 * MIB, 20 * MIB, 20 * MIB, 10 * MIB, 12 * MIB]
+    a = CachingAllocator()
+    a.malloc("a", 11 * MIB)  # a 12 MiB segment; 1 MiB left is not more than 1 MiB: not split
+    assert (a.allocated, a.reserved) == (12 * MIB, 12 * MIB)
+    a.malloc("b", 12 * MIB + 1)  # 12 MiB + 512 in a 14 MiB segment: 1.5 MiB left is split off
+    assert (a.allocated, a.reserved) == (24 * MIB + 512, 26 * MIB)
+
+
+def test_a_freed_block_merges_with_its_free_neighbours_and_serves_a_larger_request() -> None:
+    a = CachingAllocator()
+    for key in "abc":
+        a.malloc(key, 3 * MIB)  # one 20 MiB segment: a b c, 11 MiB free
+    a.free("b")
+    a.malloc("d", 4 * MIB)  # b's 3 MiB hole is too small: from the 11 MiB rest
+    a.free("c")  # c merges with b's hole before it: 6 MiB; d, after it, is live
+    a.free("d")  # d merges with both sides: b + c + d + the 7 MiB rest, 17 MiB free after a
+    a.malloc("e", 17 * MIB)
+    assert (a.allocated, a.reserved, a.peak_reserved) == (20 * MIB, 20 * MIB, 20 * MIB)
+
+
+def test_a_new_segment_past_the_cap_first_releases_the_wholly_free_ones() -> None:
+    events = [("a", 3 * MIB, 0), ("a", -1, 0), ("b", 12 * MIB, 1)]
+    uncapped = replay(events)
+    assert uncapped.reserved == 32 * MIB  # stream 1 cannot use stream 0's cached 20 MiB
+    capped = replay(events, cap=20 * MIB)
+    assert capped.reserved == 12 * MIB  # the cached segment went back first
+    with pytest.raises(OutOfMemory):
+        replay(events, cap=10 * MIB)
+    assert least_cap(events) == 20 * MIB
+
+
+def test_a_segment_holding_a_live_block_is_not_released() -> None:
+    events = [("a", 3 * MIB, 0), ("keep", 512, 0), ("a", -1, 0), ("b", 19 * MIB, 0)]
+    # keep is small: its own 2 MiB segment; a's 20 MiB segment is free and on stream 0
+    assert replay(events).reserved == 22 * MIB and least_cap(events) == 22 * MIB
+    pinned = [("a", 3 * MIB, 0), ("keep", 2 * MIB, 0), ("a", -1, 0), ("b", 19 * MIB, 0)]
+    # keep (2 MiB) shares a's segment and pins it: b needs a segment of its own
+    assert replay(pinned).reserved == 40 * MIB and least_cap(pinned) == 40 * MIB
+
+
+def test_the_trace_keeps_fsdps_all_gather_buffers_on_their_own_stream_and_offloaded_state_off_the_device() -> None:
+    counts = Counts(offloaded=("OptState",))
+    counts.allocate("gathered", "All Gather", 5 * MIB)  # FSDP2's all-gather stream: a 20 MiB segment
+    counts.release("gathered", "All Gather", 5 * MIB)
+    counts.allocate("activation", "Activation", 5 * MIB)  # the compute stream cannot take its cached block
+    counts.allocate("state", "OptState", 5 * MIB)  # offloaded: in host memory, not on the device
+    counts.see()
+    assert counts.device.reserved == counts.peaks["segments"].bytes == 40 * MIB
+    assert counts.peaks["blocks"].bytes == 5 * MIB and counts.peaks["cpu"].bytes == 10 * MIB
+
+
+# --- what sits beside the allocator on a GPU, and the GPUs by name (fsdp_exp/estimate/gpu.py) ---
+
+def test_a_gpu_is_named_as_the_table_has_it_or_by_its_memory() -> None:
+    assert gpu_named("h100 sxm").name == "H100-SXM" and gpu_named("A100_40GB").memory_gb == 40
+    assert gpu_named("24").memory_gb == 24 and gpu_named("24GB").name == "24 GB"
+    with pytest.raises(ConfigError, match=r"task.gpu=H300: name a GPU \(B200, .*\) or its memory in GB"):
+        gpu_named("H300")
+
+
+def test_each_process_group_is_an_nccl_communicator_and_nvswitch_boards_add_nvls() -> None:
+    full, hybrid = FullyShard(), HybridShard(replicate=2)
+    assert outside_allocator_gb(1, full.groups(1), None) == {"cuda_context": 0.5, "nccl": 0.0}
+    assert outside_allocator_gb(2, full.groups(2), None)["nccl"] == pytest.approx(0.544)  # nccl#964: 2 GPUs
+    a100, h100 = gpu_named("A100-80GB"), gpu_named("H100-SXM")
+    assert outside_allocator_gb(8, full.groups(8), a100)["nccl"] == pytest.approx(0.688)
+    assert outside_allocator_gb(8, full.groups(8), h100)["nccl"] == pytest.approx(0.688 + 1.0)  # NVLS
+    # HSDP on 8: the world, a replica group of 2 and a shard group of 4
+    assert hybrid.groups(8) == (2, 4)
+    assert outside_allocator_gb(8, hybrid.groups(8), h100)["nccl"] == pytest.approx(0.688 + 1.0 + 0.544 + 0.688 + 1.0)
+    assert FullyShard(reshard_after_forward=4).groups(8) == (4,)  # FSDP2's post-forward mesh
+    assert cublas_workspace_bytes(h100) == 32 * MIB and cublas_workspace_bytes(a100) == 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def test_on_a_gpu_the_cap_counts_reserved_and_the_device_adds_what_sits_outside() -> None:
+    peak = TracedPeak(3 * MIB, {"Parameter": 3 * MIB}, "forward")
+    step = StepTrace(4, {"cpu": peak, "blocks": peak, "segments": TracedPeak(20 * MIB, {}, "forward")}, 0, 0, [])
+    gb = 2**30
+    made = estimate_batch(step, None, on_gpu=True, offload=False, baseline_gb=1.0, builds_whole_model=False,
+                          workspace_bytes=32 * MIB)
+    assert made.reserved_gb * gb == 20 * MIB + 32 * MIB  # the replay's segments, and cuBLAS's workspace in its own
+    assert made.limited_gb == made.reserved_gb and made.device_gb == pytest.approx(made.reserved_gb + 1.0)
+    batch = made.to_json()
+    assert fits(batch, None, None) is None
+    assert fits(batch, 0.06, None) and not fits(batch, 0.04, None)  # memory.limit_gb caps reserved, 0.05 GB
+    assert fits(batch, None, 1.06) and not fits(batch, None, 1.0)  # the GPU's memory holds reserved + 1 GB outside

@@ -96,18 +96,17 @@ def answer_line(record: dict) -> str:
             f"with {runtime:.2f} GB of runtime")
     if "device_gb" in record:
         line += f"; the GPU holds {record['device_gb']:.2f} GB ({record['reserved_gb']:.2f} GB reserved by torch)"
-    room = " and ".join(([f"memory.limit_gb={record['limit_gb']:g}"] if record["limit_gb"] is not None else [])
-                        + ([f"a {record['gpu']} ({record['gpu_memory_gb']:g} GB)"] if "gpu" in record else []))
+    room = " and ".join(([f"under memory.limit_gb={record['limit_gb']:g}"] if record["limit_gb"] is not None else [])
+                        + ([f"on {record['gpu']} ({record['gpu_memory_gb']:g} GB)"] if "gpu" in record else []))
     if room and len(record["batches"]) > 1:
         fitting = record["largest_batch_fitting"]
-        line += (f"; largest batch predicted to fit in {room}: {fitting}" if fitting
-                 else f"; no batch asked for fits in {room}")
+        line += (f"; largest batch predicted to fit {room}: {fitting}" if fitting
+                 else f"; no batch asked for fits {room}")
         if record["predicted_max_batch"] is not None:
             line += f" (the estimate's curve reaches it at {record['predicted_max_batch']})"
     elif room:
-        line += "; fits in " if fits(record["batches"][0], record["limit_gb"], record.get("gpu_memory_gb")) \
-            else "; does not fit in "
-        line += room
+        fit = fits(record["batches"][0], record["limit_gb"], record.get("gpu_memory_gb"))
+        line += f"; {'fits' if fit else 'does not fit'} {room}"
     return line
 
 

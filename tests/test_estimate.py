@@ -104,6 +104,20 @@ def test_full_sharding_backward_peak_counted_by_hand():
     assert found.step_peak_gb * GB == pytest.approx(sum(expected.values()))
 
 
+def test_gradient_accumulation_under_full_sharding_is_traced_a_micro_batch_at_a_time():
+    """train.grad_accum=2 runs each module's forward twice a step, which torch's FSDP
+    tracker refuses unless its per-module stats start anew: batch 64 in two micro-batches
+    holds about the activations of 32 (one layer's input of 32 more, the next micro-batch's),
+    not those of 64."""
+    _, micro = traced("sharding=full", batch_sizes=[32])
+    _, halves = traced("sharding=full", "train.grad_accum=2", batch_sizes=[64])
+    _, whole = traced("sharding=full", batch_sizes=[64])
+    one, two, all_64 = (in_bytes(estimate_batch(r.steps[0], r, False, False, 0, True).breakdown_gb)
+                        for r in (micro, halves, whole))
+    assert one["activations"] <= two["activations"] <= one["activations"] + 32 * WIDTH * FP32
+    assert two["activations"] < 0.75 * all_64["activations"] and two["parameters"] == one["parameters"]
+
+
 def test_ddp_counts_a_whole_replica_and_its_buckets():
     exp, result = traced("sharding=ddp", batch_sizes=[16])
     found = estimate_batch(result.steps[0], result, on_gpu=False, offload=False, baseline_gb=0,
@@ -212,6 +226,34 @@ def test_bad_estimate_settings_are_one_line(tmp_path):
     assert "task.world_size=0" in result.stderr and "Traceback" not in result.stderr
     with pytest.raises(ConfigError, match="task.device=tpu: choose one of: auto, cpu, cuda"):
         compose_checked(["task=estimate", "task.device=tpu", "wandb.mode=disabled"])
+    with pytest.raises(ConfigError, match=r"task.seq_lens: data=SyntheticImages has no sequence length; it is for "
+                                          r"token data \(synthetic_tokens, text, token_file\)"):
+        compose_checked(["task=estimate", "task.seq_lens=[128]", "wandb.mode=disabled"])
+    with pytest.raises(ConfigError, match="task.gpu=A100: name a GPU"):
+        compose_checked(["task=estimate", "task.gpu=A100", "wandb.mode=disabled"])
+    with pytest.raises(ConfigError, match="task.gpu=L4: names a GPU to estimate for; leave task.device=auto or set cuda"):
+        compose_checked(["task=estimate", "task.gpu=L4", "task.device=cpu", "wandb.mode=disabled"])
+
+
+@pytest.mark.slow
+def test_for_token_data_the_answer_is_in_tokens_too_and_over_sequence_lengths(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("task=estimate", "model=gpt", "model.size=tiny", "model.block_size=256", "data=synthetic_tokens",
+                     "task.seq_lens=[64,128,512]", "task.batch_sizes=[4,16]", "memory.limit_gb=2", "train.grad_accum=2",
+                     "wandb.mode=disabled", f"hydra.run.dir={out}", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = read_json(out / "estimate.json")
+    # a micro-batch is half the batch (train.grad_accum=2) of data.seq_len=128 tokens
+    assert record["seq_len"] == 128 and record["tokens_per_micro_batch"] == record["largest_batch_fitting"] // 2 * 128
+    short, configured, long = record["by_seq_len"]
+    assert (short["seq_len"], configured["seq_len"]) == (64, 128) and long["seq_len"] == 512
+    assert configured["largest_batch_fitting"] == record["largest_batch_fitting"]
+    assert short["peak_mem_gb"] < configured["peak_mem_gb"] or short["largest_batch_fitting"] > configured["largest_batch_fitting"]
+    for row in (short, configured):
+        assert row["tokens_per_micro_batch"] == row["largest_batch_fitting"] // 2 * row["seq_len"]
+    assert long["error"].endswith("sequence length 512 is longer than block_size=256")  # this length, not the run, fails
+    assert (out / "estimate_seq_lens.png").stat().st_size > 0
+    assert "tokens/micro-batch" in result.stdout and "     512  task=estimate could not trace this setup" in result.stdout
 
 
 @pytest.mark.slow

@@ -249,7 +249,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             for batch_size in batch_sizes:
                 counts = phases.counts = Counts(offloaded)
                 batches = fake_batches(sample, target, batch_size // traced.train.grad_accum)
-                mem = tracker(model, optimizer, counts)
+                mem = phases.tracker = tracker(model, optimizer, counts)
                 with mem:
                     trainer.train_step(batches)
                 steps.append(StepTrace(batch_size, counts.peaks, state_bytes(optimizer), buckets,
@@ -294,10 +294,15 @@ class Phases:
     backward, optimizer_step) the counts are in."""
 
     counts: Counts | None = None
+    tracker: MemTracker | None = None  # the step's, while it counts
 
     def start_phase(self, name: str) -> None:
         if self.counts is not None:
             self.counts.phase = name
+        if name == "forward" and self.tracker is not None:
+            # each micro-batch of train.grad_accum runs the modules' forward again, which
+            # FSDPMemTracker refuses unless its per-module stats (not read here) start anew
+            self.tracker.reset_mod_stats()
 
     def end_phase(self) -> None:
         self.start_phase("")

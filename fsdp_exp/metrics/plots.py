@@ -267,3 +267,37 @@ def _key(ax: Any, points: list[tuple[str, float, float]], named: list[int], fron
                 color="tab:red" if i in front else "black")
         top -= step * (entry.count("\n") + 1.3)
     return entries
+
+
+def plot_tokens(record: dict, path: Path) -> None:
+    """task=estimate with task.seq_lens drawn: tokens per micro-batch of the largest batch
+    that fits (or of the batch estimated) at each sequence length, the batch beside each point."""
+    rows = [r for r in record.get("by_seq_len", []) if "error" not in r]
+    if not rows:
+        return
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lengths = [r["seq_len"] for r in rows]
+    fitted = record.get("limit_gb") is not None or "gpu" in record
+    ax.plot(lengths, [r["tokens_per_micro_batch"] for r in rows], "o-", color="tab:blue",
+            label="largest of task.batch_sizes that fits" if fitted else "the batch estimated")
+    curve = [r for r in rows if r.get("predicted_max_tokens") is not None]
+    if fitted and curve:
+        ax.plot([r["seq_len"] for r in curve], [r["predicted_max_tokens"] for r in curve], "s--", color="tab:orange",
+                label="where the estimate's curve reaches the memory")
+        ax.legend(fontsize=8)
+    for r in rows:
+        batch = r["largest_batch_fitting"] if fitted else r["batch_size"]
+        ax.annotate(f"batch {batch}", (r["seq_len"], r["tokens_per_micro_batch"]), textcoords="offset points",
+                    xytext=(4, 6), fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("data.seq_len")
+    ax.set_ylabel("tokens per micro-batch")
+    room = " and ".join(([f"memory.limit_gb={record['limit_gb']:g}"] if record.get("limit_gb") is not None else [])
+                        + ([record["gpu"]] if "gpu" in record else []))
+    ax.set_title(f"largest micro-batch that fits ({room}), by sequence length" if fitted
+                 else "tokens per micro-batch, by sequence length", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)

@@ -9,15 +9,18 @@ largest batch predicted to fit under `memory.limit_gb`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from fsdp_exp.config import Device
+from fsdp_exp.data.tokens import TokenData
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.estimate.breakdown import PARTS
 from fsdp_exp.estimate.gpu import Gpu, gpu_named
 from fsdp_exp.estimate.predict import estimate, fits
+from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.metrics.plots import plot_tokens
 from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.tasks import Task, setup_line
 
@@ -38,6 +41,7 @@ class Estimate(Task):
     device: Device = Device.auto  # auto (the run's) | cpu | cuda: the device to estimate for, any machine
     baseline_gb: float | None = None  # the runtime's own memory beside the tensors; null: measured (CPU), modelled (GPU)
     gpu: str | None = None  # a GPU (H100-SXM, A100-40GB, L4, ...) or its memory in GB: fits on it? implies device cuda
+    seq_lens: list[int] = field(default_factory=list)  # token data: the estimate again at each of these data.seq_len
 
     uses_the_device: ClassVar[bool] = False  # it traces, for any device and world size
 
@@ -46,6 +50,8 @@ class Estimate(Task):
             at_least("task.world_size", self.world_size, 1)
         for size in self.batch_sizes:
             at_least("task.batch_sizes", size, 1)
+        for length in self.seq_lens:
+            at_least("task.seq_lens", length, 1)
         if self.baseline_gb is not None and self.baseline_gb < 0:
             raise ConfigError(f"task.baseline_gb={self.baseline_gb}: must be at least 0")
         if self.gpu is not None:
@@ -58,6 +64,9 @@ class Estimate(Task):
         return self.world_size or launched
 
     def check(self, exp: Experiment) -> None:
+        if self.seq_lens and not isinstance(exp.data, TokenData):
+            raise ConfigError(f"task.seq_lens: data={type(exp.data).__name__} has no sequence length; "
+                              "it is for token data (synthetic_tokens, text, token_file)")
         sizes = self.sizes(exp)
         for size in sizes:
             if size % exp.train.grad_accum:
@@ -76,16 +85,68 @@ class Estimate(Task):
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu())
         record["setup"] = setup_line(context)
+        tokens(record, exp)
+        if self.seq_lens:
+            record["by_seq_len"] = [self.at_seq_len(exp, length, nproc) for length in sorted(set(self.seq_lens))]
         write_json(Path(run_dir) / RECORD, record)
         print(table(record), flush=True)
+        if self.seq_lens:
+            print(seq_len_table(record), flush=True)
+            plot_tokens(record, Path(run_dir) / "estimate_seq_lens.png")
         log.info("%s -> %s", answer_line(record), run_dir / RECORD)
         return {"task": "estimate", **{k: record[k] for k in SUMMARY_KEYS},
-                **{k: record[k] for k in GPU_KEYS if k in record}}
+                **{k: record[k] for k in (*GPU_KEYS, *TOKEN_KEYS) if k in record}}
+
+    def at_seq_len(self, exp: Experiment, length: int, nproc: int) -> dict:
+        """The estimate with data.seq_len=`length`: the largest batch that fits and its tokens,
+        or why it could not be traced (a model that reads fewer positions)."""
+        longer = replace(exp, data=replace(exp.data, seq_len=length))
+        try:
+            found = estimate(longer, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu())
+        except RunFailed as err:
+            return {"seq_len": length, "error": str(err)}
+        tokens(found, longer)
+        return {"seq_len": length, **{k: found[k] for k in ("batch_size", "peak_mem_gb", "largest_batch_fitting",
+                                                             "predicted_max_batch", *TOKEN_KEYS) if k in found}}
+
+
+def tokens(record: dict, exp: Experiment) -> None:
+    """For token data, the answer in tokens: a micro-batch of the largest batch that fits
+    (or of the batch estimated) times data.seq_len."""
+    if not isinstance(exp.data, TokenData):
+        return
+    batch = record["largest_batch_fitting"] if record["largest_batch_fitting"] is not None else record["batch_size"]
+    record["seq_len"] = exp.data.seq_len
+    record["tokens_per_micro_batch"] = batch // exp.train.grad_accum * exp.data.seq_len
+    if record.get("predicted_max_batch") is not None:
+        record["predicted_max_tokens"] = record["predicted_max_batch"] // exp.train.grad_accum * exp.data.seq_len
+
+
+def seq_len_table(record: dict) -> str:
+    """The largest batch and its tokens per micro-batch at each sequence length."""
+    fitted = record["limit_gb"] is not None or "gpu" in record
+    head = "largest batch" if fitted else "batch"
+    lines = [f"{'seq_len':>8} {head:>14} {'tokens/micro-batch':>19} {'peak GB':>8}"
+             + (f" {'curve: batch':>13} {'tokens':>9}" if fitted else "")]
+    for row in record["by_seq_len"]:
+        if "error" in row:
+            lines.append(f"{row['seq_len']:>8}  {row['error']}")
+            continue
+        batch = row["largest_batch_fitting"] if fitted else row["batch_size"]
+        line = f"{row['seq_len']:>8} {batch:>14} {row['tokens_per_micro_batch']:>19,} {row['peak_mem_gb']:>8.3f}"
+        if fitted and row.get("predicted_max_batch") is not None:
+            line += f" {row['predicted_max_batch']:>13} {row['predicted_max_tokens']:>9,}"
+        lines.append(line)
+    if fitted:
+        lines.append("largest batch: of task.batch_sizes, traced; curve: where the estimate's curve through them "
+                     "reaches the memory (list more sizes in task.batch_sizes to trace closer)")
+    return "\n".join(lines)
 
 
 SUMMARY_KEYS = ("peak_mem_gb", "predicted_peak_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
                 "predicted_max_batch", "wall_s")
 GPU_KEYS = ("reserved_gb", "device_gb", "gpu", "gpu_memory_gb")
+TOKEN_KEYS = ("seq_len", "tokens_per_micro_batch", "predicted_max_tokens")
 
 
 def answer_line(record: dict) -> str:

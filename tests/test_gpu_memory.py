@@ -5,13 +5,16 @@ torch's c10/cuda/CUDACachingAllocator.cpp), and what sits beside it (fsdp_exp/es
 from __future__ import annotations
 
 import pytest
+import torch
 
+from fsdp_exp.cli import compose_checked
+from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.estimate.allocator import CachingAllocator, OutOfMemory, least_cap, replay, segment_size
 from fsdp_exp.estimate.breakdown import estimate_batch
-from fsdp_exp.estimate.gpu import cublas_workspace_bytes, gpu_named, outside_allocator_gb
+from fsdp_exp.estimate.gpu import cublas_workspaces, gpu_named, outside_allocator_gb
 from fsdp_exp.estimate.predict import fits
-from fsdp_exp.estimate.trace import Counts
+from fsdp_exp.estimate.trace import Counts, trace
 from fsdp_exp.estimate.traced import StepTrace, TracedPeak
 from fsdp_exp.sharding import FullyShard, HybridShard
 
@@ -92,15 +95,26 @@ def test_a_segment_holding_a_live_block_is_not_released() -> None:
     assert replay(pinned).reserved == 40 * MIB and least_cap(pinned) == 40 * MIB
 
 
-def test_the_trace_keeps_fsdps_all_gather_buffers_on_their_own_stream_and_offloaded_state_off_the_device() -> None:
-    counts = Counts(offloaded=("OptState",))
-    counts.allocate("gathered", "All Gather", 5 * MIB)  # FSDP2's all-gather stream: a 20 MiB segment
-    counts.release("gathered", "All Gather", 5 * MIB)
+def test_each_allocation_goes_to_the_replay_on_the_stream_it_was_made_on() -> None:
+    counts = Counts(offloaded=("OptState",), workspaces=(32 * MIB,))
+    assert counts.device.reserved == 32 * MIB  # cuBLAS's workspace, from the start
+    with torch.cpu.stream(torch.cpu.Stream()):  # as FSDP2's all-gather copy-in stream
+        counts.allocate("gathered", "Activation", 5 * MIB)  # a 20 MiB segment of that stream
+    counts.release("gathered", "Activation", 5 * MIB)
     counts.allocate("activation", "Activation", 5 * MIB)  # the compute stream cannot take its cached block
     counts.allocate("state", "OptState", 5 * MIB)  # offloaded: in host memory, not on the device
+    counts.allocate("freed storage", "Parameter", 0)  # FSDP2 resizes a freed parameter to 0 bytes: no block
     counts.see()
-    assert counts.device.reserved == counts.peaks["segments"].bytes == 40 * MIB
+    assert counts.device.reserved == counts.peaks["segments"].bytes == 72 * MIB
     assert counts.peaks["blocks"].bytes == 5 * MIB and counts.peaks["cpu"].bytes == 10 * MIB
+    assert len(counts.streams) == 2 and len(counts.device.live) == 2
+
+
+def test_fsdp2_allocates_on_three_streams_and_ddp_on_one() -> None:
+    plan = prepare(compose_checked(["model.num_layers=2", "wandb.mode=disabled", "sharding=full"]), 0)
+    assert trace(plan.exp, 2, [4], on_gpu=True).steps[0].streams == 3  # compute, all-gather copy-in, reduce-scatter
+    plan = prepare(compose_checked(["model.num_layers=2", "wandb.mode=disabled", "sharding=ddp"]), 0)
+    assert trace(plan.exp, 2, [4], on_gpu=True).steps[0].streams == 1
 
 
 # --- what sits beside the allocator on a GPU, and the GPUs by name (fsdp_exp/estimate/gpu.py) ---
@@ -123,7 +137,9 @@ def test_each_process_group_is_an_nccl_communicator_and_nvswitch_boards_add_nvls
     assert hybrid.groups(8) == (2, 4)
     assert outside_allocator_gb(8, hybrid.groups(8), h100)["nccl"] == pytest.approx(0.688 + 1.0 + 0.544 + 0.688 + 1.0)
     assert FullyShard(reshard_after_forward=4).groups(8) == (4,)  # FSDP2's post-forward mesh
-    assert cublas_workspace_bytes(h100) == 32 * MIB and cublas_workspace_bytes(a100) == 4096 * 1024 * 2 + 16 * 1024 * 8
+    # cuBLAS: the forward's workspace and backward's (autograd's thread), by compute capability
+    assert cublas_workspaces(h100) == cublas_workspaces(gpu_named("B200")) == (32 * MIB, 32 * MIB)
+    assert cublas_workspaces(a100) == (4096 * 1024 * 2 + 16 * 1024 * 8,) * 2
 
 
 def test_on_a_gpu_the_cap_counts_reserved_and_the_device_adds_what_sits_outside() -> None:
@@ -132,9 +148,10 @@ def test_on_a_gpu_the_cap_counts_reserved_and_the_device_adds_what_sits_outside(
     gb = 2**30
     made = estimate_batch(step, None, on_gpu=True, offload=False, baseline_gb=1.0, builds_whole_model=False,
                           workspace_bytes=32 * MIB)
-    assert made.reserved_gb * gb == 20 * MIB + 32 * MIB  # the replay's segments, and cuBLAS's workspace in its own
+    assert made.reserved_gb * gb == 20 * MIB  # the replay's segments (cuBLAS's workspaces are in them)
+    assert made.breakdown_gb["unsharded_and_buffers"] * gb == 32 * MIB  # allocated: the workspace counts
     assert made.limited_gb == made.reserved_gb and made.device_gb == pytest.approx(made.reserved_gb + 1.0)
     batch = made.to_json()
     assert fits(batch, None, None) is None
-    assert fits(batch, 0.06, None) and not fits(batch, 0.04, None)  # memory.limit_gb caps reserved, 0.05 GB
-    assert fits(batch, None, 1.06) and not fits(batch, None, 1.0)  # the GPU's memory holds reserved + 1 GB outside
+    assert fits(batch, 0.02, None) and not fits(batch, 0.019, None)  # memory.limit_gb caps reserved, 0.0195 GB
+    assert fits(batch, None, 1.02) and not fits(batch, None, 1.0)  # the GPU's memory holds reserved + 1 GB outside

@@ -5,8 +5,8 @@ On a GPU (`device=cuda`), added to the trace:
 - the caching allocator's rounding: every block a multiple of 512 bytes (the peak counts
   blocks); `reserved_gb` is what the allocator holds, from a replay of the traced
   allocations and frees through its rules (`fsdp_exp.estimate.allocator`: 2 and 20 MiB
-  segments, splitting, merging, freed blocks cached per stream, FSDP2's all-gather and
-  reduce-scatter buffers on their own streams);
+  segments, splitting, merging, freed blocks cached per stream, each allocation on the
+  stream it was made on);
 - with `offload=true`, the sharded parameters, their gradients and the optimizer state
   (its step too) in host memory, off the device;
 - flash and memory-efficient attention's backward: an fp32 accumulator the size of the
@@ -77,7 +77,7 @@ def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: 
     """One batch size's estimate. `builds_whole_model`: every rank first builds the whole
     model (model.init_device=cpu), which can outgrow a step when the shards are small; that
     needs the `trace` of the build. On a GPU, `baseline_gb` is what sits outside the
-    allocator (the CUDA context, NCCL) and `workspace_bytes` cuBLAS's workspace."""
+    allocator (the CUDA context, NCCL) and `workspace_bytes` cuBLAS's workspaces."""
     baseline = baseline_gb * GB
     peak = step.peaks["blocks" if on_gpu else "cpu"]
     found = parts(peak, step.optimizer_state_bytes)
@@ -85,8 +85,9 @@ def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: 
     if on_gpu:
         found["unsharded_and_buffers"] += cuda_block(step.ddp_buckets_bytes) + cuda_block(workspace_bytes)
         found["temporaries"] += attention_workspace(step.attention)
-        # allocations the trace does not see, each in a segment of its own
-        untraced = (step.ddp_buckets_bytes, attention_workspace(step.attention), workspace_bytes)
+        # allocations the trace does not see, each in a segment of its own (cuBLAS's
+        # workspaces are in the replay's, `segments`)
+        untraced = (step.ddp_buckets_bytes, attention_workspace(step.attention))
         reserved = (step.peaks["segments"].bytes + sum(segment_size(cuda_block(n)) for n in untraced if n)) / GB
         if offload:
             offloaded = sum(v for c, v in step.peaks["cpu"].categories.items() if c in OFFLOADED) / GB

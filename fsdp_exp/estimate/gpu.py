@@ -2,20 +2,25 @@
 
 Outside the caching allocator (torch.cuda.memory_reserved does not count it, the device
 does, and `memory.limit_gb`'s cap, `set_per_process_memory_fraction`, leaves it out):
-- the CUDA context: 0.3-0.6 GB by GPU and CUDA version, with CUDA's lazy loading (the
-  default on Linux since CUDA 12.2): `CONTEXT_GB`;
+- the CUDA context: 0.3-0.6 GB by GPU and CUDA version, with CUDA's lazy loading of kernels
+  (on by default on Linux since CUDA 12.2, NVIDIA's developer forum, "Lazy Loading"):
+  `CONTEXT_GB`;
 - each NCCL communicator the run creates, one per process group it talks over: 544 MB for a
-  group of 2 GPUs and 688 MB for a larger one, measured on 4 A100s with NVLink
-  (NVIDIA/nccl#964); NCCL's NVLink SHARP (NVLS), on by default where the GPUs hang off an
-  NVSwitch (HGX and DGX H100, H200, B200), adds about 1 GiB to each communicator of more
-  than 2 GPUs (NCCL's NCCL_NVLS_ENABLE; NVIDIA/JAX-Toolbox#383 turned it off for its memory).
+  group of 2 GPUs and 688 MB for a larger one, measured with an all-reduce on 4 A100s with
+  NVLink (NVIDIA/nccl#964); NCCL's maintainers say it grows with the channels NCCL uses,
+  more on faster links, so these are a floor. Where the GPUs hang off an NVSwitch (HGX and
+  DGX H100, H200, B200) NCCL's NVLink SHARP (NVLS) adds buffers to each communicator of more
+  than 2 GPUs: `NVLS_GB`, about 1 GiB as users report it, not measured here (JAX-Toolbox#383
+  turned NVLS off for the memory its communicators took; `NCCL_NVLS_ENABLE=0` does the same).
 Through the allocator but outside the trace (fake tensors call no cuBLAS): cuBLAS's
-workspace, one per handle and stream, the compute stream's here: 32 MiB on compute
-capability 9.0 and later, else 4096 KiB x 2 + 16 KiB x 8 (torch's
-aten/src/ATen/cuda/CublasHandlePool.cpp, CUBLAS_WORKSPACE_CONFIG unset).
+workspace, one per handle and stream: the forward's, and backward's (autograd runs it on a
+thread of its own, with its own handle; inferred from torch's handle pool, to be checked on
+a GPU). Each is 32 MiB on compute capability 9.x to 12.x and 4096 KiB x 2 + 16 KiB x 8 on
+earlier GPUs (torch 2.14's aten/src/ATen/cuda/CublasHandlePool.cpp, CUBLAS_WORKSPACE_CONFIG
+unset; earlier torch gave 32 MiB to 9.0 only); cuBLASLt shares it (torch 2.14's default).
 
-These figures stand until a GPU says otherwise: `python -m fsdp_exp.check_gpu` measures the
-context and a run's device memory beside the estimate.
+These figures stand until a GPU says otherwise: `python -m fsdp_exp.check_gpu` prints the
+estimate beside a real run.
 """
 
 from __future__ import annotations
@@ -94,8 +99,7 @@ def outside_allocator_gb(world_size: int, groups: tuple[int, ...], gpu: Gpu | No
     return {"cuda_context": CONTEXT_GB, "nccl": nccl}
 
 
-def cublas_workspace_bytes(gpu: Gpu | None) -> int:
-    """cuBLAS's workspace on the compute stream (32 MiB where the GPU is not known)."""
-    if gpu is None or gpu.compute_capability >= 9.0:
-        return 32 * MIB
-    return 4096 * 1024 * 2 + 16 * 1024 * 8
+def cublas_workspaces(gpu: Gpu | None) -> tuple[int, ...]:
+    """cuBLAS's workspaces on a rank, in bytes (32 MiB each where the GPU is not known)."""
+    large = gpu is None or 9 <= int(gpu.compute_capability) <= 12
+    return (32 * MIB if large else 4096 * 1024 * 2 + 16 * 1024 * 8,) * 2

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.breakdown import GB, estimate_batch
 from fsdp_exp.estimate.curve import PeakCurve
-from fsdp_exp.estimate.gpu import Gpu, cublas_workspace_bytes, outside_allocator_gb
+from fsdp_exp.estimate.gpu import Gpu, cublas_workspaces, outside_allocator_gb
 from fsdp_exp.launch.core import RunFailed
 
 if TYPE_CHECKING:
@@ -30,13 +30,13 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     to peak above it. On a GPU, `gpu` (task.gpu) names the device whose memory it must fit in."""
     start = time.perf_counter()
     outside = outside_allocator_gb(world_size, exp.sharding.groups(world_size), gpu) if on_gpu else {}
-    workspace = cublas_workspace_bytes(gpu) if on_gpu else 0
-    traced = trace_in_child(exp, world_size, batch_sizes, on_gpu, baseline_gb, stop_above_gb, outside, workspace)
+    workspaces = cublas_workspaces(gpu) if on_gpu else ()
+    traced = trace_in_child(exp, world_size, batch_sizes, on_gpu, baseline_gb, stop_above_gb, outside, workspaces)
     if baseline_gb is not None and on_gpu:  # the user's figure stands for everything outside the allocator
         outside = {"task.baseline_gb": baseline_gb}
     baseline_gb = baseline_or_measured(baseline_gb, on_gpu, traced.baseline_bytes, outside)
     builds_whole = exp.model.init_device != "meta"
-    batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole, workspace)
+    batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole, sum(workspaces))
                for step in traced.steps]
     limit = exp.memory.limit_gb
     device_gb = gpu.memory_gb if gpu is not None and on_gpu else None
@@ -61,7 +61,7 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         "breakdown_gb": chosen.breakdown_gb,
         **({"reserved_gb": chosen.reserved_gb, "device_gb": chosen.device_gb,
             "outside_allocator_gb": outside,
-            "cublas_workspace_mb": workspace / 2**20} if on_gpu else {}),
+            "cublas_workspaces_mb": [n / 2**20 for n in workspaces]} if on_gpu else {}),
         **({"gpu": gpu.name, "gpu_memory_gb": gpu.memory_gb} if gpu is not None and on_gpu else {}),
         **({"offloaded_gb": chosen.offloaded_gb} if chosen.offloaded_gb is not None else {}),
         "build_peak_gb": (traced.build_bytes / GB + baseline_gb) if builds_whole else None,
@@ -104,14 +104,14 @@ def baseline_or_measured(baseline_gb: float | None, on_gpu: bool, measured_bytes
 
 def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
                    baseline_gb: float | None = None, stop_above_gb: float | None = None,
-                   outside: dict[str, float] | None = None, workspace: int = 0) -> Any:
+                   outside: dict[str, float] | None = None, workspaces: tuple[int, ...] = ()) -> Any:
     """The trace, in a fresh process: the fake process group is this process's own, nothing
     of the driver's (threads, a sweep's other runs) is in the way, and what the process
     holds before tracing is what a rank holds before building its model (the baseline)."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe(duplex=False)
     process = context.Process(target=_traced, args=(child, exp, world_size, batch_sizes, on_gpu, baseline_gb,
-                                                    stop_above_gb, outside or {}, workspace), daemon=True)
+                                                    stop_above_gb, outside or {}, workspaces), daemon=True)
     process.start()
     child.close()
     try:
@@ -132,15 +132,17 @@ def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_
 
 
 def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
-            baseline_gb: float | None, stop_above_gb: float | None, outside: dict[str, float], workspace: int) -> None:
+            baseline_gb: float | None, stop_above_gb: float | None, outside: dict[str, float],
+            workspaces: tuple[int, ...]) -> None:
     warnings.filterwarnings("ignore")
     try:
         from fsdp_exp.estimate.trace import trace  # here, in the child: tracing's imports cost the driver 0.5 s
 
         def enough(step: Any, baseline_bytes: int) -> bool:
             base = baseline_or_measured(baseline_gb, on_gpu, baseline_bytes, outside)
-            return estimate_batch(step, None, on_gpu, exp.offload, base, False, workspace).limited_gb > stop_above_gb
+            return estimate_batch(step, None, on_gpu, exp.offload, base, False, sum(workspaces)).limited_gb > stop_above_gb
 
-        pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu, enough if stop_above_gb is not None else None)))
+        pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu, enough if stop_above_gb is not None else None,
+                               workspaces)))
     except Exception as err:  # noqa: BLE001 - sent back as one line
         pipe.send((False, one_line(err, named=True, whole=True, limit=500)))

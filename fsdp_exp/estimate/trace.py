@@ -53,30 +53,35 @@ from fsdp_exp.sharding import NoSharding
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
 
-# FSDP2 allocates its all-gather buffers on its all-gather stream and its reduce-scatter
-# buffers on its reduce-scatter stream; everything else is the compute stream's. The caching
-# allocator caches freed blocks per stream, so the replay keeps them apart.
-STREAMS = {"All Gather": 1, "Reduce Scatter": 2}
-
-
 class Counts:
     """Live bytes by tracker category, two ways: as stored (the CPU) and in the CUDA
     allocator's 512-byte blocks, and the peaks of each; and the storages on a GPU's device
     replayed through the caching allocator (`device`), whose reserved memory is the
     `segments` peak. The CPU peak counts every category, the GPU's all but the `offloaded`
-    ones (in host memory there)."""
+    ones (in host memory there).
 
-    def __init__(self, offloaded: tuple[str, ...]):
+    The caching allocator caches freed blocks per stream, so each allocation goes to the
+    replay on the stream it was made on: FSDP2 runs its all-gather copy-in and its
+    reduce-scatter on streams of its own (`torch.cpu.Stream`s in the trace, as
+    `torch.cuda.Stream`s on a GPU), and the tracker sees the current one. cuBLAS's
+    workspaces (`workspaces`, bytes each) are held from the first matmul on, on the compute
+    stream."""
+
+    def __init__(self, offloaded: tuple[str, ...], workspaces: tuple[int, ...] = ()):
         self.offloaded = offloaded
         self.now: dict[str, dict[str, int]] = {"stored": {}, "blocks": {}}
         self.peaks = {"cpu": TracedPeak(), "blocks": TracedPeak(), "segments": TracedPeak()}
         self.device = CachingAllocator()
+        self.streams: dict[object, int] = {torch.cpu.current_stream(): 0}
+        for n, nbytes in enumerate(workspaces):
+            self.device.malloc(("cuBLAS workspace", n), nbytes, 0)
         self.phase = ""
 
     def allocate(self, key: object, category: str, nbytes: int) -> None:
         self.change(category, nbytes, +1)
-        if category not in self.offloaded:
-            self.device.malloc(key, nbytes, STREAMS.get(category, 0))
+        if category not in self.offloaded and nbytes:  # a request of 0 bytes takes no block
+            stream = self.streams.setdefault(torch.cpu.current_stream(), len(self.streams))
+            self.device.malloc(key, nbytes, stream)
 
     def release(self, key: object, category: str, nbytes: int) -> None:
         self.change(category, nbytes, -1)
@@ -218,7 +223,7 @@ def foreach(optimizer: Any) -> Any:
 
 
 def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
-          enough: Callable[[StepTrace, int], bool] | None = None) -> Trace:
+          enough: Callable[[StepTrace, int], bool] | None = None, workspaces: tuple[int, ...] = ()) -> Trace:
     """Build, shard and train one rank of `world_size` on fake tensors: one step to make
     the optimizer state, then one counted step at each batch size, in order, until
     `enough(step, baseline_bytes)` says no larger size is needed."""
@@ -247,13 +252,13 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             buckets = ddp_buckets(model) if replicates(exp.sharding) else 0
             steps = []
             for batch_size in batch_sizes:
-                counts = phases.counts = Counts(offloaded)
+                counts = phases.counts = Counts(offloaded, workspaces)
                 batches = fake_batches(sample, target, batch_size // traced.train.grad_accum)
                 mem = phases.tracker = tracker(model, optimizer, counts)
                 with mem:
                     trainer.train_step(batches)
                 steps.append(StepTrace(batch_size, counts.peaks, state_bytes(optimizer), buckets,
-                                       mem.attention))  # type: ignore[attr-defined]
+                                       mem.attention, len(counts.streams)))  # type: ignore[attr-defined]
                 if enough is not None and enough(steps[-1], baseline):
                     break
         params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole parameter's

@@ -40,6 +40,7 @@ class StepTrace:
     optimizer_state_bytes: int  # what the optimizer keeps between steps
     ddp_buckets_bytes: int  # sharding=ddp: the reducer's flat copy of the gradients
     attention: list[tuple[int, ...]]  # query shapes, (batch, heads, tokens, head dim)
+    streams: int = 1  # the streams its allocations were made on (FSDP2: compute, all-gather copy-in, reduce-scatter)
 
 
 @dataclass

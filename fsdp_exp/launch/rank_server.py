@@ -56,7 +56,8 @@ def in_a_fork(check: Callable[..., T], *args: Any) -> T:
     try:
         outcome, value = parent.recv()
     except EOFError:
-        outcome, value = "failed", f"the process ended with exit code {process.join(5) or process.exitcode}"
+        process.join(5)
+        outcome, value = "failed", f"the process ended with exit code {process.exitcode}"
     finally:
         process.join()
     if outcome == "refused":

@@ -73,6 +73,7 @@ def device_memory_gb(device: str | torch.device) -> float:
 @dataclass
 class MemorySettings:
     limit_gb: float | None = None  # per rank: caps the GPU allocator, or a real allocation limit on CPU
+    estimate: bool = True  # task=train: trace task=estimate beside the run, and record it beside the peak measured
 
     def __post_init__(self) -> None:
         if self.limit_gb is not None and self.limit_gb <= 0:

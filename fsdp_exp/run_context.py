@@ -16,6 +16,7 @@ class RunContext:
     environment: dict = field(default_factory=dict)  # versions, host, overrides; rank 0 adds its device
     startup: dict[str, float] = field(default_factory=dict)  # when each part ended (fsdp_exp.metrics.startup)
     resume: str | None = None  # the checkpoint the run starts from, as the driver settled it
+    estimate_file: str | None = None  # where the driver writes the run's estimate, for rank 0 (memory.estimate)
 
     def overrides(self) -> list[str]:
         return list(self.environment.get("overrides", []))

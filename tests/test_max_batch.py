@@ -311,7 +311,10 @@ def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> Non
     # The trace misses what the runtime holds outside tensors: a constant, which the first probe sets
     gap = [p["peak_under_limit_gb"] - p["estimated_peak_gb"] for p in searched if p["status"] == "ok"]
     assert max(gap) - min(gap) < 0.1 * with_it["limit_gb"], gap
-    assert re.search(r"probe 2: batch \d+: \w+.*\(estimated 0\.\d{3} GB\)", log), log[-3000:]
+    for p in with_it["probes"]:  # each probe checks the estimate: its ratio to the peak the limit counted
+        assert p["estimate_ratio"] == (pytest.approx(p["estimated_peak_gb"] / p["peak_under_limit_gb"])
+                                       if p["status"] == "ok" else None), p
+    assert re.search(r"probe 2: batch \d+: \w+.*\(estimated 0\.\d{3} GB(, [+-]\d+\.\d%)?\)", log), log[-3000:]
     assert without["estimate"] is None and all(p["estimated_peak_gb"] is None for p in without["probes"])
     assert "(estimated" not in log_without
 

@@ -107,7 +107,10 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
             shared.set(READ_KEY, "")
         if made.refused:
             return 2
-    plan = replace(made.plan, exp=replace(made.plan.exp, launcher=ExternalLauncher(rank, world_size)))
+    exp = made.plan.exp
+    if rank != 0:  # rank 0 alone traces the run's estimate (memory.estimate) and writes the records
+        exp = replace(exp, memory=replace(exp.memory, estimate=False))
+    plan = replace(made.plan, exp=replace(exp, launcher=ExternalLauncher(rank, world_size)))
 
     distributed.init(plan.exp.device, plan.exp.offload, store=store)
     run_dir = Path(made.run_dir)

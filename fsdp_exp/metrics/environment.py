@@ -8,7 +8,6 @@ which writes it to `device.json` in the run directory as soon as it has its devi
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fsdp_exp.memory import device_memory_gb
-from fsdp_exp.metrics.sinks import write_json
+from fsdp_exp.metrics.sinks import read_json, write_json
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 DEVICE_RECORD = "device.json"
@@ -58,10 +57,7 @@ def write_device_record(run_dir: Path, record: dict) -> None:
 
 def read_device_record(run_dir: Path) -> dict:
     """What rank 0 of the run in `run_dir` saw, or {} when it never got that far."""
-    try:
-        return json.loads((Path(run_dir) / DEVICE_RECORD).read_text())
-    except (OSError, ValueError):
-        return {}
+    return read_json(Path(run_dir) / DEVICE_RECORD) or {}
 
 
 def package_version() -> str | None:

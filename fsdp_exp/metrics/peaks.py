@@ -51,6 +51,17 @@ def mark_runtime(device: torch.device) -> float:
     return _runtime_bytes / GB
 
 
+def device_used_gb(device: torch.device, peak_reserved_gb: float) -> float | None:
+    """GPU: what the device held at the allocator's reserved peak: what every process holds
+    on it now (torch.cuda.mem_get_info), with the CUDA context, NCCL and cuBLAS outside the
+    allocator, plus how far the allocator's reserved memory is now below `peak_reserved_gb`."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    below = max(peak_reserved_gb - torch.cuda.memory_reserved(device) / GB, 0.0)
+    return (total - free) / GB + below
+
+
 class MemoryMonitor:
     COUNTS = ("alloc_retries", "ooms")  # events within a window: a run's figure is their sum, not the largest
 

@@ -258,12 +258,39 @@ def write_json(path: Path, record: dict) -> None:
     tmp.replace(path)
 
 
+def read_json(path: Path) -> dict | None:
+    """A record write_json wrote, or None when there is none (or not a whole one)."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def write_summary(run_dir: Path, summary: dict) -> None:
     write_json(Path(run_dir) / "summary.json", summary)
 
 
 SETUP_GROUPS = ("task", "model", "data", "sharding", "precision")
 WARMUP_ONLY = " (warm-up steps only: raise train.steps above metrics.warmup_steps to measure)"
+
+
+# A run's own estimate (memory.estimate, fsdp_exp.estimate.beside): what it names, the figure
+# measured, the one estimated and their ratio, estimated over measured.
+ESTIMATED = (("peak", "peak_mem_gb", "estimated_peak_gb", "estimate_ratio"),
+             ("as the limit counts it", "peak_under_limit_gb", "estimated_under_limit_gb", "estimate_ratio_under_limit"),
+             ("reserved", "peak_reserved_gb", "estimated_reserved_gb", "estimate_ratio_reserved"),
+             ("the device", "device_used_gb", "estimated_device_gb", "estimate_ratio_device"))
+
+
+def estimate_line(summary: dict) -> str | None:
+    """The run's own estimate beside what it measured, each figure with its error; or why
+    there is none; None when the run has neither."""
+    if "estimate_failed" in summary:
+        return f"none: {summary['estimate_failed']}"
+    shown = [f"{name} {summary[estimated]:.3f} GB (measured {summary[measured]:.3f} GB, {summary[ratio] - 1:+.1%})"
+             for name, measured, estimated, ratio in ESTIMATED if ratio in summary]
+    return "; ".join(shown) or None
 
 
 def summary_table(summary: dict) -> str:
@@ -294,6 +321,7 @@ def summary_table(summary: dict) -> str:
          + fmt(summary.get("runtime_gb"), ".2f") + " GB of runtime" if "runtime_gb" in summary else None),
         ("memory.limit_gb", fmt(summary.get("limit_gb"), "g") + " GB"),
         ("peak under the limit", fmt(summary.get("peak_under_limit_gb"), ".3f") + " GB"),
+        ("task=estimate's", estimate_line(summary)),
         ("noise band", fmt(summary.get("noise_band_gb") and summary["noise_band_gb"] * 1024, ".1f") + " MB"),
         ("steps", summary.get("steps")),
         ("resumed from step", summary.get("resumed_from_step")),

@@ -144,12 +144,22 @@ def buffers_from_rank0(model: nn.Module, plain: nn.Module | None) -> None:
                 dist.broadcast(buffer, src=0)
 
 
+def start_wandb(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext) -> Wandb | None:
+    """Rank 0's wandb run. Started before the rank marks its runtime: wandb's modules and
+    threads (about 50 MB on rank 0) are the runtime's, not the run's peak."""
+    if not ranks.is_main:
+        return None
+    return cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)
+
+
 def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext,
-                     checkpoint_dir: Path | None = None, resume: Path | None = None, probe: bool = False) -> Built:
+                     checkpoint_dir: Path | None = None, resume: Path | None = None, probe: bool = False,
+                     wandb: Wandb | None = None) -> Built:
     """Every object of the run on this rank, saving its checkpoints into `checkpoint_dir`;
     with `resume`, restored from that checkpoint. `context`: the run's, which gets the
     mark of the build's end. `probe`: a probe of task=max_batch, which draws no progress
-    bar of its own."""
+    bar of its own. `wandb`: rank 0's wandb run, started before the runtime was marked
+    (`start_wandb`)."""
     model, fsdp_units = build_model_for_training(cfg, ranks)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
 
@@ -176,7 +186,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
 
     hooks: list = [cfg.profile.start(run_dir, ranks.rank, ranks.device)]
     sinks: list = []
-    jsonl = wandb = progress = None
+    jsonl = progress = None
     if ranks.is_main:
         if fsdp_units:
             full, shown = units_line(fsdp_units), units_line(fsdp_units, worker.rank_log_path(run_dir, 0))
@@ -195,7 +205,6 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
         if resume is not None:  # earlier records stay; readers take the last record of a step
             jsonl.log({"event": "resumed", "step": start_step, "checkpoint": str(resume)})
 
-        wandb = cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)
         # A probe draws no bar of its own: the search reports each probe in one line.
         progress = Progress(train.steps, done=start_step, live=False if probe else None)
         sinks = [jsonl, progress, wandb]

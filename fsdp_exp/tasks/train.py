@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import resolve_resume, restart_count, resume_point
+from fsdp_exp.estimate.beside import EstimateBeside, awaited, checked
 from fsdp_exp.memory import (
     OutOfMemory,
     allocation_failure,
@@ -22,11 +23,12 @@ from fsdp_exp.memory import (
     under_limit_figures,
 )
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
-from fsdp_exp.metrics.peaks import mark_runtime
+from fsdp_exp.metrics.peaks import device_used_gb, mark_runtime
+from fsdp_exp.metrics.sinks import estimate_line
 from fsdp_exp.metrics.startup import in_order, process_started
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 from fsdp_exp.rank import distributed, worker
-from fsdp_exp.rank.build import build_experiment
+from fsdp_exp.rank.build import build_experiment, start_wandb
 from fsdp_exp.tasks import Task
 
 if TYPE_CHECKING:
@@ -54,8 +56,24 @@ class Train(Task):
 
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         self.settle(exp, context, run_dir)
+        beside = EstimateBeside(exp, nproc, run_dir) if exp.memory.estimate else None
+        if beside is not None and launcher.runs_here:  # rank 0 sees the file; else the driver adds it
+            context.estimate_file = str(beside.path)
         context.startup["launched"] = time.time()
-        return launcher.launch(partial(train_rank, context=context), exp, run_dir, nproc)
+        figures = launcher.launch(partial(train_rank, context=context), exp, run_dir, nproc)
+        return beside.add_to(figures) if beside is not None else figures
+
+
+def estimate_checked(summary: dict, path: Path) -> dict:
+    """Rank 0: the driver's estimate of this run beside what it measured, once it is traced
+    (fsdp_exp.estimate.beside); nothing if it comes too late (the driver adds it)."""
+    record, waited = awaited(path)
+    if record is None:
+        log.info("the estimate of this run is still tracing after %.0f s; the driver adds it to summary.json", waited)
+        return {}
+    found = checked(summary, record) | {"estimate_wait_s": waited}
+    log.info("task=estimate against this run: %s", estimate_line(summary | found))
+    return found
 
 
 def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool = False) -> dict:
@@ -81,6 +99,7 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
     # rank (forked from the rank server, which imported it already, or fresh): its import
     # is runtime under every launcher, not part of the run's own peak.
     cfg.model.builder()
+    wandb = start_wandb(cfg, ranks, run_dir, context)
     runtime_gb = mark_runtime(ranks.device)
     try:
         apply_limit(limit_gb, ranks.device)
@@ -91,7 +110,7 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
         resume = resume_point(ckpt_dir, settled, restarts, restored)
         if restarts and ranks.is_main:
             log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
-        exp = build_experiment(cfg, ranks, run_dir, context, ckpt_dir, resume, probe)
+        exp = build_experiment(cfg, ranks, run_dir, context, ckpt_dir, resume, probe, wandb)
         context.startup["ready"] = time.time()
         try:
             summary = exp.trainer.fit() | exp.figures | {"startup": in_order(context.startup)}
@@ -103,6 +122,11 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
                 counted = distributed.gather(mine, ranks.device)
                 held = distributed.gather(held_before_limit_gb(), ranks.device)
             summary |= under_limit_figures(limit_gb, ranks.device.type, summary, counted, held)
+            if ranks.device.type == "cuda":
+                used = device_used_gb(ranks.device, summary.get("peak_reserved_gb") or 0.0)
+                summary["device_used_gb"] = max(distributed.gather(used, ranks.device))
+            if ranks.is_main and context.estimate_file:
+                summary |= estimate_checked(summary, Path(context.estimate_file))
         finally:
             if exp.progress is not None:
                 exp.progress.close()

@@ -177,7 +177,7 @@ class MaxBatchSearch:
         probe_dir = self.run_dir / "probes" / f"{len(self.probe_dirs()) + 1:02d}_b{size}"
         probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb)
         probe.for_fastest = for_fastest
-        probe.estimated_peak_gb = self.estimated_peak_gb(size)
+        probe.set_estimate(self.estimated_peak_gb(size))
         self.tell_units(probe_dir)
         if limit_gb == "same":
             log.info("probe %d: %s", len(self.probe_dirs()), probe.line())
@@ -290,7 +290,7 @@ class MaxBatchSearch:
         model = fit_memory(outcomes)
         for probe in self.probes:
             probe.predicted_peak_gb = model.peak_gb(probe.batch_size) if model else None
-            probe.estimated_peak_gb = self.estimated_peak_gb(probe.batch_size)
+            probe.set_estimate(self.estimated_peak_gb(probe.batch_size))
             probe.margin_gb = margin_gb(probe, self.limit_gb)
             probe.within_noise = probe.status == "ok" and not fits_with_room(probe, self.limit_gb, noise)
         # The peak the search judges by (Probe.judged_peak_gb): allocated on GPU, not reserved.
@@ -369,8 +369,7 @@ def log_to_wandb(cfg: Experiment, context: RunContext, run_dir: Path, record: di
     import wandb
 
     columns = ["batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",
-               "estimated_peak_gb",
-               "peak_mem_gb", "samples_per_s", "alloc_retries", "wall_s", "reason"]
+               "estimated_peak_gb", "estimate_ratio", "peak_mem_gb", "samples_per_s", "alloc_retries", "wall_s", "reason"]
     table = wandb.Table(columns=columns, data=[[p[c] for c in columns] for p in record["probes"]])
     sink.run.log({"probes": table, "max_batch": wandb.Image(str(png))})
     sink.finish(summary_figures(record))

@@ -1,0 +1,128 @@
+"""Every training run checks task=estimate against itself (memory.estimate): the estimate of
+the same setup, traced beside the run at idle priority, recorded beside the peak measured in
+summary.json, the log, wandb and compare's table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from fsdp_exp.cli import compose_checked
+from fsdp_exp.driver.plan import prepare
+from fsdp_exp.estimate.beside import ESTIMATE_FILE, EstimateBeside, at_idle_priority, checked
+from tests.conftest import REPO, SMALL_VIT, read_json, run_cli
+from tests.test_estimate import STACK
+
+COMPARE = ("-m", "fsdp_exp.compare")
+RUN = [*SMALL_VIT, "device=cpu", "train.steps=3", "train.log_every=1", "metrics.warmup_steps=1"]
+
+
+def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(tmp_path: Path) -> None:
+    """A sweep of one run with its estimate and one without: the first's summary holds
+    task=estimate's peak for its setup (the same figure `task=estimate` prints) and its ratio
+    to the peak measured, in the log line, the summary table and wandb; the second traced
+    nothing. compare shows the estimate and its error for the first, nothing for the second."""
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", "memory.estimate=true,false", *RUN, "wandb.mode=offline", f"hydra.sweep.dir={sweep}",
+                     cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checked_run, plain = read_json(sweep / "0" / "summary.json"), read_json(sweep / "1" / "summary.json")
+
+    alone = tmp_path / "estimate"
+    estimated = run_cli("task=estimate", *RUN, f"hydra.run.dir={alone}", cwd=tmp_path)
+    assert estimated.returncode == 0, estimated.stderr[-3000:]
+    record = read_json(alone / ESTIMATE_FILE)
+    # the same trace; the data set's share is measured (what loading it grew the process by):
+    # within a megabyte
+    assert checked_run["estimated_peak_gb"] == pytest.approx(record["step_mem_gb"], abs=2**-10)
+    assert read_json(sweep / "0" / ESTIMATE_FILE)["step_mem_gb"] == checked_run["estimated_peak_gb"]
+    assert checked_run["estimate_ratio"] == pytest.approx(checked_run["estimated_peak_gb"] / checked_run["peak_mem_gb"])
+    assert checked_run["estimate_wait_s"] >= 0 and "estimate_failed" not in checked_run
+
+    error = f"{checked_run['estimate_ratio'] - 1:+.1%}"
+    log = (sweep / "0" / "rank0.log").read_text()
+    assert f"task=estimate against this run: peak {checked_run['estimated_peak_gb']:.3f} GB (measured " \
+           f"{checked_run['peak_mem_gb']:.3f} GB, {error})" in log, log[-2000:]
+    assert "task=estimate's" in (sweep / "0" / "fsdp_exp.log").read_text()  # the summary table
+    (wandb_log,) = (sweep / "0" / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"estimated_peak_gb" in wandb_log.read_bytes() and b"estimate_ratio" in wandb_log.read_bytes()
+
+    assert not (sweep / "1" / ESTIMATE_FILE).exists()
+    assert not {k for k in plain if k.startswith("estimate")}, plain
+
+    table = run_cli(str(sweep), cwd=tmp_path, module=COMPARE)
+    assert table.returncode == 0, table.stderr
+    head, _, *rows = [line for line in table.stdout.splitlines() if line.startswith("|")]
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    cells = [dict(zip(columns, (c.strip() for c in row.strip("|").split("|")))) for row in rows]
+    assert [(c["estimated (GB)"], c["estimate error"]) for c in cells] == [
+        (f"{checked_run['estimated_peak_gb']:.2f}", f"{checked_run['estimate_ratio'] - 1:+.0%}"), ("-", "-")]
+
+
+@pytest.mark.slow
+def test_a_model_the_estimate_cannot_trace_still_trains_and_says_why(tmp_path: Path) -> None:
+    stack = [o.replace("tests.test_estimate.linear_stack", "tests.test_estimate.ReadsItsInput") for o in STACK]
+    out = tmp_path / "run"
+    result = run_cli(*stack, "train.steps=2", f"hydra.run.dir={out}", cwd=REPO, estimate=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "ok" and summary["peak_mem_gb"] > 0
+    assert summary["estimate_failed"].startswith("task=estimate could not trace this setup"), summary
+    assert "estimated_peak_gb" not in summary
+    assert "no estimate" not in result.stderr and "Traceback" not in result.stdout + result.stderr
+
+
+def test_the_driver_adds_the_estimate_when_rank_0_could_not(tmp_path: Path) -> None:
+    """Where rank 0 cannot see the driver's files (ranks on other machines), the driver
+    waits for the trace and adds the check to the run's figures itself; figures rank 0
+    checked already are left as they are."""
+    exp = prepare(compose_checked(STACK), 0).exp
+    beside = EstimateBeside(exp, 2, tmp_path)
+    figures = beside.add_to({"peak_mem_gb": 0.01})
+    record = read_json(tmp_path / ESTIMATE_FILE)
+    assert figures["estimated_peak_gb"] == record["step_mem_gb"] > 0
+    assert figures["estimate_ratio"] == pytest.approx(record["step_mem_gb"] / 0.01) and figures["estimate_wait_s"] >= 0
+    assert beside.add_to({"peak_mem_gb": 0.01, "estimated_peak_gb": 1.0}) == {"peak_mem_gb": 0.01, "estimated_peak_gb": 1.0}
+
+
+def test_on_a_gpu_the_reserved_and_device_figures_are_checked_too() -> None:
+    """A GPU run's record and summary (figures by hand): allocated against allocated,
+    the replay's reserved against the allocator's reserved peak, and what the device holds
+    against torch.cuda.mem_get_info's use at that peak."""
+    record = {"step_mem_gb": 10.0, "batches": [{"step_peak_gb": 11.2, "breakdown_gb": {"baseline": 1.2},
+                                                "reserved_gb": 11.0, "device_gb": 12.2}]}
+    summary = {"peak_mem_gb": 9.5, "peak_reserved_gb": 12.0, "device_used_gb": 13.0}
+    assert checked(summary, record) == {
+        "estimated_peak_gb": 10.0, "estimate_ratio": pytest.approx(10 / 9.5),
+        "estimated_reserved_gb": 11.0, "estimate_ratio_reserved": pytest.approx(11 / 12),
+        "estimated_device_gb": 12.2, "estimate_ratio_device": pytest.approx(12.2 / 13)}
+    cpu_under_a_limit = checked({"peak_mem_gb": 0.5, "peak_under_limit_gb": 1.0},
+                                {"step_mem_gb": 0.4, "batches": [{"step_peak_gb": 0.9, "breakdown_gb": {"baseline": 0.5}}]})
+    assert cpu_under_a_limit == {"estimated_peak_gb": 0.4, "estimate_ratio": pytest.approx(0.8),
+                                 "estimated_under_limit_gb": 0.9, "estimate_ratio_under_limit": pytest.approx(0.9)}
+    assert checked({"peak_mem_gb": 1.0}, {"error": "no"}) == {"estimate_failed": "no"}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_trace_runs_at_idle_priority() -> None:
+    """The driver's tracing thread takes SCHED_IDLE, and a process it starts has it too (the
+    trace is such a process), so the trace gets only the CPU the ranks leave."""
+    seen = []
+
+    def start_one() -> None:
+        at_idle_priority()
+        seen.append(os.sched_getscheduler(0))
+        child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+                               capture_output=True, text=True, check=True)
+        seen.append(int(child.stdout))
+
+    thread = threading.Thread(target=start_one)
+    thread.start()
+    thread.join()
+    assert seen == [os.SCHED_IDLE, os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the driver's own thread keeps its priority

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -48,6 +49,9 @@ class EstimateBeside:
 
     def _trace(self, exp: Experiment, nproc: int) -> None:
         at_idle_priority()  # this thread's; the tracing process it starts inherits it
+        # Ctrl-C goes to the whole process group: the tracing process (it inherits this
+        # thread's signal mask) leaves it to the driver, which stops it on its way out.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda")
         except Exception as err:  # noqa: BLE001 - recorded in one line; the run goes on

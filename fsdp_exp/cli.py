@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import time
 import warnings
@@ -71,7 +72,8 @@ def main() -> None:
         # RunOutcomes ends the process with EXIT_RUN_FAILED when a run failed.
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run_function(side_by_side))()
     except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
-        print(f"fsdp_exp: {err if isinstance(err, (ConfigError, BadInput)) else explain(err)}", file=sys.stderr)
+        line = str(err) if isinstance(err, (ConfigError, BadInput)) else explain(err)
+        print(f"fsdp_exp: {line}{swept_group_hint(line, sys.argv[1:])}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (kill, SLURM)
         if not getattr(err, "run_reported", False):  # the run in flight has logged where it stopped
@@ -79,6 +81,22 @@ def main() -> None:
         sys.exit(EXIT_STOPPED + stop_signal(err))
     finally:
         side_by_side.close()  # runs still in flight (Ctrl-C) stop their jobs before the command ends
+
+
+def swept_group_hint(line: str, argv: list[str]) -> str:
+    """For `-m checkpoint=dcp,dcp_async checkpoint.every=1`: Hydra composes a sweep's base
+    config with each swept group's default first (checkpoint=none has no `every`), so a key
+    of the group is refused there; `++` sets it all the same (hydra#2888)."""
+    match = re.match(r"(\w+)\.(\S+): unknown key", line)
+    if not match or not any(a in ("-m", "--multirun") for a in argv):
+        return ""
+    group = match.group(1)
+    swept = any(a.startswith(f"{group}=") and "," in a for a in argv)
+    given = next((a for a in argv if a.startswith(f"{group}.{match.group(2)}=")), None)
+    if not swept or given is None:
+        return ""
+    return (f" (a -m sweep over {group} is first composed with {group}'s default; "
+            f"write ++{given} to set it in every run of the sweep)")
 
 
 def run_function(side_by_side: SideBySide) -> Callable[[DictConfig], Any]:

@@ -204,3 +204,13 @@ def test_the_model_is_checked_against_the_data_in_a_fork_of_the_rank_server(tmp_
     else:
         assert result.returncode == 0, result.stderr[-2000:]
         assert read_json(out / "summary.json")["status"] == "ok"
+
+
+def test_a_key_of_a_swept_group_says_how_to_set_it(tmp_path: Path) -> None:
+    """Hydra composes a -m sweep's base config with the swept group's default first
+    (checkpoint=none has no `every`): the refusal names the way that works, `++`."""
+    result = run_cli("-m", "checkpoint=dcp,dcp_async", "checkpoint.every=1", cwd=tmp_path)
+    assert result.returncode == 2 and not (tmp_path / "outputs").exists()
+    assert result.stderr.strip() == (
+        "fsdp_exp: checkpoint.every: unknown key; checkpoint has: export_full (a -m sweep over checkpoint is first "
+        "composed with checkpoint's default; write ++checkpoint.every=1 to set it in every run of the sweep)")

@@ -23,6 +23,8 @@ class NoCheckpoint:
 
     export_full: bool = False  # at the end, write the full unsharded weights to model.safetensors
     saves = False  # nothing during training, so no checkpoint.dir
+    stages_a_copy = False
+    threads_started = 0
     dir = None
 
     def check(self) -> None:

@@ -67,6 +67,19 @@ class DCPCheckpoint:
             raise ConfigError(f"checkpoint.dir={self.dir}: cannot be written here "
                               f"({err.strerror} in {existing}); choose a directory you can write") from None
 
+    @property
+    def stages_a_copy(self) -> bool:
+        """A save copies the rank's state to CPU memory and writes it from there while
+        training goes on (async, async_pinned: the copy is kept for the next save)."""
+        return self.mode != "sync"
+
+    @property
+    def threads_started(self) -> int:
+        """The threads a rank's saves start (torch 2.14, seen on CPU): an async save's
+        process group of its own (gloo's loop and two workers) and the thread that writes
+        its files; async_pinned's stager one more."""
+        return {"sync": 0, "async": 4, "async_pinned": 5}[str(self.mode)]
+
     def dir_for(self, run_dir: Path) -> Path:
         """Where the run in `run_dir` keeps its checkpoints, as an absolute path."""
         return Path(self.dir or Path(run_dir) / "checkpoints").expanduser().resolve()

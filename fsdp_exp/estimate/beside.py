@@ -100,7 +100,7 @@ def checked(summary: dict, record: dict) -> dict:
     step = record["batches"][0]
     found = {"estimated_peak_gb": record["step_mem_gb"]}
     if summary.get("peak_under_limit_gb") is not None:
-        found["estimated_under_limit_gb"] = step["step_peak_gb"]
+        found["estimated_under_limit_gb"] = step["predicted_peak_gb"]  # the limit counts every phase since it was set
     if "reserved_gb" in step:
         found["estimated_reserved_gb"] = step["reserved_gb"]
         found["estimated_device_gb"] = step["device_gb"]

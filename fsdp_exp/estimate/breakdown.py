@@ -34,10 +34,11 @@ PARTS = ("parameters", "gradients", "optimizer_state", "activations", "temporari
 @dataclass
 class BatchEstimate:
     batch_size: int
-    predicted_peak_gb: float  # the step's peak or the build's, whichever is larger, with the baseline
+    predicted_peak_gb: float  # the largest of the step's peak, the build's and the data load's, with the baseline
     step_peak_gb: float  # a training step's peak, with the baseline
-    phase: str  # where the peak falls: forward | backward | optimizer_step | model build
+    phase: str  # where the peak falls: forward | backward | optimizer_step | model build | data load | checkpoint save
     breakdown_gb: dict[str, float]  # the step's peak by what holds it; the parts sum to step_peak_gb
+    phases_gb: dict[str, float]  # each phase's peak, with the baseline: step, model build, data load, checkpoint save
     reserved_gb: float | None = None  # GPU: what the caching allocator would hold at the peak
     offloaded_gb: float | None = None  # GPU with offload=true: in host memory at the peak
     limited_gb: float = 0.0  # what memory.limit_gb caps: the peak, or on a GPU what the allocator reserves
@@ -47,6 +48,10 @@ class BatchEstimate:
         self.limited_gb = self.predicted_peak_gb if self.reserved_gb is None else self.reserved_gb
         if self.reserved_gb is not None:
             self.device_gb = self.reserved_gb + self.breakdown_gb["baseline"]
+
+    def training_gb(self) -> float:
+        """The peak while it trains: a step, or a checkpoint save beside one."""
+        return max(self.phases_gb.get("checkpoint save", 0.0), self.step_peak_gb)
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -73,12 +78,23 @@ def attention_workspace(shapes: list[tuple[int, ...]]) -> int:
 
 
 def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: bool, baseline_gb: float,
-                   builds_whole_model: bool, workspace_bytes: int = 0) -> BatchEstimate:
+                   builds_whole_model: bool, workspace_bytes: int = 0, stages_checkpoint: bool = False,
+                   checkpoint_threads: int = 0) -> BatchEstimate:
     """One batch size's estimate. `builds_whole_model`: every rank first builds the whole
     model (model.init_device=cpu), which can outgrow a step when the shards are small; that
     needs the `trace` of the build. On a GPU, `baseline_gb` is what sits outside the
-    allocator (the CUDA context, NCCL) and `workspace_bytes` cuBLAS's workspaces."""
+    allocator (the CUDA context, NCCL) and `workspace_bytes` cuBLAS's workspaces.
+    `stages_checkpoint`: checkpoint saves copy the rank's state to CPU memory (dcp_async,
+    dcp_async_pinned), which on a CPU rank sits beside the steps that run while it is
+    written (dcp_async_pinned keeps it for the next save); on CPU the stacks of the
+    `checkpoint_threads` its saves start are held from then on, as runtime."""
     baseline = baseline_gb * GB
+    # CPU: the threads a run starts after its model is built, whose stacks memory.limit_gb
+    # counts: the first step's (in the measured baseline already) and the checkpointer's.
+    started = 0
+    if trace is not None and not on_gpu:
+        baseline += checkpoint_threads * trace.thread_stack_bytes
+        started = trace.stack_bytes + checkpoint_threads * trace.thread_stack_bytes
     peak = step.peaks["blocks" if on_gpu else "cpu"]
     found = parts(peak, step.optimizer_state_bytes)
     reserved = offloaded = None
@@ -95,8 +111,18 @@ def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: 
         found["unsharded_and_buffers"] += step.ddp_buckets_bytes
     step_bytes = sum(found.values()) + baseline
     breakdown = {part: found[part] / GB for part in PARTS} | {"baseline": baseline / GB}
-    total, phase = step_bytes, peak.phase
-    build_bytes = trace.build_bytes + baseline if builds_whole_model and trace is not None else 0
-    if build_bytes > step_bytes:
-        total, phase = build_bytes, "model build"
-    return BatchEstimate(step.batch_size, total / GB, step_bytes / GB, phase, breakdown, reserved, offloaded)
+    before_steps = baseline - started  # the threads are not there yet
+    phases = {"step": step_bytes}
+    if builds_whole_model and trace is not None:
+        phases["model build"] = trace.build_bytes + before_steps
+    if not on_gpu and trace is not None:
+        # A rank makes its data set after sharding its model: what making it takes above
+        # what the data set keeps (generated data's temporaries), with the shards held.
+        phases["data load"] = before_steps - trace.data_bytes + trace.data_load_bytes + found["parameters"]
+    if stages_checkpoint and not on_gpu:
+        # the model's state (its parameters and buffers) and the optimizer's, as each rank holds them
+        phases["checkpoint save"] = step_bytes + found["parameters"] + step.optimizer_state_bytes
+    largest = max(phases, key=lambda name: phases[name])
+    total, phase = phases[largest], peak.phase if largest == "step" else largest
+    return BatchEstimate(step.batch_size, total / GB, step_bytes / GB, phase, breakdown,
+                         {name: n / GB for name, n in phases.items()}, reserved, offloaded)

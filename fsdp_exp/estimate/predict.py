@@ -37,8 +37,8 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     baseline_gb = baseline_or_measured(baseline_gb, on_gpu, traced.baseline_bytes, outside)
     builds_whole = exp.model.init_device != "meta"
     data_gb = 0.0 if on_gpu else traced.data_bytes / GB
-    batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole, sum(workspaces))
-               for step in traced.steps]
+    batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole, sum(workspaces),
+                              exp.checkpoint.stages_a_copy, exp.checkpoint.threads_started) for step in traced.steps]
     limit = exp.memory.limit_gb
     device_gb = gpu.memory_gb if gpu is not None and on_gpu else None
 
@@ -55,9 +55,9 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         "params": traced.params,
         "batch_size": chosen.batch_size,
         # as a run's peak_mem_gb: the runtime left out, the data set (loaded after it) in;
-        # the larger of the build and a step, and a step alone (what a run measures)
-        "peak_mem_gb": chosen.predicted_peak_gb - baseline_gb + data_gb,
-        "step_mem_gb": chosen.step_peak_gb - baseline_gb + data_gb,
+        # the largest phase, and the largest while it trains (what a run's peak_mem_gb measures)
+        "peak_mem_gb": chosen.predicted_peak_gb - chosen.breakdown_gb["baseline"] + data_gb,
+        "step_mem_gb": chosen.training_gb() - chosen.breakdown_gb["baseline"] + data_gb,
         "predicted_peak_gb": chosen.predicted_peak_gb,
         "step_peak_gb": chosen.step_peak_gb,
         "phase": chosen.phase,

@@ -25,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import resource
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_exp.estimate.allocator import CachingAllocator, cuda_block
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace, TracedPeak
+from fsdp_exp.metrics.peaks import file_bytes, proc_status, reset_resident_peak
 from fsdp_exp.rank.build import build_model_for_training
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
@@ -229,9 +231,12 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     `enough(step, baseline_bytes)` says no larger size is needed."""
     start = time.perf_counter()
     before_data = anonymous_bytes()
+    loading = PeakGrowth()
     dataset = exp.data.dataset()  # held by every rank, as the runtime is: both in the baseline
     sample, target = dataset[0]  # real: its shape and dtype
+    data_load = loading.bytes()  # making it can take more than it keeps (generated data's temporaries)
     baseline = anonymous_bytes()
+    threads = thread_count()
     traced = for_tracing(exp, on_gpu)
     ranks = Ranks(rank=0, local_rank=0, world_size=world_size, device=torch.device("cpu"))
     offloaded = OFFLOADED if exp.offload else ()  # off a GPU; the CPU peak counts them all the same
@@ -249,6 +254,10 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             # holds, and warms DTensor's sharding-propagation cache, whose fake tensors the
             # trackers would otherwise count as the first step's memory.
             trainer.train_step(fake_batches(sample, target, batch_sizes[0] // traced.train.grad_accum))
+            data_bytes = max(baseline - before_data, 0)
+            stack = thread_stack_bytes()
+            stacks = max(thread_count() - threads, 0) * stack if sharding.shards_params else 0
+            baseline += stacks  # held from the first step on, as the runtime is
             buckets = ddp_buckets(model) if replicates(exp.sharding) else 0
             steps = []
             for batch_size in batch_sizes:
@@ -266,7 +275,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         # Each rank builds the whole model, then sharding copies its shards out of it.
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         build = whole + local_bytes(model) if shard_count > 1 else whole
-    return Trace(world_size, steps, build, params, shard_count, baseline, max(baseline - before_data, 0),
+    return Trace(world_size, steps, build, params, shard_count, baseline, data_bytes, stacks, stack, data_load,
                  time.perf_counter() - start)
 
 
@@ -352,10 +361,52 @@ def ddp_buckets(model: torch.nn.Module) -> int:
 
 def anonymous_bytes() -> int:
     """This process's anonymous resident memory (what memory.limit_gb counts on CPU)."""
+    return proc_status().get("RssAnon:", 0) * 1024
+
+
+def thread_stack_bytes() -> int:
+    """What one thread's stack takes of the data segment, which memory.limit_gb counts on
+    CPU: glibc's default, `ulimit -s` (8 MB) and a guard page, or where that is unlimited,
+    what starting a thread here adds.
+
+    A run starts threads the trace does not count as tensors: a backward through tensor
+    subclasses starts autograd's device threads (8 here, on a machine without a GPU): a
+    run's through FSDP2's DTensor parameters, not DDP's plain ones, and the trace's through
+    its fake tensors whatever the sharding. An async checkpoint save starts threads too
+    (`checkpoint.threads_started`)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_STACK)
+    if soft != resource.RLIM_INFINITY:
+        return soft + resource.getpagesize()
+    before = proc_status()["VmData:"]
+    stop = threading.Event()
+    one = threading.Thread(target=stop.wait, daemon=True)
+    one.start()
+    stack = proc_status()["VmData:"] - before
+    stop.set()
+    one.join()
+    return max(stack, 0) * 1024
+
+
+def thread_count() -> int:
+    """This process's threads (Linux; elsewhere Python's own)."""
     try:
-        for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
+        return len(os.listdir("/proc/self/task"))
     except OSError:
-        pass
-    return 0
+        return threading.active_count()
+
+
+class PeakGrowth:
+    """How far this process's memory rises above what it holds now, at its peak, until
+    `bytes()` (Linux: the resident peak is reset here; library code paged in meanwhile is
+    left out, as memory.limit_gb leaves it out)."""
+
+    def __init__(self) -> None:
+        self.resets = reset_resident_peak()
+        status = proc_status()
+        self.resident, self.files = status["VmRSS:"] * 1024, file_bytes(status)
+
+    def bytes(self) -> int:
+        if not self.resets:
+            return 0
+        status = proc_status()
+        return max(status["VmHWM:"] * 1024 - self.resident - max(file_bytes(status) - self.files, 0), 0)

@@ -50,6 +50,10 @@ class Trace:
     build_bytes: int  # building and sharding the model, when each rank builds the whole model first
     params: int  # the model's parameter count
     shard_count: int  # how many ranks share each parameter
-    baseline_bytes: int  # what this process held before tracing (torch, the data), as a rank before its model
+    baseline_bytes: int  # what this process held before tracing (torch, the data), as a rank before its model,
+    # and the stacks of the threads its first step started (memory.limit_gb counts them on CPU)
     data_bytes: int  # of which the data set: a rank loads it after its runtime is marked, so it is the run's own
+    stack_bytes: int  # of which the stacks of the threads the first step started: not held before it
+    thread_stack_bytes: int  # one thread's stack, as memory.limit_gb counts it on CPU
+    data_load_bytes: int  # the peak rise while the data set was made (generated data's temporaries): its phase
     seconds: float

@@ -46,8 +46,8 @@ def mark_runtime(device: torch.device) -> float:
     _runtime_bytes = _runtime_file_bytes = 0
     if device.type == "cpu":
         _trim_heap()  # as start_run will: what was freed is no part of the runtime
-        status = _status()
-        _runtime_bytes, _runtime_file_bytes = status["VmRSS:"] * 1024, _file_bytes(status)
+        status = proc_status()
+        _runtime_bytes, _runtime_file_bytes = status["VmRSS:"] * 1024, file_bytes(status)
     return _runtime_bytes / GB
 
 
@@ -68,7 +68,7 @@ class MemoryMonitor:
     def __init__(self, device: torch.device, phase_peaks: bool = True):
         """`phase_peaks`: also each phase's peak (metrics.phase_peaks)."""
         self.device = device
-        self.cpu_resets = device.type == "cpu" and _reset_cpu_peak()
+        self.cpu_resets = device.type == "cpu" and reset_resident_peak()
         self.phase_peaks = phase_peaks and (device.type == "cuda" or self.cpu_resets)
         self.window: dict[str, float] = {}  # the window's peaks over the phases that ended
         self.phase: tuple[str, float | None, float] | None = None  # name; GB under the limit and resident at its start
@@ -137,7 +137,7 @@ class MemoryMonitor:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.cpu_resets:
-            _reset_cpu_peak()
+            reset_resident_peak()
 
     def _peaks(self) -> tuple[dict[str, float], dict[str, int]]:
         """The peaks since the last reset; on GPU the window's counts too (they only grow
@@ -151,11 +151,11 @@ class MemoryMonitor:
                 "alloc_retries": float(stats.get("num_alloc_retries", 0)),
                 "ooms": float(stats.get("num_ooms", 0)),
             }, {}
-        status = _status()
+        status = proc_status()
         resident = _cpu_peak_bytes(status)
         # Library code paged in since the mark is the runtime's too: how much of it a rank
         # already had depends on what started it.
-        runtime = _runtime_bytes + max(_file_bytes(status) - _runtime_file_bytes, 0)
+        runtime = _runtime_bytes + max(file_bytes(status) - _runtime_file_bytes, 0)
         return {"peak_mem_gb": (resident - runtime) / GB, "peak_resident_gb": resident / GB}, status
 
     def held_gb(self) -> float:
@@ -163,10 +163,10 @@ class MemoryMonitor:
         with the runtime, as the peak task=max_batch judges by counts it)."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) / GB
-        return _status()["VmRSS:"] * 1024 / GB
+        return proc_status()["VmRSS:"] * 1024 / GB
 
 
-def _status() -> dict[str, int]:
+def proc_status() -> dict[str, int]:
     """/proc/self/status's figures in kB, read once."""
     figures = {}
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -176,7 +176,7 @@ def _status() -> dict[str, int]:
     return figures
 
 
-def _file_bytes(status: dict[str, int]) -> int:
+def file_bytes(status: dict[str, int]) -> int:
     """Resident pages of mapped files (library code) and shared memory."""
     return (status.get("RssFile:", 0) + status.get("RssShmem:", 0)) * 1024
 
@@ -198,7 +198,7 @@ def _cpu_peak_bytes(status: dict[str, int]) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _reset_cpu_peak() -> bool:
+def reset_resident_peak() -> bool:
     """Writing 5 to clear_refs resets VmHWM to the current resident size (Linux >= 4.0)."""
     try:
         Path("/proc/self/clear_refs").write_text("5")

@@ -195,7 +195,20 @@ def table(record: dict) -> str:
         outside = ", ".join(f"{k.replace('_', ' ')} {v:.2f} GB" for k, v in record["outside_allocator_gb"].items())
         lines.append(f"on the GPU: reserved is what torch's caching allocator holds (memory.limit_gb caps it); "
                      f"the device also holds {outside} outside it")
-    if record.get("build_peak_gb") and any(b["phase"] == "model build" for b in record["batches"]):
-        lines.append(f"building the whole model on every rank first peaks at {record['build_peak_gb']:.3f} GB; "
-                     "model.init_device=meta builds only each rank's shards")
+    for name, (what, avoid) in OUTGROWING.items():
+        outgrown = [b for b in record["batches"] if b["phase"] == name]
+        if outgrown:
+            lines.append(f"{what} peaks above a step at batch {', '.join(str(b['batch_size']) for b in outgrown)} "
+                         f"({outgrown[0]['phases_gb'][name]:.3f} GB with the runtime); {avoid}")
     return "\n".join(lines)
+
+
+# A phase that can outgrow the training step: what it is, and what avoids it.
+OUTGROWING = {
+    "model build": ("building the whole model on every rank first",
+                    "model.init_device=meta builds only each rank's shards"),
+    "data load": ("making the data set (its temporaries, beside the shards)",
+                  "fewer samples (data.num_samples) or a data set read from files holds less"),
+    "checkpoint save": ("a checkpoint save's copy of the state, beside a step,",
+                        "checkpoint=dcp writes from the state itself, with no copy"),
+}

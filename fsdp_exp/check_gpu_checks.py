@@ -298,7 +298,8 @@ ESTIMATE_ERROR = 0.10  # the estimate's goal: within 10% of what a run measures
 
 def estimated(run: RunResult, estimate: RunResult) -> tuple[bool, str]:
     """task=estimate's figures for the run beside what the run measured: the run's own peak
-    (allocated, on a GPU) and, on a GPU, what the caching allocator reserved; within 10%. On
+    (allocated, on a GPU) and, on a GPU, what the caching allocator reserved; within 10%;
+    and what the whole device held (torch.cuda.mem_get_info), shown beside its estimate. On
     the CPU development run only the figures are checked for: the CPU's accuracy is
     bench/estimate_accuracy.py's (docs/BENCHMARKS.md), and its tiny model misses by a constant."""
     problem = not_ok(run, "run") or not_ok(estimate, "estimate")
@@ -312,8 +313,11 @@ def estimated(run: RunResult, estimate: RunResult) -> tuple[bool, str]:
     if missing:
         return False, f"no {' or '.join(missing)} figure in summary.json to compare"
     errors = [(name, guess, seen, guess / seen - 1) for name, guess, seen in pairs]
+    shown = list(errors)
+    if e.get("device_gb") and s.get("device_used_gb"):  # what the whole device held: shown, not judged
+        shown.append(("device (not judged)", e["device_gb"], s["device_used_gb"], e["device_gb"] / s["device_used_gb"] - 1))
     detail = "; ".join(f"{name}: estimated {guess:.2f} GB, measured {seen:.2f} GB ({err:+.0%})"
-                       for name, guess, seen, err in errors)
+                       for name, guess, seen, err in shown)
     if s.get("device") != "cuda":
         return True, f"{detail} (on CPU not judged)"
     return all(abs(err) <= ESTIMATE_ERROR for *_, err in errors), detail

@@ -212,6 +212,11 @@ def test_the_estimate_row_passes_within_10_percent_and_prints_both_figures_eithe
     assert estimated(on_cpu, result(device="cpu", peak_mem_gb=0.65)) == \
         (True, "peak: estimated 0.65 GB, measured 1.00 GB (-35%) (on CPU not judged)")
     assert estimated(run, result(status="failed", error="boom"))[1].startswith("estimate: failed: boom")
+    # what the whole device held (mem_get_info) beside its estimate: shown, not judged
+    whole = result(peak_mem_gb=10.0, peak_reserved_gb=12.0, device_used_gb=14.0)
+    ok, detail = estimated(whole, result(peak_mem_gb=9.5, reserved_gb=12.6, device_gb=13.1))
+    assert ok and detail.endswith("; device (not judged): estimated 13.10 GB, measured 14.00 GB (-6%)")
+    assert estimated(whole, result(peak_mem_gb=9.5, reserved_gb=12.6, device_gb=9.0))[0]
 
 
 def test_peak_memory_is_judged_as_the_limit_counts_it() -> None:

@@ -22,7 +22,7 @@ from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import allocation_failure, is_out_of_memory, records_history
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
-from fsdp_exp.metrics.peaks import GB, MemoryMonitor
+from fsdp_exp.metrics.peaks import GB, MemoryMonitor, device_used_gb
 from fsdp_exp.rank import distributed
 from fsdp_exp.rank.trainer import Trainer
 
@@ -496,3 +496,15 @@ def test_under_a_limit_a_gpu_run_records_the_reserved_peak_the_limit_caps(fake_g
     assert under_limit_figures(1.0, "cpu", {"peak_mem_gb": 0.9}, [0.7, 0.8], [0.4, 0.5]) == {
         "limit_gb": 1.0, "peak_under_limit_gb": 0.8, "peak_under_limit_gb_per_rank": [0.7, 0.8],
         "held_before_limit_gb_per_rank": [0.4, 0.5]}
+
+
+def test_what_the_device_held_at_the_reserved_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device_used_gb, beside the estimate's device figure: what torch.cuda.mem_get_info says
+    every process holds on the device at the end (the CUDA context, NCCL and cuBLAS with the
+    allocator's segments), plus how far the allocator's reserved memory then is below its
+    peak (freed under pressure). The GPU's figures here are fakes of torch.cuda's calls."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GB, 80 * GB))  # 10 GB in use
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 8 * GB)
+    assert device_used_gb(torch.device("cuda", 0), peak_reserved_gb=9.0) == pytest.approx(11.0)
+    assert device_used_gb(torch.device("cuda", 0), peak_reserved_gb=8.0) == pytest.approx(10.0)
+    assert device_used_gb(torch.device("cpu"), peak_reserved_gb=8.0) is None

@@ -54,7 +54,10 @@ def mark_runtime(device: torch.device) -> float:
 def device_used_gb(device: torch.device, peak_reserved_gb: float) -> float | None:
     """GPU: what the device held at the allocator's reserved peak: what every process holds
     on it now (torch.cuda.mem_get_info), with the CUDA context, NCCL and cuBLAS outside the
-    allocator, plus how far the allocator's reserved memory is now below `peak_reserved_gb`."""
+    allocator, plus how far the allocator's reserved memory is now below `peak_reserved_gb`,
+    this rank's own. It assumes what sits outside the allocator did not grow after the peak
+    (NCCL's communicators are made at the first collective), and counts any other process
+    on the same GPU."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)

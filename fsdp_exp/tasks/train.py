@@ -122,9 +122,10 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
                 counted = distributed.gather(mine, ranks.device)
                 held = distributed.gather(held_before_limit_gb(), ranks.device)
             summary |= under_limit_figures(limit_gb, ranks.device.type, summary, counted, held)
-            if ranks.device.type == "cuda":
-                used = device_used_gb(ranks.device, summary.get("peak_reserved_gb") or 0.0)
-                summary["device_used_gb"] = max(distributed.gather(used, ranks.device))
+            if ranks.device.type == "cuda" and summary.get("peak_reserved_gb_per_rank"):  # none: nothing trained
+                used = device_used_gb(ranks.device, summary["peak_reserved_gb_per_rank"][ranks.rank])
+                summary["device_used_gb_per_rank"] = distributed.gather(used, ranks.device)
+                summary["device_used_gb"] = max(summary["device_used_gb_per_rank"])
             if ranks.is_main and context.estimate_file:
                 summary |= estimate_checked(summary, Path(context.estimate_file))
         finally:

@@ -133,6 +133,7 @@ def test_the_trace_runs_at_idle_priority() -> None:
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the driver's own thread keeps its priority
 
 
+@pytest.mark.slow
 def test_under_a_cpu_limit_the_estimate_is_within_5_percent_for_fsdp_and_ddp(tmp_path: Path) -> None:
     """What memory.limit_gb counts on CPU, estimated and measured, over every phase since the
     limit was set: FSDP2's backward starts autograd's device threads, whose whole stacks the
@@ -151,6 +152,7 @@ def test_under_a_cpu_limit_the_estimate_is_within_5_percent_for_fsdp_and_ddp(tmp
 
 FRESH_THREAD = """
 import threading
+from fsdp_exp.estimate.trace import thread_stack_bytes
 
 def data():
     return int(open("/proc/self/status").read().split("VmData:")[1].split()[0]) * 1024

@@ -58,6 +58,7 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         # the largest phase, and the largest while it trains (what a run's peak_mem_gb measures)
         "peak_mem_gb": chosen.predicted_peak_gb - chosen.breakdown_gb["baseline"] + data_gb,
         "step_mem_gb": chosen.training_gb() - chosen.breakdown_gb["baseline"] + data_gb,
+        "data_gb": data_gb,  # CPU: what making the data set grew the tracing process by (measured, to a MB or so)
         "predicted_peak_gb": chosen.predicted_peak_gb,
         "step_peak_gb": chosen.step_peak_gb,
         "phase": chosen.phase,

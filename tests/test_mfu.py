@@ -3,6 +3,8 @@ out, against the peak of the GPU variant that ran, in the precision that ran."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -220,3 +222,40 @@ def test_flash_attns_own_kernels_are_named_uncounted() -> None:
         y = model(x)
         flash(y, y, y).sum()
     assert count.step.uncounted == ["flash_attn._flash_attn_forward"]
+
+
+COUNTED_UNDER_CHECKPOINTING = """
+import ctypes, sys, torch
+from fsdp_exp.blocks import block_names, checkpoint_blocks
+from fsdp_exp.metrics.flops import counting_flops
+from fsdp_exp.models.vit import build_vit
+from torchvision.models.vision_transformer import EncoderBlock
+
+ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # freed blocks go back at once: the peak is what is held
+model = build_vit(image_size=28, patch_size=7, num_layers=10, num_heads=2, hidden_dim=128, mlp_dim=128, num_classes=10)
+if sys.argv[1] == "checkpointed":
+    checkpoint_blocks(model, block_names(model, (EncoderBlock,)))
+x, y = torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,))
+
+def step_peak_mb(counted):
+    open("/proc/self/clear_refs", "w").write("5")
+    base = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
+    with counting_flops(model) if counted else open("/dev/null"):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    return (int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) - base) / 1024
+
+step_peak_mb(False)  # warm: the first step's one-time allocations
+print(step_peak_mb(False), step_peak_mb(True))
+"""
+
+
+@pytest.mark.parametrize("model", ["checkpointed", "plain"])
+def test_counting_a_steps_flops_holds_no_more_than_the_step(model: str) -> None:
+    """The first micro-batch of every run is counted. torch's FlopCounterMode tracks modules
+    with hooks that keep activation-checkpointed blocks' activations alive (pytorch#139214):
+    counted, the ViT at batch 256 held 0.19 GB against 0.05 checkpointed. Counted as here,
+    the step holds what it holds uncounted."""
+    shown = subprocess.run([sys.executable, "-c", COUNTED_UNDER_CHECKPOINTING, model], capture_output=True, text=True,
+                           check=True, cwd=Path(__file__).resolve().parent.parent)
+    uncounted, counted = map(float, shown.stdout.split())
+    assert counted <= uncounted * 1.15 + 4, (uncounted, counted)

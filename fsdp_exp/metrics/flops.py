@@ -159,6 +159,29 @@ class _UncountedAttention(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _GlobalOnly:
+    """In FlopCounterMode's module tracker's place: every FLOP counts under "Global", the one
+    figure read here. torch's ModuleTracker hooks every module's forward and its outputs'
+    gradients, and with activation checkpointing those hooks keep each checkpointed block's
+    activations alive until a garbage collection (pytorch#139214): the counted micro-batch
+    then held what checkpointing saves (the default ViT at batch 256: 0.22 GB against 0.09)."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _GlobalOnly:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def flop_counter(formulas: dict) -> FlopCounterMode:
+    """A FlopCounterMode that counts the whole and nothing per module."""
+    counter = FlopCounterMode(display=False, custom_mapping=formulas)
+    counter.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
+    return counter
+
+
 @contextlib.contextmanager
 def _count_recompute(model: nn.Module, formulas: dict) -> Iterator[list[FlopCounterMode]]:
     """While open, each activation-checkpointed block counts the forward it recomputes in
@@ -167,7 +190,7 @@ def _count_recompute(model: nn.Module, formulas: dict) -> Iterator[list[FlopCoun
     counters: list[FlopCounterMode] = []
 
     def contexts() -> tuple[contextlib.AbstractContextManager, FlopCounterMode]:
-        counters.append(FlopCounterMode(display=False, custom_mapping=formulas))
+        counters.append(flop_counter(formulas))
         return contextlib.nullcontext(), counters[-1]
 
     wrappers = [m for m in model.modules()
@@ -197,7 +220,7 @@ def counting_flops(model: nn.Module, formulas: dict = ATTENTION_FORMULAS) -> Ite
     Every rank must run the block together (the sharded forward gathers parameters).
     Under torch.compile the block runs eagerly: Dynamo skips frames while a dispatch mode
     is active."""
-    counter = FlopCounterMode(display=False, custom_mapping=formulas)
+    counter = flop_counter(formulas)
     uncounted = _UncountedAttention(counter.flop_registry)
     count = FlopCount()
     with _count_recompute(model, formulas) as recomputed, uncounted, counter:

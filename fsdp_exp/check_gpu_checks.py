@@ -312,6 +312,11 @@ def estimated(run: RunResult, estimate: RunResult) -> tuple[bool, str]:
     missing = [name for name, guess, seen in pairs if guess is None or not seen]
     if missing:
         return False, f"no {' or '.join(missing)} figure in summary.json to compare"
+    if s.get("device") == "cuda":  # the run's own check (memory.estimate) took its GPU path
+        own = [k for k in ("device_used_gb", "estimated_device_gb") if not s.get(k)]
+        if own:
+            why = f" ({s['estimate_failed']})" if "estimate_failed" in s else ""
+            return False, f"the run's summary.json has no {' or '.join(own)}{why}"
     errors = [(name, guess, seen, guess / seen - 1) for name, guess, seen in pairs]
     shown = list(errors)
     if e.get("device_gb") and s.get("device_used_gb"):  # what the whole device held: shown, not judged

@@ -9,9 +9,10 @@ beside what it measured (`checked`): in summary.json, its log line and wandb. Wh
 cannot see the driver's files (a launcher on other machines) or the trace comes later, the
 driver adds it to summary.json itself.
 
-What it costs: the trace's CPU time (a few seconds for the ViT or GPT-2 small; the
-record's `trace_s`) and, where the ranks leave no CPU idle (a CPU run), about that long a
-wait at the end of the run (`estimate_wait_s`). memory.estimate=false starts no trace.
+What it costs: the trace's CPU time (a few seconds for the ViT or GPT-2 small, traced
+alone; the record's `trace_s` also counts the time it waited for the CPU) and, where the
+ranks leave no CPU idle (a CPU run), about that long a wait at the end of the run
+(`estimate_wait_s`). memory.estimate=false starts no trace.
 """
 
 from __future__ import annotations

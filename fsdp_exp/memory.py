@@ -74,10 +74,12 @@ def device_memory_gb(device: str | torch.device) -> float:
 class MemorySettings:
     limit_gb: float | None = None  # per rank: caps the GPU allocator, or a real allocation limit on CPU
     estimate: bool = True  # task=train: trace task=estimate beside the run, and record it beside the peak measured
+    host_limit_gb: float | None = None  # per node: the host's RAM the estimate must fit in (task=estimate, max_batch)
 
     def __post_init__(self) -> None:
-        if self.limit_gb is not None and self.limit_gb <= 0:
-            raise ConfigError(f"memory.limit_gb={self.limit_gb}: must be greater than 0")
+        for key, value in (("limit_gb", self.limit_gb), ("host_limit_gb", self.host_limit_gb)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"memory.{key}={value}: must be greater than 0")
 
 
 def records_history(limit_gb: float | None, probe: bool) -> bool:

@@ -40,21 +40,22 @@ POLL_S = 0.2
 class EstimateBeside:
     """The estimate of the run being launched, traced in the background (see the module)."""
 
-    def __init__(self, exp: Experiment, nproc: int, run_dir: Path):
+    def __init__(self, exp: Experiment, nproc: int, run_dir: Path, ranks_per_node: int | None = None):
         self.path = Path(run_dir) / ESTIMATE_FILE
         self.path.unlink(missing_ok=True)  # an earlier attempt's, in a reused run directory
         self.record: dict | None = None
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._trace, args=(exp, nproc), name="estimate", daemon=True)
+        self.thread = threading.Thread(target=self._trace, args=(exp, nproc, ranks_per_node), name="estimate",
+                                       daemon=True)
         self.thread.start()
 
-    def _trace(self, exp: Experiment, nproc: int) -> None:
+    def _trace(self, exp: Experiment, nproc: int, ranks_per_node: int | None) -> None:
         at_idle_priority()  # this thread's; the tracing process it starts inherits it
         # Ctrl-C goes to the whole process group: the tracing process (it inherits this
         # thread's signal mask) leaves it to the driver, which stops it on its way out.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda")
+            record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node)
         except Exception as err:  # noqa: BLE001 - recorded in one line; the run goes on
             record = {"error": one_line(err, limit=300)}
         with contextlib.suppress(OSError):

@@ -22,7 +22,7 @@ None of the GPU side has been checked against a GPU here (docs/BENCHMARKS.md say
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fsdp_exp.estimate.allocator import cuda_block, segment_size
 from fsdp_exp.estimate.traced import CATEGORIES, OFFLOADED, StepTrace, Trace, TracedPeak
@@ -36,25 +36,31 @@ class BatchEstimate:
     batch_size: int
     predicted_peak_gb: float  # the largest of the step's peak, the build's and the data load's, with the baseline
     step_peak_gb: float  # a training step's peak, with the baseline
-    phase: str  # where the peak falls: forward | backward | optimizer_step | model build | data load | checkpoint save
+    phase: str  # where the peak falls: forward | backward | optimizer_step, or a phase of phases_gb
     breakdown_gb: dict[str, float]  # the step's peak by what holds it; the parts sum to step_peak_gb
-    phases_gb: dict[str, float]  # each phase's peak, with the baseline: step, model build, data load, checkpoint save
+    # each phase's peak, with the baseline: step, model build (rank 0's model build), data load, checkpoint save
+    phases_gb: dict[str, float]
     reserved_gb: float | None = None  # GPU: what the caching allocator would hold at the peak
     offloaded_gb: float | None = None  # GPU with offload=true: in host memory at the peak
     limited_gb: float = 0.0  # what memory.limit_gb caps: the peak, or on a GPU what the allocator reserves
     device_gb: float | None = None  # GPU: what the device holds, the reserved memory and what sits outside it
 
+    host: dict = field(default_factory=dict)  # the host's memory per node (`fsdp_exp.estimate.host`)
+
     def __post_init__(self) -> None:
         self.limited_gb = self.predicted_peak_gb if self.reserved_gb is None else self.reserved_gb
         if self.reserved_gb is not None:
-            self.device_gb = self.reserved_gb + self.breakdown_gb["baseline"]
+            # the device's largest phase: a step's reserved memory, or the whole model and its shards while it is built
+            building = self.phases_gb.get("model build", 0.0) - self.breakdown_gb["baseline"]
+            self.limited_gb = max(self.reserved_gb, building)
+            self.device_gb = self.limited_gb + self.breakdown_gb["baseline"]
 
     def training_gb(self) -> float:
         """The peak while it trains: a step, or a checkpoint save beside one."""
         return max(self.phases_gb.get("checkpoint save", 0.0), self.step_peak_gb)
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        return {k: v for k, v in self.__dict__.items() if v is not None and k != "host"} | self.host
 
 
 def parts(peak: TracedPeak, optimizer_state_bytes: int) -> dict[str, int]:
@@ -113,8 +119,10 @@ def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: 
     breakdown = {part: found[part] / GB for part in PARTS} | {"baseline": baseline / GB}
     before_steps = baseline - started  # the threads are not there yet
     phases = {"step": step_bytes}
-    if builds_whole_model and trace is not None:
-        phases["model build"] = trace.build_bytes + before_steps
+    if trace is not None and (builds_whole_model or not on_gpu):
+        # model.init_device=meta: rank 0 still builds the whole model, to send each rank its
+        # shards; on a GPU in host memory, on CPU beside its own shards
+        phases["model build" if builds_whole_model else "rank 0's model build"] = trace.build_bytes + before_steps
     if not on_gpu and trace is not None:
         # A rank makes its data set after sharding its model: what making it takes above
         # what the data set keeps (generated data's temporaries), with the shards held.

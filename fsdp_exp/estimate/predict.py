@@ -15,7 +15,9 @@ from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.breakdown import GB, estimate_batch
 from fsdp_exp.estimate.curve import PeakCurve
 from fsdp_exp.estimate.gpu import Gpu, cublas_workspaces, outside_allocator_gb
+from fsdp_exp.estimate.host import HostSetup, host_memory
 from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.metrics.peaks import anonymous_bytes
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -24,11 +26,14 @@ TIME_LIMIT_S = 900  # a trace past this is stopped: something in it does not run
 
 
 def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
-             baseline_gb: float | None = None, stop_above_gb: float | None = None, gpu: Gpu | None = None) -> dict:
+             baseline_gb: float | None = None, stop_above_gb: float | None = None, gpu: Gpu | None = None,
+             ranks_per_node: int | None = None) -> dict:
     """The estimate record, traced in a fresh process (see `trace_in_child`). With
     `stop_above_gb`, the sizes are traced in order up to the first whose step is predicted
-    to peak above it. On a GPU, `gpu` (task.gpu) names the device whose memory it must fit in."""
+    to peak above it. On a GPU, `gpu` (task.gpu) names the device whose memory it must fit in.
+    The host's memory is per node of `ranks_per_node` ranks (default: all on one)."""
     start = time.perf_counter()
+    launcher_gb = 2 * anonymous_bytes() / GB  # this command's own, as the launching command's and its rank server's
     outside = outside_allocator_gb(world_size, exp.sharding.groups(world_size), gpu) if on_gpu else {}
     workspaces = cublas_workspaces(gpu) if on_gpu else ()
     traced = trace_in_child(exp, world_size, batch_sizes, on_gpu, baseline_gb, stop_above_gb, outside, workspaces)
@@ -39,14 +44,19 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     data_gb = 0.0 if on_gpu else traced.data_bytes / GB
     batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole, sum(workspaces),
                               exp.checkpoint.stages_a_copy, exp.checkpoint.threads_started) for step in traced.steps]
-    limit = exp.memory.limit_gb
+    on_host = HostSetup(min(ranks_per_node or world_size, world_size), exp.data.num_workers,
+                        exp.checkpoint.stages_a_copy, builds_whole, exp.train.grad_accum, launcher_gb)
+    for b in batches:
+        b.host = host_memory(b, traced, on_host, on_gpu)
+    limit, host_limit = exp.memory.limit_gb, exp.memory.host_limit_gb
     device_gb = gpu.memory_gb if gpu is not None and on_gpu else None
 
-    judged = limit is not None or device_gb is not None
-    fitting = [b for b in batches if fits(b.to_json(), limit, device_gb)]
+    judged = limit is not None or device_gb is not None or host_limit is not None
+    fitting = [b for b in batches if fits(b.to_json(), limit, device_gb, host_limit)]
     chosen = fitting[-1] if fitting else batches[0]
     crossings = [c for c in (crossing([(b.batch_size, b.limited_gb) for b in batches], limit),
-                             crossing([(b.batch_size, b.device_gb or 0.0) for b in batches], device_gb))
+                             crossing([(b.batch_size, b.device_gb or 0.0) for b in batches], device_gb),
+                             crossing([(b.batch_size, b.host["host_gb"]) for b in batches], host_limit))
                  if c is not None]
     return {
         "device": "cuda" if on_gpu else "cpu",
@@ -70,6 +80,9 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         **({"offloaded_gb": chosen.offloaded_gb} if chosen.offloaded_gb is not None else {}),
         "build_peak_gb": (traced.build_bytes / GB + baseline_gb) if builds_whole else None,
         "limit_gb": limit,
+        **chosen.host,  # host_gb (per node), host_phase, host_per_rank_gb
+        "ranks_per_node": on_host.ranks_per_node,
+        "host_limit_gb": host_limit,
         "largest_batch_fitting": fitting[-1].batch_size if fitting else (0 if judged else None),
         "predicted_max_batch": min(crossings) if crossings else None,
         "batches": [b.to_json() for b in batches],
@@ -78,13 +91,16 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     }
 
 
-def fits(batch: dict, limit_gb: float | None, gpu_memory_gb: float | None) -> bool | None:
-    """Whether a batch of the record fits: what memory.limit_gb caps under it, and on a
-    named GPU (task.gpu) what the device holds within its memory; None: nothing to fit in."""
-    if limit_gb is None and gpu_memory_gb is None:
+def fits(batch: dict, limit_gb: float | None, gpu_memory_gb: float | None,
+         host_limit_gb: float | None = None) -> bool | None:
+    """Whether a batch of the record fits: what memory.limit_gb caps under it, on a named
+    GPU (task.gpu) what the device holds within its memory, and the host's memory per node
+    under memory.host_limit_gb; None: nothing to fit in."""
+    if limit_gb is None and gpu_memory_gb is None and host_limit_gb is None:
         return None
     return ((limit_gb is None or batch["limited_gb"] <= limit_gb)
-            and (gpu_memory_gb is None or batch.get("device_gb", 0.0) <= gpu_memory_gb))
+            and (gpu_memory_gb is None or batch.get("device_gb", 0.0) <= gpu_memory_gb)
+            and (host_limit_gb is None or batch.get("host_gb", 0.0) <= host_limit_gb))
 
 
 def crossing(points: list[tuple[int, float]], target_gb: float | None) -> int | None:

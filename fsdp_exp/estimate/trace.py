@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +47,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_exp.estimate.allocator import CachingAllocator, cuda_block
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace, TracedPeak
-from fsdp_exp.metrics.peaks import file_bytes, proc_status, reset_resident_peak
+from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, proc_status, reset_resident_peak
 from fsdp_exp.rank.build import build_model_for_training
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
@@ -235,8 +236,10 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     dataset = exp.data.dataset()  # held by every rank, as the runtime is: both in the baseline
     sample, target = dataset[0]  # real: its shape and dtype
     data_load = loading.bytes()  # making it can take more than it keeps (generated data's temporaries)
+    sample_bytes = tensor_bytes(sample) + tensor_bytes(torch.as_tensor(target))
     baseline = anonymous_bytes()
     threads = thread_count()
+    workers = data_worker_bytes(dataset, batch_sizes[0] // exp.train.grad_accum) if exp.data.num_workers else 0
     traced = for_tracing(exp, on_gpu)
     ranks = Ranks(rank=0, local_rank=0, world_size=world_size, device=torch.device("cpu"))
     offloaded = OFFLOADED if exp.offload else ()  # off a GPU; the CPU peak counts them all the same
@@ -276,7 +279,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         build = whole + local_bytes(model) if shard_count > 1 else whole
     return Trace(world_size, steps, build, params, shard_count, baseline, data_bytes, stacks, stack, data_load,
-                 time.perf_counter() - start)
+                 time.perf_counter() - start, whole, sample_bytes, workers)
 
 
 class AttentionAsOnGpu(TorchFunctionMode):
@@ -329,6 +332,39 @@ def fake_batches(sample: torch.Tensor, target: torch.Tensor, micro: int) -> Iter
                torch.zeros((micro, *torch.as_tensor(target).shape), dtype=torch.as_tensor(target).dtype))
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def data_worker_bytes(dataset: Any, micro_batch: int) -> int:
+    """What one DataLoader worker holds of its own once it has made a batch: its private
+    dirty pages (what it copied of the rank on write, and what it made). Measured in a
+    process forked from this one, as Linux's DataLoader forks its workers, that makes one
+    batch as a worker does; a rank's `data.num_workers` workers each hold about this, and
+    the batches they have made wait in shared memory (counted apart)."""
+    if not hasattr(os, "fork") or not Path("/proc/self/smaps_rollup").exists():
+        return 0
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: one batch, then what it holds of its own
+        held = 0
+        try:
+            from torch.utils.data import default_collate
+
+            default_collate([dataset[i % len(dataset)] for i in range(micro_batch)])
+            rollup = Path("/proc/self/smaps_rollup").read_text().splitlines()
+            held = sum(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Private_Dirty:"))
+        finally:
+            os.write(write, str(held).encode())
+            os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read) as reply:
+            return int(reply.read() or 0)
+    finally:
+        os.waitpid(pid, 0)
+
+
 def local_bytes(model: torch.nn.Module) -> int:
     """This rank's bytes of the model's parameters and buffers (its shards, under FSDP)."""
     total = 0
@@ -357,11 +393,6 @@ def ddp_buckets(model: torch.nn.Module) -> int:
     """DDP's reducer keeps one flat bucket per ~25 MB of gradients: a copy of them all,
     in the parameters' dtype."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def anonymous_bytes() -> int:
-    """This process's anonymous resident memory (what memory.limit_gb counts on CPU)."""
-    return proc_status().get("RssAnon:", 0) * 1024
 
 
 def thread_stack_bytes() -> int:

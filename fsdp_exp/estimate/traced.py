@@ -57,3 +57,6 @@ class Trace:
     thread_stack_bytes: int  # one thread's stack, as memory.limit_gb counts it on CPU
     data_load_bytes: int  # the peak rise while the data set was made (generated data's temporaries): its phase
     seconds: float
+    model_bytes: int = 0  # the whole model's parameters and buffers, as a plain build holds them
+    sample_bytes: int = 0  # one sample and its target, as a batch holds them
+    data_worker_bytes: int = 0  # data.num_workers > 0: what one DataLoader worker holds of its own (measured)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import pickle
 import sys
 from collections.abc import Callable
@@ -54,6 +55,10 @@ class ExternalLauncher:
 
     def gpus(self, local_gpus: int) -> int:
         return local_gpus
+
+    def ranks_per_node(self, world: int) -> int:
+        """torchrun's LOCAL_WORLD_SIZE: the ranks it started on this node."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
     def connect(self, nproc: int, at_once: int) -> None:
         """torchrun has started the ranks."""

@@ -71,6 +71,10 @@ class LocalLauncher:
     def gpus(self, local_gpus: int) -> int:
         return local_gpus
 
+    def ranks_per_node(self, world: int) -> int:
+        """All on this machine."""
+        return world
+
     def connect(self, nproc: int, at_once: int) -> None:
         """Nothing to connect to: the ranks start here."""
 

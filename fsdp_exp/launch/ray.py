@@ -83,6 +83,11 @@ class RayLauncher:
     def gpus(self, local_gpus: int) -> int:
         return self.num_workers if self.use_gpu else 0
 
+    def ranks_per_node(self, world: int) -> int:
+        """Ray places its workers where its resources are, which the config does not say:
+        counted as all on one node."""
+        return world
+
     def connect(self, nproc: int, at_once: int) -> None:
         """Start or join Ray for `at_once` runs of `nproc` workers, from this (the main)
         thread. A local Ray is sized for all of them; one that is running is kept, since

@@ -106,6 +106,9 @@ class SlurmLauncher:
     def per_node(self) -> int:
         return ranks_per_node(self.nproc_per_node, self.gpus_per_node)
 
+    def ranks_per_node(self, world: int) -> int:
+        return max(1, world // self.nodes)
+
     def check(self) -> None:
         """One ConfigError line for what cannot be submitted from here."""
         try:

@@ -70,6 +70,9 @@ class TorchrunLauncher(LocalLauncher):
     def per_node(self, gpus: int) -> int:
         return super().world_size(gpus)
 
+    def ranks_per_node(self, world: int) -> int:
+        return max(1, world // self.max_nodes)
+
     def launch(self, task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: Path, nproc: int,
                time_limit_s: float | None = None) -> Any:
         """This node's ranks; the figures every rank returns (the same on every rank)."""

@@ -179,6 +179,11 @@ def proc_status() -> dict[str, int]:
     return figures
 
 
+def anonymous_bytes() -> int:
+    """This process's anonymous resident memory (what memory.limit_gb counts on CPU)."""
+    return proc_status().get("RssAnon:", 0) * 1024
+
+
 def file_bytes(status: dict[str, int]) -> int:
     """Resident pages of mapped files (library code) and shared memory."""
     return (status.get("RssFile:", 0) + status.get("RssShmem:", 0)) * 1024

@@ -20,6 +20,7 @@ from fsdp_exp.estimate.breakdown import PARTS
 from fsdp_exp.estimate.gpu import Gpu, gpu_named
 from fsdp_exp.estimate.predict import estimate, fits
 from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.memory import device_memory_gb
 from fsdp_exp.metrics.plots import plot_tokens
 from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.tasks import Task, setup_line
@@ -42,6 +43,7 @@ class Estimate(Task):
     baseline_gb: float | None = None  # the runtime's own memory beside the tensors; null: measured (CPU), modelled (GPU)
     gpu: str | None = None  # a GPU (H100-SXM, A100-40GB, L4, ...) or its memory in GB: fits on it? implies device cuda
     seq_lens: list[int] = field(default_factory=list)  # token data: the estimate again at each of these data.seq_len
+    ranks_per_node: int | None = None  # ranks sharing a node's host memory; null: as the launcher places them
 
     uses_the_device: ClassVar[bool] = False  # it traces, for any device and world size
 
@@ -52,6 +54,8 @@ class Estimate(Task):
             at_least("task.batch_sizes", size, 1)
         for length in self.seq_lens:
             at_least("task.seq_lens", length, 1)
+        if self.ranks_per_node is not None:
+            at_least("task.ranks_per_node", self.ranks_per_node, 1)
         if self.baseline_gb is not None and self.baseline_gb < 0:
             raise ConfigError(f"task.baseline_gb={self.baseline_gb}: must be at least 0")
         if self.gpu is not None:
@@ -83,11 +87,13 @@ class Estimate(Task):
         return gpu_named(str(self.gpu)) if self.gpu is not None else None
 
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
-        record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu())
+        per_node = self.ranks_per_node or launcher.ranks_per_node(nproc)
+        record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu(),
+                          ranks_per_node=per_node)
         record["setup"] = setup_line(context)
         tokens(record, exp)
         if self.seq_lens:
-            record["by_seq_len"] = [self.at_seq_len(exp, length, nproc) for length in sorted(set(self.seq_lens))]
+            record["by_seq_len"] = [self.at_seq_len(exp, length, nproc, per_node) for length in sorted(set(self.seq_lens))]
         write_json(Path(run_dir) / RECORD, record)
         print(table(record), flush=True)
         if self.seq_lens:
@@ -97,12 +103,13 @@ class Estimate(Task):
         return {"task": "estimate", **{k: record[k] for k in SUMMARY_KEYS},
                 **{k: record[k] for k in (*GPU_KEYS, *TOKEN_KEYS) if k in record}}
 
-    def at_seq_len(self, exp: Experiment, length: int, nproc: int) -> dict:
+    def at_seq_len(self, exp: Experiment, length: int, nproc: int, per_node: int) -> dict:
         """The estimate with data.seq_len=`length`: the largest batch that fits and its tokens,
         or why it could not be traced (a model that reads fewer positions)."""
         longer = replace(exp, data=replace(exp.data, seq_len=length))
         try:
-            found = estimate(longer, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu())
+            found = estimate(longer, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu(),
+                             ranks_per_node=per_node)
         except RunFailed as err:
             return {"seq_len": length, "error": str(err)}
         tokens(found, longer)
@@ -144,7 +151,7 @@ def seq_len_table(record: dict) -> str:
 
 
 SUMMARY_KEYS = ("peak_mem_gb", "predicted_peak_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
-                "predicted_max_batch", "wall_s")
+                "predicted_max_batch", "host_gb", "ranks_per_node", "host_limit_gb", "wall_s")
 GPU_KEYS = ("reserved_gb", "device_gb", "gpu", "gpu_memory_gb")
 TOKEN_KEYS = ("seq_len", "tokens_per_micro_batch", "predicted_max_tokens")
 
@@ -158,7 +165,9 @@ def answer_line(record: dict) -> str:
     if "device_gb" in record:
         line += f"; the GPU holds {record['device_gb']:.2f} GB ({record['reserved_gb']:.2f} GB reserved by torch)"
     room = " and ".join(([f"under memory.limit_gb={record['limit_gb']:g}"] if record["limit_gb"] is not None else [])
-                        + ([f"on {record['gpu']} ({record['gpu_memory_gb']:g} GB)"] if "gpu" in record else []))
+                        + ([f"on {record['gpu']} ({record['gpu_memory_gb']:g} GB)"] if "gpu" in record else [])
+                        + ([f"with the host under memory.host_limit_gb={record['host_limit_gb']:g}"]
+                           if record.get("host_limit_gb") is not None else []))
     if room and len(record["batches"]) > 1:
         fitting = record["largest_batch_fitting"]
         line += (f"; largest batch predicted to fit {room}: {fitting}" if fitting
@@ -166,7 +175,7 @@ def answer_line(record: dict) -> str:
         if record["predicted_max_batch"] is not None:
             line += f" (the estimate's curve reaches it at {record['predicted_max_batch']})"
     elif room:
-        fit = fits(record["batches"][0], record["limit_gb"], record.get("gpu_memory_gb"))
+        fit = fits(record["batches"][0], record["limit_gb"], record.get("gpu_memory_gb"), record.get("host_limit_gb"))
         line += f"; {'fits' if fit else 'does not fit'} {room}"
     return line
 
@@ -178,7 +187,7 @@ def table(record: dict) -> str:
     short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
              "temporaries": "temps", "unsharded_and_buffers": "unshard", "baseline": "outside" if on_gpu else "rt+data"}
     runtime = record["predicted_peak_gb"] - record["peak_mem_gb"]
-    judged = record["limit_gb"] is not None or "gpu" in record
+    judged = record["limit_gb"] is not None or "gpu" in record or record.get("host_limit_gb") is not None
     lines = [f"estimate for {record['setup']}: {record['params']:,} parameters, {record['world_size']} ranks "
              f"({record['shards']} sharing each parameter), {record['device']}",
              f"{'batch':>6} {'peak GB':>8} {'+runtime':>8}" + (f" {'reserved':>8} {'device':>8}" if on_gpu else "")
@@ -189,12 +198,13 @@ def table(record: dict) -> str:
                + (f" {b['reserved_gb']:>8.3f} {b['device_gb']:>8.3f}" if on_gpu else "") + f" {b['phase'] or 'step':<15}")
         row += "".join(f"{b['breakdown_gb'][c]:>8.3f}" for c in columns)
         if judged:
-            row += f" {'yes' if fits(b, record['limit_gb'], record.get('gpu_memory_gb')) else 'no':>5}"
+            row += f" {'yes' if fits(b, record['limit_gb'], record.get('gpu_memory_gb'), record.get('host_limit_gb')) else 'no':>5}"
         lines.append(row)
     if on_gpu:
         outside = ", ".join(f"{k.replace('_', ' ')} {v:.2f} GB" for k, v in record["outside_allocator_gb"].items())
         lines.append(f"on the GPU: reserved is what torch's caching allocator holds (memory.limit_gb caps it); "
                      f"the device also holds {outside} outside it")
+    lines.append(host_line(record))
     for name, (what, avoid) in OUTGROWING.items():
         outgrown = [b for b in record["batches"] if b["phase"] == name]
         if outgrown:
@@ -203,10 +213,34 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def host_line(record: dict) -> str:
+    """The host's memory per node at the answer's batch: the total, what each rank holds,
+    and against what it is judged (memory.host_limit_gb, else this machine's RAM)."""
+    parts = ", ".join(f"{name} {gb:.2f} GB" for name, gb in record["host_per_rank_gb"].items())
+    limit = record.get("host_limit_gb")
+    against = (f"memory.host_limit_gb={limit:g}" if limit is not None
+               else f"this machine's {device_memory_gb('cpu'):.1f} GB of RAM (memory.host_limit_gb sets a node's)")
+    fits_in = record["host_gb"] <= (limit if limit is not None else device_memory_gb("cpu"))
+    line = (f"host per node at batch {record['batch_size']}: {record['host_gb']:.2f} GB at its {record['host_phase']} "
+            f"({record['ranks_per_node']} rank(s), each {parts}; the launching command and its rank server "
+            f"{record['host_launcher_gb']:.2f} GB); "
+            f"{'fits' if fits_in else 'does not fit'} {against}")
+    if not fits_in:
+        line += "; " + HOST_SAVINGS
+    return line
+
+
+HOST_SAVINGS = ("fewer ranks per node, fewer data.num_workers, offload=false, checkpoint=dcp (no staged copy) "
+                "or model.init_device=meta hold less of it")
+
+
 # A phase that can outgrow the training step: what it is, and what avoids it.
 OUTGROWING = {
     "model build": ("building the whole model on every rank first",
                     "model.init_device=meta builds only each rank's shards"),
+    "rank 0's model build": ("rank 0's whole model, built to send each rank its shards (model.init_device=meta),",
+                             "on a GPU it is in host memory, not on the device; on CPU, more ranks make the shards "
+                             "beside it smaller"),
     "data load": ("making the data set (its temporaries, beside the shards)",
                   "fewer samples (data.num_samples) or a data set read from files holds less"),
     "checkpoint save": ("a checkpoint save's copy of the state, beside a step,",

@@ -56,7 +56,7 @@ class Train(Task):
 
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         self.settle(exp, context, run_dir)
-        beside = EstimateBeside(exp, nproc, run_dir) if exp.memory.estimate else None
+        beside = EstimateBeside(exp, nproc, run_dir, launcher.ranks_per_node(nproc)) if exp.memory.estimate else None
         if beside is not None and launcher.runs_here:  # rank 0 sees the file; else the driver adds it
             context.estimate_file = str(beside.path)
         context.startup["launched"] = time.time()

@@ -18,6 +18,7 @@ outcome, and the table says how many there were.
 
     python bench/max_batch_search.py                 # every setup (about an hour on 2 cores)
     python bench/max_batch_search.py vit-full cnn    # some of them
+    python bench/max_batch_search.py --searches-only # with and without the estimate only
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class SharedProbes:
                    default=0)
 
 
-def bench(setup: Setup, up_to: int) -> dict:
+def bench(setup: Setup, up_to: int, policies: bool = True) -> dict:
     overrides = ["task=max_batch", f"memory.limit_gb={setup.limit_gb}", f"task.search_up_to={up_to}",
                  "wandb.mode=disabled", *setup.overrides]
     plan = prepare(compose_checked(overrides), torch.cuda.device_count())
@@ -186,8 +187,10 @@ def bench(setup: Setup, up_to: int) -> dict:
         for probe in sweep.probes:
             shared.add(probe)
         without = shared.without_estimate(sweep.limit_gb)
-        doubling = shared.policy(lambda fits: doubling_then_bisection(fits, up_to))
-        shrinking = shared.policy(lambda fits: shrink_by_ten_percent(fits, up_to))
+        doubling = shrinking = None
+        if policies:
+            doubling = shared.policy(lambda fits: doubling_then_bisection(fits, up_to))
+            shrinking = shared.policy(lambda fits: shrink_by_ten_percent(fits, up_to))
     return {"setup": setup, "answer": result["max_batch_size"], "noise_mb": result["noise_band_gb"] * 1024,
             "boundary": shared.boundary(), "probes": len(searched), "placing": len(sweep.probes) - len(searched),
             "sizes": [p.batch_size for p in searched], "search_wall_s": search_wall,
@@ -196,7 +199,9 @@ def bench(setup: Setup, up_to: int) -> dict:
             "without": without, "doubling": doubling, "shrinking": shrinking}
 
 
-def policy_cells(policy: Policy, boundary: int) -> str:
+def policy_cells(policy: Policy | None, boundary: int) -> str:
+    if policy is None:
+        return "not run | "
     decided = f" ({policy.decided} decided)" if policy.decided else ""
     exact = "" if policy.answer == boundary else f", answers {policy.answer}"
     return f"{len(set(policy.sizes))}{decided}{exact} | {policy.wall_s:.0f}"
@@ -229,13 +234,15 @@ def main() -> None:
     names = [s.name for s in SETUPS]
     parser.add_argument("setups", nargs="*", metavar="SETUP", help=f"some of: {', '.join(names)} (default: all)")
     parser.add_argument("--up-to", type=int, default=4096)
+    parser.add_argument("--searches-only", action="store_true",
+                        help="the search with and without the estimate, not the two policies users know")
     args = parser.parse_args()
     unknown = sorted(set(args.setups) - set(names))
     if unknown:
         parser.error(f"unknown setup {', '.join(unknown)}; choose from {', '.join(names)}")
     chosen = [s for s in SETUPS if not args.setups or s.name in args.setups]
     print(header(2, torch.cuda.is_available()))
-    rows = [bench(setup, args.up_to) for setup in chosen]
+    rows = [bench(setup, args.up_to, not args.searches_only) for setup in chosen]
     print("\n" + table(rows))
 
 

@@ -425,14 +425,24 @@ def counts_with_and_without(curves: dict[int, Curve], **estimate) -> tuple[dict[
     return with_prior, without
 
 
-@pytest.mark.parametrize("low_by_gb", [0.0, 0.08, 0.3])
+@pytest.mark.parametrize("low_by_gb", [0.0, 0.08, 0.14])
 def test_an_estimate_low_by_a_constant_ends_in_three_probes(low_by_gb):
-    """The first probe sets the curve's level, so a constant the trace misses costs nothing:
-    the first size, the boundary, one past it."""
+    """The first probe, where the estimate leaves LEVEL_ERROR of the limit (0.15 GB here)
+    free, fits and sets the curve's level, so a constant the trace misses within that costs
+    nothing: the first size, the boundary, one past it (two when the first is the boundary)."""
     for family in (linear, lambda b: flat_then_linear(b, knee=b / 10)):
         with_prior, without = counts_with_and_without({b: family(b) for b in BOUNDARIES}, low_by_gb=low_by_gb)
         assert max(with_prior.values()) <= 3, with_prior
-        assert sum(with_prior.values()) < sum(without.values())
+        assert sum(with_prior.values()) < 0.6 * sum(without.values()), (with_prior, without)
+
+
+def test_an_estimate_low_by_more_than_its_level_error_costs_a_probe_or_two():
+    """0.3 GB low (twice LEVEL_ERROR of the limit): the first size, placed by the estimate,
+    runs out of memory; the search starts again at the smallest and still saves probes."""
+    for family in (linear, lambda b: flat_then_linear(b, knee=b / 10)):
+        with_prior, without = counts_with_and_without({b: family(b) for b in BOUNDARIES}, low_by_gb=0.3)
+        assert max(with_prior.values()) <= 5, with_prior
+        assert sum(with_prior.values()) < sum(without.values()), (with_prior, without)
 
 
 def test_the_gpt_small_shape_with_its_knee_in_fewer_probes():
@@ -465,20 +475,24 @@ def test_a_wrong_estimate_costs_probes_but_never_the_answer(slope_off):
 
 
 def test_with_an_estimate_nothing_fits_still_stops_after_the_first_probe():
-    curve = linear(1)
-    prior = estimated(curve, low_by_gb=1.5)  # the estimate says much fits
-    found, outcomes = search(lambda b: LIMIT_GB + 0.1 + b, prior=prior)
-    assert found == 0 and len(outcomes) == 1
+    """An estimate that puts nothing under the limit probes the smallest size first; one
+    that says much fits (1.5 GB low) spends its first size, then the smallest."""
+    nothing = lambda b: LIMIT_GB + 0.1 + b  # noqa: E731
+    found, outcomes = search(nothing, prior=estimated(nothing))
+    assert found == 0 and sizes(outcomes) == "1x"
+    found, outcomes = search(nothing, prior=estimated(linear(1), low_by_gb=1.5))
+    assert found == 0 and len(outcomes) == 2 and outcomes[-1].batch_size == 1, sizes(outcomes)
 
 
 @pytest.mark.parametrize("shape", REAL_SHAPES)
 def test_peaks_that_move_between_runs_with_the_estimate(shape):
-    """The benchmark's shapes with the noise of real runs, and an estimate 80 MB low (as the
-    ViT's on gloo) whose slope is 5% off: exact, in fewer probes on average than without it.
-    Here the end costs most: near the limit a size trains in one run and not in the next."""
+    """The benchmark's shapes with the noise of real runs, and an estimate 20 MB low (as the
+    ViT's under the limit, docs/BENCHMARKS.md) whose slope is 5% off: exact, in fewer probes
+    on average than without it. Here the end costs most: near the limit a size trains in
+    one run and not in the next."""
     base, slope, limit, band, _ = REAL_SHAPES[shape]
     for slope_off in (0.95, 1.05):
-        prior = estimated(lambda b: base + slope * b, limit, low_by_gb=0.08, slope_off=slope_off)
+        prior = estimated(lambda b: base + slope * b, limit, low_by_gb=0.02, slope_off=slope_off)
         counts, without = [], []
         for seed in range(60):
             for found, p in ((counts, prior), (without, None)):

@@ -22,6 +22,10 @@ REACH = 64  # a line is followed at most this many times its rise so far
 MISS_NOISE = 0.003  # after a miss, the prediction is widened by what this noise in peaks gives
 SPLIT_NOISE = 0.0005  # near the end, peaks scatter by at least this share, when the probes show less
 PRIOR_ERROR = 0.1  # the estimate's growth from a probe to the limit may be off by this share (docs/BENCHMARKS.md)
+# The estimate's level may be low by this share of the limit (under memory.limit_gb it is within 5% on 29 of the
+# 34 rows of bench/estimate_accuracy.py, low by 2-4% on most): its first probe aims this far below the limit.
+LEVEL_ERROR = 0.05
+PRIOR_SPAN = 10  # probes whose peaks span less than this many times their noise leave the estimate's growth standing
 START_TRIES = 3  # doublings of the first size tried when it fails for a reason other than memory
 NEAR_THE_END = 16  # a bracket within this many times the line's noise, in samples, is split where the boundary is as likely above as below
 
@@ -185,6 +189,8 @@ class BatchSearch:
         """The batch size to probe next, or None when the boundary is known (or the
         smallest size does not fit at all)."""
         small = too_small(outcomes)
+        if self._from_the_smallest(outcomes):  # the estimate's first size did not train: start again at the smallest
+            return self.resolution
         if small and len(small) == len(outcomes):  # nothing has trained, nor run out of memory
             larger = 2 * max(o.batch_size for o in small)
             return larger if len(small) <= START_TRIES and larger <= self.up_to else None
@@ -197,16 +203,54 @@ class BatchSearch:
             expected.append((expect, by_prior) if size == outcomes[k].batch_size else ("", False))
         return self._decide(outcomes, expected, self._prior_places(outcomes, expected))[0]
 
+    def first_size(self) -> tuple[int, str]:
+        """The first probe: with the estimate's curve, where it crosses the limit less
+        LEVEL_ERROR of it (the size predicted to fit with that to spare: the probe sets the
+        curve's level near the boundary, where an error in its growth moves the next
+        prediction least); without it, or when it puts nothing under that, `resolution`."""
+        r = self.resolution
+        if self.prior is None:
+            return r, ""
+        target = self.limit_gb - self.noise_gb - LEVEL_ERROR * self.limit_gb
+        crossing = min(self.prior.crossing(target), self.up_to)  # a curve that never reaches it: up_to
+        if crossing < 2 * r:
+            return r, ""
+        return math.floor(crossing / r) * r, "fit"
+
+    def _from_the_smallest(self, outcomes: Sequence[Outcome]) -> bool:
+        """Whether the estimate's first size failed (out of memory, or otherwise) before
+        any size trained, and the smallest size is yet to be tried."""
+        r = self.resolution
+        return (bool(outcomes) and not any(o.fits for o in outcomes) and outcomes[0].batch_size > r
+                and all(o.batch_size != r for o in outcomes) and self.first_size()[0] == outcomes[0].batch_size)
+
     def _prior_places(self, outcomes: Sequence[Outcome], expected: list[tuple[str, bool]]) -> bool:
         """Whether the estimate's curve places the next probe: until two probes past the
         flat start show the growth, and until it has missed twice."""
         if self.prior is None or not outcomes:
             return False
-        lo, _ = self.bracket(outcomes)
+        lo, hi = self.bracket(outcomes)
         points = _peaks(outcomes)
         _, growing = _activation_line(points)
         misses = sum(by and self._missed(e, o) for (e, by), o in zip(expected, outcomes))
-        return growing < 2 and misses < 2 and any(b <= lo for b, _ in points)
+        if misses >= 2 or not any(b <= lo for b, _ in points):
+            return False
+        if growing < 2 or not self._rise_shown(points):
+            return True
+        # Until a size fails the probes, placed by it near the boundary, are too close for a line
+        # of their own: it goes on, scaled to their growth, while that is within a factor 2 of its own.
+        anchor = next(p for p in reversed(points) if p[0] <= lo)
+        return hi is None and self.prior.through(points[0], anchor).scaled
+
+    def _rise_shown(self, points: Sequence[Point]) -> bool:
+        """Whether the probes span enough of the growth to measure it better than the
+        estimate: PRIOR_SPAN times the noise of their peaks. Probes a few samples apart near
+        the boundary (the estimate's first size and the next) do not: a line through them
+        is mostly noise."""
+        if len(points) < 2:
+            return False
+        noise = max(self.noise_gb, SPLIT_NOISE * points[-1][1])
+        return points[-1][1] - points[0][1] >= PRIOR_SPAN * noise
 
     def _missed(self, expect: str, outcome: Outcome) -> bool:
         return (expect == "fit" and not self._fits(outcome)) or (expect == "fail" and self._fits(outcome))
@@ -217,6 +261,8 @@ class BatchSearch:
         of it: "fit", "fail", or "" (a bisection)."""
         r = self.resolution
         if not outcomes:
+            return self.first_size()
+        if self._from_the_smallest(outcomes):
             return r, ""
         lo, hi = self.bracket(outcomes)
         top = hi if hi is not None else self.up_to + r  # the first size known not to fit
@@ -231,7 +277,7 @@ class BatchSearch:
             anchor = next(p for p in reversed(points) if p[0] <= lo)
             # The estimate's curve, through the largest size that fit: it knows the scale,
             # the flat start and the knee, which the probes would spend their first sizes on.
-            curve = self.prior.through(points[0], anchor)
+            curve = self.prior.through(points[0] if self._rise_shown(points) else anchor, anchor)
             crossing = min(curve.crossing(target_gb), top)
             below = above = crossing
             slope = curve.slope_at(crossing)

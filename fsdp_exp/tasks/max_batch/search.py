@@ -117,8 +117,9 @@ class MaxBatchSearch:
         one, which needs none."""
         if self.limit_gb is None:
             return self.cfg.task.resolution
-        if self.estimated is None and self.cfg.task.estimate and any(o.fits for o in self.outcomes()):
-            # After the first probe: nothing to place when it does not fit, and the limit is known.
+        if self.estimated is None and self.cfg.task.estimate:
+            # Before the first probe, which it places (under memory.limit_gb, or on a GPU once a probe has
+            # told the device's memory).
             probe = probe_config(self.cfg, self.cfg.task.resolution, self.steps, self.nproc)
             estimate_cfg = replace(probe, task=replace(probe.task, search_up_to=self.up_to()))  # traced no further
             self.estimated = estimate_curve(estimate_cfg, self.nproc, self.limit_gb)

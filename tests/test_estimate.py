@@ -334,3 +334,51 @@ def test_the_trace_of_a_gpu_run_asks_for_foreach_and_leaves_the_runs_settings_as
     assert on_gpu.optimizer["foreach"] is True and "foreach" not in on_cpu.optimizer
     assert dict(exp.optimizer) == before and "foreach" not in exp.optimizer
     assert on_gpu.model is not exp.model and exp.model.init_device == "cpu" and not exp.train.compile
+
+
+def test_task_eval_of_the_weights_is_estimated_by_hand():
+    """task=eval's forward of the whole linear stack at batch 64, without gradients: the
+    inputs and targets, two layers' outputs at a time, then the logits and their log-softmax."""
+    from fsdp_exp.estimate.breakdown import evaluation_gb
+
+    _, result = traced("sharding=full", batch_sizes=[64])
+    batch_row = 64 * WIDTH * FP32
+    forward = result.steps[0].eval_forward_bytes
+    assert 3 * batch_row + 64 * INT64 <= forward <= 3 * batch_row + 64 * INT64 + 16, forward
+    # the whole model (4 layers) and, beside it, the weights file read whole (larger than this forward)
+    assert evaluation_gb(result.steps[0], result, False, 0.25) * GB == pytest.approx(0.25 * GB + 2 * DEPTH * LAYER)
+
+
+@pytest.mark.slow
+def test_task_eval_holds_what_the_estimate_says(tmp_path):
+    """GPT-2 small's weights, evaluated at batch 8 and 32 (logits of 50257 a token): the
+    command's anonymous memory at its peak, sampled, against the estimate's eval_gb."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    gpt = ["model=gpt", "model.size=small", "data=synthetic_tokens", "wandb.mode=disabled"]
+    trained = run_cli(*gpt, "train.steps=1", "train.batch_size=2", "checkpoint.export_full=true",
+                      f"hydra.run.dir={tmp_path / 'train'}", cwd=REPO, timeout=400)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    shown = run_cli("task=estimate", *gpt, "task.batch_sizes=[8,32]", f"hydra.run.dir={tmp_path / 'estimate'}",
+                    cwd=REPO, timeout=400)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "task=eval of these weights, in one process at task.batch_size 8:" in shown.stdout
+    estimated = {b["batch_size"]: b["eval_gb"] for b in read_json(tmp_path / "estimate" / "estimate.json")["batches"]}
+    for batch in (8, 32):
+        command = [sys.executable, "-m", "fsdp_exp", "task=eval", *gpt, f"task.weights={tmp_path / 'train' / 'model.safetensors'}",
+                   f"task.batch_size={batch}", f"hydra.run.dir={tmp_path / f'eval{batch}'}"]
+        run = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        peak = 0
+        while run.poll() is None:
+            status = Path(f"/proc/{run.pid}/status")
+            try:
+                peak = max(peak, next(int(line.split()[1]) for line in status.read_text().splitlines()
+                                      if line.startswith("RssAnon:")) * 1024)
+            except (OSError, StopIteration):
+                pass
+            time.sleep(0.01)
+        assert run.returncode == 0
+        assert abs(estimated[batch] / (peak / GB) - 1) <= 0.15, (batch, estimated[batch], peak / GB)

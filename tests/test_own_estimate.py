@@ -41,12 +41,15 @@ def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(t
     estimated = run_cli("task=estimate", *RUN, f"hydra.run.dir={alone}", cwd=tmp_path)
     assert estimated.returncode == 0, estimated.stderr[-3000:]
     record = read_json(alone / ESTIMATE_FILE)
-    # the same trace: the tensors to the byte; the data set's share is measured (what making
-    # it grew the process by), to a few MB
+    # the same trace: the tensors to the byte; the data set's share and the build's (what making
+    # them grew the process by) are measured, to a few MB
     beside = read_json(sweep / "0" / ESTIMATE_FILE)
     assert beside["step_mem_gb"] == checked_run["estimated_peak_gb"]
-    assert beside["step_mem_gb"] - beside["data_gb"] == pytest.approx(record["step_mem_gb"] - record["data_gb"], abs=1e-9)
+    measured = ("data_gb", "build_held_gb")
+    assert beside["step_mem_gb"] - sum(beside[k] for k in measured) == pytest.approx(
+        record["step_mem_gb"] - sum(record[k] for k in measured), abs=1e-9)
     assert beside["data_gb"] == pytest.approx(record["data_gb"], abs=4 / 1024) and record["data_gb"] > 0
+    assert beside["build_held_gb"] == pytest.approx(record["build_held_gb"], abs=4 / 1024)
     assert checked_run["estimate_ratio"] == pytest.approx(checked_run["estimated_peak_gb"] / checked_run["peak_mem_gb"])
     assert checked_run["estimate_wait_s"] >= 0 and "estimate_failed" not in checked_run
 

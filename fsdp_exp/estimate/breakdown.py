@@ -45,6 +45,7 @@ class BatchEstimate:
     limited_gb: float = 0.0  # what memory.limit_gb caps: the peak, or on a GPU what the allocator reserves
     device_gb: float | None = None  # GPU: what the device holds, the reserved memory and what sits outside it
 
+    eval_gb: float | None = None  # task=eval of these weights at this batch (`evaluation_gb`): not a phase of the run
     host: dict = field(default_factory=dict)  # the host's memory per node (`fsdp_exp.estimate.host`)
 
     def __post_init__(self) -> None:
@@ -134,3 +135,15 @@ def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: 
     total, phase = phases[largest], peak.phase if largest == "step" else largest
     return BatchEstimate(step.batch_size, total / GB, step_bytes / GB, phase, breakdown,
                          {name: n / GB for name, n in phases.items()}, reserved, offloaded)
+
+
+def evaluation_gb(step: StepTrace, trace: Trace, on_gpu: bool, runtime_gb: float) -> float | None:
+    """What task=eval of these weights holds at this batch, in one process (the command's
+    own `runtime_gb`; on a GPU what sits outside the allocator): the whole model, and beside
+    it a weights file read whole before it is copied in (model.safetensors, model.pt; a DCP
+    checkpoint loads in place, and on a GPU the file is read into host memory), or the
+    forward's peak without gradients."""
+    if not step.eval_forward_bytes:
+        return None
+    beside = step.eval_forward_bytes if on_gpu else max(trace.model_bytes, step.eval_forward_bytes)
+    return runtime_gb + (trace.model_bytes + beside) / GB

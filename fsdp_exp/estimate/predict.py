@@ -12,7 +12,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.errors import one_line
-from fsdp_exp.estimate.breakdown import GB, estimate_batch
+from fsdp_exp.estimate.breakdown import GB, estimate_batch, evaluation_gb
 from fsdp_exp.estimate.curve import PeakCurve
 from fsdp_exp.estimate.gpu import Gpu, cublas_workspaces, outside_allocator_gb
 from fsdp_exp.estimate.host import HostSetup, host_memory
@@ -33,7 +33,7 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     to peak above it. On a GPU, `gpu` (task.gpu) names the device whose memory it must fit in.
     The host's memory is per node of `ranks_per_node` ranks (default: all on one)."""
     start = time.perf_counter()
-    launcher_gb = 2 * anonymous_bytes() / GB  # this command's own, as the launching command's and its rank server's
+    own_gb = anonymous_bytes() / GB  # this command's: as the launching command's and its rank server's, and task=eval's
     outside = outside_allocator_gb(world_size, exp.sharding.groups(world_size), gpu) if on_gpu else {}
     workspaces = cublas_workspaces(gpu) if on_gpu else ()
     traced = trace_in_child(exp, world_size, batch_sizes, on_gpu, baseline_gb, stop_above_gb, outside, workspaces)
@@ -42,12 +42,14 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     baseline_gb = baseline_or_measured(baseline_gb, on_gpu, traced.baseline_bytes, outside)
     builds_whole = exp.model.init_device != "meta"
     data_gb = 0.0 if on_gpu else traced.data_bytes / GB
+    build_held_gb = 0.0 if on_gpu else traced.build_held_bytes / GB
     batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole, sum(workspaces),
                               exp.checkpoint.stages_a_copy, exp.checkpoint.threads_started) for step in traced.steps]
     on_host = HostSetup(min(ranks_per_node or world_size, world_size), exp.data.num_workers,
-                        exp.checkpoint.stages_a_copy, builds_whole, exp.train.grad_accum, launcher_gb)
-    for b in batches:
+                        exp.checkpoint.stages_a_copy, builds_whole, exp.train.grad_accum, 2 * own_gb)
+    for b, step in zip(batches, traced.steps):
         b.host = host_memory(b, traced, on_host, on_gpu)
+        b.eval_gb = evaluation_gb(step, traced, on_gpu, baseline_gb if on_gpu else own_gb)
     limit, host_limit = exp.memory.limit_gb, exp.memory.host_limit_gb
     device_gb = gpu.memory_gb if gpu is not None and on_gpu else None
 
@@ -64,11 +66,12 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         "shards": traced.shard_count,
         "params": traced.params,
         "batch_size": chosen.batch_size,
-        # as a run's peak_mem_gb: the runtime left out, the data set (loaded after it) in;
+        # as a run's peak_mem_gb: the runtime left out, the data set and the build's imports (after it) in;
         # the largest phase, and the largest while it trains (what a run's peak_mem_gb measures)
-        "peak_mem_gb": chosen.predicted_peak_gb - chosen.breakdown_gb["baseline"] + data_gb,
-        "step_mem_gb": chosen.training_gb() - chosen.breakdown_gb["baseline"] + data_gb,
+        "peak_mem_gb": chosen.predicted_peak_gb - chosen.breakdown_gb["baseline"] + data_gb + build_held_gb,
+        "step_mem_gb": chosen.training_gb() - chosen.breakdown_gb["baseline"] + data_gb + build_held_gb,
         "data_gb": data_gb,  # CPU: what making the data set grew the tracing process by (measured, to a MB or so)
+        "build_held_gb": build_held_gb,  # CPU: what building the model grew it by besides its tensors (imports)
         "predicted_peak_gb": chosen.predicted_peak_gb,
         "step_peak_gb": chosen.step_peak_gb,
         "phase": chosen.phase,

@@ -247,7 +247,12 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         sharding = traced.sharding
         mesh = sharding.mesh(ranks.device, world_size) if sharding.shards_params else None
         with FakeTensorMode(allow_non_fake_inputs=True), (AttentionAsOnGpu() if on_gpu else contextlib.nullcontext()):
+            before_build = anonymous_bytes()
             model, _ = build_model_for_training(traced, ranks, mesh)
+            # Fake tensors take no memory: what the build grew this process by is what a rank's
+            # build keeps besides its tensors, the builder's imports above all (transformers:
+            # about 40 MB), imported after a rank marks its runtime and held from then on.
+            build_held = max(anonymous_bytes() - before_build, 0)
             optimizer = instantiate(traced.optimizer)(model.parameters())
             phases = Phases()
             trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
@@ -260,7 +265,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             data_bytes = max(baseline - before_data, 0)
             stack = thread_stack_bytes()
             stacks = max(thread_count() - threads, 0) * stack if sharding.shards_params else 0
-            baseline += stacks  # held from the first step on, as the runtime is
+            baseline += stacks + build_held  # held from the first step (the build) on, as the runtime is
             buckets = ddp_buckets(model) if replicates(exp.sharding) else 0
             steps = []
             for batch_size in batch_sizes:
@@ -273,13 +278,32 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
                                        mem.attention, len(counts.streams)))  # type: ignore[attr-defined]
                 if enough is not None and enough(steps[-1], baseline):
                     break
+            if enough is None:  # task=estimate, and a run's own: what task=eval of these weights holds
+                evaluated = Uninitialised(replace(exp.model, init_device="cpu")).build()[0].eval()
+                for found in steps:
+                    found.eval_forward_bytes = eval_forward_bytes(evaluated, sample, target, found.batch_size)
         params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole parameter's
         shard_count = sharding.shard_size(world_size) if sharding.shards_params else 1
         # Each rank builds the whole model, then sharding copies its shards out of it.
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         build = whole + local_bytes(model) if shard_count > 1 else whole
     return Trace(world_size, steps, build, params, shard_count, baseline, data_bytes, stacks, stack, data_load,
-                 time.perf_counter() - start, whole, sample_bytes, workers)
+                 time.perf_counter() - start, whole, sample_bytes, workers, build_held)
+
+
+def eval_forward_bytes(model: torch.nn.Module, sample: torch.Tensor, target: torch.Tensor, batch_size: int) -> int:
+    """The peak of task=eval's forward (`fsdp_exp.tasks.eval`) of the whole, unsharded
+    model at `batch_size`, without gradients: its inputs, activations while they are
+    needed, the logits in fp32 and the loss, above the model itself."""
+    counts = Counts(())
+    mem = PlainTracker(counts)
+    with mem, torch.no_grad():
+        inputs, targets = next(fake_batches(sample, target, batch_size))
+        logits = model(inputs).float()
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+    peak = counts.peaks["cpu"]
+    # the tracker counts the model's parameters and buffers once its modules run: they are not the forward's
+    return peak.bytes - sum(peak.categories.get(c, 0) for c in ("Parameter", "Buffer"))
 
 
 class AttentionAsOnGpu(TorchFunctionMode):

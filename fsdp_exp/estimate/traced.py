@@ -41,6 +41,7 @@ class StepTrace:
     ddp_buckets_bytes: int  # sharding=ddp: the reducer's flat copy of the gradients
     attention: list[tuple[int, ...]]  # query shapes, (batch, heads, tokens, head dim)
     streams: int = 1  # the streams its allocations were made on (FSDP2: compute, all-gather copy-in, reduce-scatter)
+    eval_forward_bytes: int = 0  # task=eval's forward of the whole model at this batch, without gradients: its peak
 
 
 @dataclass
@@ -60,3 +61,6 @@ class Trace:
     model_bytes: int = 0  # the whole model's parameters and buffers, as a plain build holds them
     sample_bytes: int = 0  # one sample and its target, as a batch holds them
     data_worker_bytes: int = 0  # data.num_workers > 0: what one DataLoader worker holds of its own (measured)
+    # of baseline_bytes, what building the model kept besides its tensors (the builder's imports):
+    # a rank builds after it marks its runtime, so it is the run's own, as the data set is
+    build_held_bytes: int = 0

@@ -176,7 +176,11 @@ def _parameters_on_meta() -> Iterator[None]:
         register(module, name, param)
         if param is not None and param.device.type != "meta":
             on_meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-            on_meta.__dict__.update(param.__dict__)
+            # the attributes set on it (transformers' flags), not a tensor subclass's own
+            # state: a fake tensor's (task=estimate) names its device, and copying it made the
+            # meta parameter claim the CPU, so tying it (lm_head to the embedding) copied it apart
+            for key, value in param.__dict__.items():
+                on_meta.__dict__.setdefault(key, value)
             module._parameters[name] = on_meta
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]

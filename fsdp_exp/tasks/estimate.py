@@ -205,6 +205,11 @@ def table(record: dict) -> str:
         lines.append(f"on the GPU: reserved is what torch's caching allocator holds (memory.limit_gb caps it); "
                      f"the device also holds {outside} outside it")
     lines.append(host_line(record))
+    evaluated = [b for b in record["batches"] if b.get("eval_gb") is not None]
+    if evaluated:
+        lines.append("task=eval of these weights, in one process at task.batch_size "
+                     + ", ".join(f"{b['batch_size']}: {b['eval_gb']:.2f} GB" for b in evaluated)
+                     + " (the whole model, and a weights file read beside it or the forward without gradients)")
     for name, (what, avoid) in OUTGROWING.items():
         outgrown = [b for b in record["batches"] if b["phase"] == name]
         if outgrown:

@@ -123,6 +123,7 @@ class MaxBatchSearch:
             probe = probe_config(self.cfg, self.cfg.task.resolution, self.steps, self.nproc)
             estimate_cfg = replace(probe, task=replace(probe.task, search_up_to=self.up_to()))  # traced no further
             self.estimated = estimate_curve(estimate_cfg, self.nproc, self.limit_gb)
+            Path(self.run_dir).mkdir(parents=True, exist_ok=True)  # before the first probe makes it
             self.save(None)
         return self.search().next_size(self.outcomes())
 

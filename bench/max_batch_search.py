@@ -148,7 +148,7 @@ class SharedProbes:
         """task=max_batch's search from the probes alone, its noise band as the sweep keeps it;
         a size already probed is reused (the answer of an outcome already run is not enough:
         the search reads peaks)."""
-        settings = self.plan.exp.max_batch
+        settings = self.plan.exp.task
         used: list[Probe] = []
         while True:
             search = BatchSearch(limit_gb, settings.resolution, settings.search_up_to, noise_band_gb(used, limit_gb))

@@ -382,3 +382,18 @@ def test_task_eval_holds_what_the_estimate_says(tmp_path):
             time.sleep(0.01)
         assert run.returncode == 0
         assert abs(estimated[batch] / (peak / GB) - 1) <= 0.15, (batch, estimated[batch], peak / GB)
+
+
+def test_a_build_that_loads_pretrained_weights_is_named_so():
+    """model.pretrained=true: a build that outgrows the step is the pretrained load, and the
+    table says what avoids it."""
+    from dataclasses import replace
+
+    from fsdp_exp.tasks.estimate import OUTGROWING
+
+    _, result = traced("sharding=full", batch_sizes=[16])
+    heavy = replace(result, build_bytes=GB)  # a whole model far above the step
+    named = {pretrained: estimate_batch(heavy.steps[0], heavy, False, False, 0, True, pretrained=pretrained).phase
+             for pretrained in (True, False)}
+    assert named == {True: "pretrained load", False: "model build"}
+    assert "rank 0 alone loads them" in OUTGROWING["pretrained load"][1]

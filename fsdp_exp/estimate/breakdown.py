@@ -86,7 +86,7 @@ def attention_workspace(shapes: list[tuple[int, ...]]) -> int:
 
 def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: bool, baseline_gb: float,
                    builds_whole_model: bool, workspace_bytes: int = 0, stages_checkpoint: bool = False,
-                   checkpoint_threads: int = 0) -> BatchEstimate:
+                   checkpoint_threads: int = 0, pretrained: bool = False) -> BatchEstimate:
     """One batch size's estimate. `builds_whole_model`: every rank first builds the whole
     model (model.init_device=cpu), which can outgrow a step when the shards are small; that
     needs the `trace` of the build. On a GPU, `baseline_gb` is what sits outside the
@@ -94,7 +94,9 @@ def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: 
     `stages_checkpoint`: checkpoint saves copy the rank's state to CPU memory (dcp_async,
     dcp_async_pinned), which on a CPU rank sits beside the steps that run while it is
     written (dcp_async_pinned keeps it for the next save); on CPU the stacks of the
-    `checkpoint_threads` its saves start are held from then on, as runtime."""
+    `checkpoint_threads` its saves start are held from then on, as runtime. `pretrained`: the
+    build loads pretrained weights (model.pretrained=true), and a build that outgrows the step
+    is named `pretrained load`."""
     baseline = baseline_gb * GB
     # CPU: the threads a run starts after its model is built, whose stacks memory.limit_gb
     # counts: the first step's (in the measured baseline already) and the checkpointer's.
@@ -133,6 +135,8 @@ def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: 
         phases["checkpoint save"] = step_bytes + found["parameters"] + step.optimizer_state_bytes
     largest = max(phases, key=lambda name: phases[name])
     total, phase = phases[largest], peak.phase if largest == "step" else largest
+    if phase == "model build" and pretrained:  # model.pretrained=true: the build loads the weights
+        phase = "pretrained load"
     return BatchEstimate(step.batch_size, total / GB, step_bytes / GB, phase, breakdown,
                          {name: n / GB for name, n in phases.items()}, reserved, offloaded)
 

@@ -44,7 +44,8 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     data_gb = 0.0 if on_gpu else traced.data_bytes / GB
     build_held_gb = 0.0 if on_gpu else traced.build_held_bytes / GB
     batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole, sum(workspaces),
-                              exp.checkpoint.stages_a_copy, exp.checkpoint.threads_started) for step in traced.steps]
+                              exp.checkpoint.stages_a_copy, exp.checkpoint.threads_started,
+                              bool(exp.model.kwargs.get("pretrained"))) for step in traced.steps]
     on_host = HostSetup(min(ranks_per_node or world_size, world_size), exp.data.num_workers,
                         exp.checkpoint.stages_a_copy, builds_whole, exp.train.grad_accum, 2 * own_gb)
     for b, step in zip(batches, traced.steps):

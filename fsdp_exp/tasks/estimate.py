@@ -214,7 +214,8 @@ def table(record: dict) -> str:
         outgrown = [b for b in record["batches"] if b["phase"] == name]
         if outgrown:
             lines.append(f"{what} peaks above a step at batch {', '.join(str(b['batch_size']) for b in outgrown)} "
-                         f"({outgrown[0]['phases_gb'][name]:.3f} GB with the runtime); {avoid}")
+                         f"({outgrown[0]['phases_gb'].get(name, outgrown[0]['predicted_peak_gb']):.3f} GB "
+                         f"with the runtime); {avoid}")
     return "\n".join(lines)
 
 
@@ -243,6 +244,8 @@ HOST_SAVINGS = ("fewer ranks per node, fewer data.num_workers, offload=false, ch
 OUTGROWING = {
     "model build": ("building the whole model on every rank first",
                     "model.init_device=meta builds only each rank's shards"),
+    "pretrained load": ("loading the pretrained weights into the whole model on every rank first",
+                        "model.init_device=meta: rank 0 alone loads them and sends each rank its shards"),
     "rank 0's model build": ("rank 0's whole model, built to send each rank its shards (model.init_device=meta),",
                              "on a GPU it is in host memory, not on the device; on CPU, more ranks make the shards "
                              "beside it smaller"),

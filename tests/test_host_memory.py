@@ -32,19 +32,21 @@ def gpu_host(*overrides: str, setup: HostSetup, batch: int = 64) -> dict:
 
 def test_on_a_gpu_the_host_holds_offloaded_state_staged_checkpoints_pinned_batches_and_workers() -> None:
     """4 Linear(256, 256) on 2 ranks, batch 64 with 2 data workers: each part by hand."""
-    setup = HostSetup(ranks_per_node=8, num_workers=2, stages_checkpoint=True, launcher_gb=0.5)
+    setup = HostSetup(ranks_per_node=8, num_workers=2, stages_checkpoint=True, launcher_gb=0.5, offload=True)
     found = gpu_host("offload=true", "checkpoint=dcp_async_pinned", "data.num_workers=2", setup=setup)
     parts = found["host_per_rank_gb"]
     shards, moments = DEPTH * LAYER // 2, DEPTH * LAYER + DEPTH * FP32  # AdamW's two moments and a step count
     # the staged copy: this rank's parameter shards and the optimizer's state
     assert round(parts["checkpoint staging"] * GB) == shards + moments
-    # offloaded: the same shards and state, in pinned memory, with the gradients there at the peak
-    assert round(parts["offloaded state"] * GB) >= shards + moments
+    # offloaded: the shards and their gradients pinned (each 256 x 128 x 4 bytes, a power of two
+    # already, so not rounded up), the optimizer's state beside them
+    assert found["trace"].pinned_shard_bytes == shards
+    assert round(parts["offloaded state"] * GB) == 2 * shards + moments
     # the batch being copied to the device, and two ready from each of the two workers
     assert round(parts["pinned batches"] * GB) == (1 + PREFETCH * 2) * 64 * SAMPLE
     worker = found["trace"].data_worker_bytes
     assert 0 < worker < 512 * 2**20  # one real forked worker's own pages
-    assert round(parts["data workers"] * GB) == 2 * (worker + PREFETCH * 64 * SAMPLE)
+    assert round(parts["data workers"] * GB) == 2 * worker  # their ready batches are the pinned ones
     assert found["host_phase"] == "training"
     assert found["host_gb"] == pytest.approx(8 * sum(parts.values()) + 0.5)
 
@@ -189,3 +191,13 @@ class WideVectors:
 def test_the_ranks_on_a_node_are_as_the_launcher_places_them(launcher: list[str], per_node: int) -> None:
     exp = prepare(compose_checked([*launcher, "wandb.mode=disabled"]), 0).exp
     assert exp.launcher.ranks_per_node(exp.launcher.world_size(0)) == per_node
+
+
+def test_pinned_host_memory_rounds_each_shard_up_to_a_power_of_two() -> None:
+    from torch import nn
+
+    from fsdp_exp.estimate.trace import pinned_bytes
+
+    model = nn.Sequential(nn.Linear(100, 10, bias=False), nn.Linear(64, 64, bias=True))
+    # 4,000 bytes -> 4,096; 16,384 stays; a 256-byte bias stays
+    assert pinned_bytes(model) == 4096 + 16384 + 256

@@ -9,12 +9,14 @@ runtime until they write to them, so there the node holds less, by up to a runti
 
 On CPU a rank's memory is host memory: its peak, every phase's (`breakdown`), is what it
 holds. On a GPU the host holds, beside each rank's runtime and data set:
-- with `offload=true`, the sharded parameters, gradients and optimizer state (in pinned
-  memory, as FSDP2's CPUOffloadPolicy keeps them on a GPU);
+- with `offload=true`, the sharded parameters and gradients in pinned memory (FSDP2's
+  CPUOffloadPolicy pins them; the pinned allocator rounds each block up to a power of two),
+  and the optimizer's state in plain memory;
 - with `checkpoint=dcp_async` or `dcp_async_pinned`, the staged copy of the rank's state
   that a save writes from (pinned, and kept for the next save, with `_pinned`);
 - the batches the DataLoader pins for the copy to the device: one, and with
-  `data.num_workers` the ones its workers have ready (two each, PyTorch's prefetch_factor);
+  `data.num_workers` the ones its workers have ready (two each, PyTorch's prefetch_factor;
+  on CPU these wait in shared memory instead, counted with the workers);
 - while the model is built, the whole model: every rank builds it on the host before moving
   it to its GPU, and with `model.init_device=meta` rank 0 alone, to send each rank its shards.
 On both, each of `data.num_workers` DataLoader workers per rank holds what it copied of the
@@ -45,23 +47,28 @@ class HostSetup:
     builds_on_every_rank: bool = True  # model.init_device=cpu; meta: rank 0 alone builds the whole model
     grad_accum: int = 1
     launcher_gb: float = 0.0  # the launching command and its rank server, once per node
+    offload: bool = False  # offload=true
 
 
 def host_memory(batch: BatchEstimate, trace: Trace, setup: HostSetup, on_gpu: bool) -> dict:
     """Each rank's host memory by part (GB), and the node's: the larger of the model build
     and training, over its ranks, with the launching command and the data workers."""
     micro = batch.batch_size // setup.grad_accum * trace.sample_bytes / GB
-    workers = setup.num_workers * (trace.data_worker_bytes / GB + PREFETCH * micro)
+    # each worker's ready batches wait in shared memory; on a GPU they are pinned (and the shared copies dropped)
+    workers = setup.num_workers * (trace.data_worker_bytes / GB + (0.0 if on_gpu else PREFETCH * micro))
     n = setup.ranks_per_node
     if on_gpu:
         runtime = (trace.baseline_bytes - trace.stack_bytes) / GB
+        offloaded = offloaded_gb(batch, trace) if setup.offload else 0.0
         parts = {"runtime and data": runtime,
-                 "offloaded state": batch.offloaded_gb or 0.0,
+                 "offloaded state": offloaded,
                  "checkpoint staging": state_gb(batch, trace) if setup.stages_checkpoint else 0.0,
                  "pinned batches": micro * (1 + PREFETCH * setup.num_workers),
                  "data workers": workers}
         whole = trace.model_bytes / GB
-        building = n * (runtime + whole) if setup.builds_on_every_rank else n * runtime + whole
+        # meta: rank 0 builds it while every rank holds its shards (pinned, under offload)
+        building = n * (runtime + whole) if setup.builds_on_every_rank else \
+            n * (runtime + (trace.pinned_shard_bytes / GB if setup.offload else 0.0)) + whole
         training = n * sum(parts.values())
         phase = "model build" if building > training else "training"
         node = max(building, training)
@@ -72,6 +79,14 @@ def host_memory(batch: BatchEstimate, trace: Trace, setup: HostSetup, on_gpu: bo
     parts = {name: gb for name, gb in parts.items() if gb}
     return {"host_gb": node + setup.launcher_gb, "host_phase": phase, "host_per_rank_gb": parts,
             "host_launcher_gb": setup.launcher_gb}
+
+
+def offloaded_gb(batch: BatchEstimate, trace: Trace) -> float:
+    """offload=true on a GPU: the parameter shards and their gradients in pinned memory, whose
+    caching allocator rounds each block up to a power of two (ATen's CachingHostAllocator),
+    and the optimizer's state, in plain host memory."""
+    step = next(s for s in trace.steps if s.batch_size == batch.batch_size)
+    return (2 * trace.pinned_shard_bytes + step.optimizer_state_bytes) / GB
 
 
 def state_gb(batch: BatchEstimate, trace: Trace) -> float:

@@ -47,7 +47,7 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
                               exp.checkpoint.stages_a_copy, exp.checkpoint.threads_started,
                               bool(exp.model.kwargs.get("pretrained"))) for step in traced.steps]
     on_host = HostSetup(min(ranks_per_node or world_size, world_size), exp.data.num_workers,
-                        exp.checkpoint.stages_a_copy, builds_whole, exp.train.grad_accum, 2 * own_gb)
+                        exp.checkpoint.stages_a_copy, builds_whole, exp.train.grad_accum, 2 * own_gb, exp.offload)
     for b, step in zip(batches, traced.steps):
         b.host = host_memory(b, traced, on_host, on_gpu)
         b.eval_gb = evaluation_gb(step, traced, on_gpu, baseline_gb if on_gpu else own_gb)

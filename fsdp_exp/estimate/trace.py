@@ -288,7 +288,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         build = whole + local_bytes(model) if shard_count > 1 else whole
     return Trace(world_size, steps, build, params, shard_count, baseline, data_bytes, stacks, stack, data_load,
-                 time.perf_counter() - start, whole, sample_bytes, workers, build_held)
+                 time.perf_counter() - start, whole, sample_bytes, workers, build_held, pinned_bytes(model))
 
 
 def eval_forward_bytes(model: torch.nn.Module, sample: torch.Tensor, target: torch.Tensor, batch_size: int) -> int:
@@ -395,6 +395,17 @@ def local_bytes(model: torch.nn.Module) -> int:
     for t in [*model.parameters(), *model.buffers()]:
         local = t.to_local() if hasattr(t, "to_local") else t
         total += local.numel() * local.element_size()
+    return total
+
+
+def pinned_bytes(model: torch.nn.Module) -> int:
+    """This rank's parameter shards as pinned host memory holds them: ATen's
+    CachingHostAllocator rounds each block up to a power of two."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        n = local.numel() * local.element_size()
+        total += 1 << (n - 1).bit_length() if n else 0
     return total
 
 

@@ -64,3 +64,4 @@ class Trace:
     # of baseline_bytes, what building the model kept besides its tensors (the builder's imports):
     # a rank builds after it marks its runtime, so it is the run's own, as the data set is
     build_held_bytes: int = 0
+    pinned_shard_bytes: int = 0  # this rank's parameter shards, each rounded up to a power of two (pinned on a GPU)

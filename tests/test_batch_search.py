@@ -426,14 +426,19 @@ def counts_with_and_without(curves: dict[int, Curve], **estimate) -> tuple[dict[
 
 
 @pytest.mark.parametrize("low_by_gb", [0.0, 0.08, 0.14])
-def test_an_estimate_low_by_a_constant_ends_in_three_probes(low_by_gb):
+@pytest.mark.parametrize("slope_off", [1.0, 0.96])
+def test_an_estimate_low_by_a_constant_ends_in_about_three_probes(low_by_gb, slope_off):
     """The first probe, where the estimate leaves LEVEL_ERROR of the limit (0.15 GB here)
     free, fits and sets the curve's level, so a constant the trace misses within that costs
-    nothing: the first size, the boundary, one past it (two when the first is the boundary)."""
+    nothing. The next aims GROWTH_ERROR short of the curve's crossing, as the trace's growth
+    is a few percent low on real runs (4% here): the boundary, one past it, and where the
+    aim fell short one more. About 3 probes on average, at most 5."""
     for family in (linear, lambda b: flat_then_linear(b, knee=b / 10)):
-        with_prior, without = counts_with_and_without({b: family(b) for b in BOUNDARIES}, low_by_gb=low_by_gb)
-        assert max(with_prior.values()) <= 3, with_prior
-        assert sum(with_prior.values()) < 0.6 * sum(without.values()), (with_prior, without)
+        with_prior, without = counts_with_and_without({b: family(b) for b in BOUNDARIES}, low_by_gb=low_by_gb,
+                                                      slope_off=slope_off)
+        assert max(with_prior.values()) <= 5, with_prior
+        assert sum(with_prior.values()) / len(with_prior) <= 3.7, with_prior
+        assert sum(with_prior.values()) < 0.75 * sum(without.values()), (with_prior, without)
 
 
 def test_an_estimate_low_by_more_than_its_level_error_costs_a_probe_or_two():
@@ -455,7 +460,7 @@ def test_the_gpt_small_shape_with_its_knee_in_fewer_probes():
             found, outcomes = search(like_gpt_small, limit, prior=prior)
             assert found == true_boundary(like_gpt_small, limit) == boundary, sizes(outcomes)
             counts[boundary] = len(outcomes)
-    assert max(with_prior.values()) <= 5 and max(with_prior[b] for b in with_prior if b >= 7) <= 3, with_prior
+    assert max(with_prior.values()) <= 5 and max(with_prior[b] for b in with_prior if b >= 7) <= 4, with_prior
     assert sum(with_prior.values()) < sum(without.values()) * 0.7, (with_prior, without)
 
 

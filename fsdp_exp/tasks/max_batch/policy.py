@@ -25,6 +25,7 @@ PRIOR_ERROR = 0.1  # the estimate's growth from a probe to the limit may be off 
 # The estimate's level may be low by this share of the limit (under memory.limit_gb it is within 5% on 29 of the
 # 34 rows of bench/estimate_accuracy.py, low by 2-4% on most): its first probe aims this far below the limit.
 LEVEL_ERROR = 0.05
+GROWTH_ERROR = 0.05  # the trace's growth per sample is within this share of a run's (bench/estimate_accuracy.py)
 PRIOR_SPAN = 10  # probes whose peaks span less than this many times their noise leave the estimate's growth standing
 START_TRIES = 3  # doublings of the first size tried when it fails for a reason other than memory
 NEAR_THE_END = 16  # a bracket within this many times the line's noise, in samples, is split where the boundary is as likely above as below
@@ -280,6 +281,8 @@ class BatchSearch:
             curve = self.prior.through(points[0] if self._rise_shown(points) else anchor, anchor)
             crossing = min(curve.crossing(target_gb), top)
             below = above = crossing
+            if len(points) == 1:  # from the first probe, the growth is the trace's: aim short by what that may be off
+                below = crossing - GROWTH_ERROR * max(crossing - anchor[0], 0.0)
             slope = curve.slope_at(crossing)
             # Moved through one probe, the curve's growth is the trace's, which may be off by PRIOR_ERROR.
             miss_error = (MISS_NOISE * anchor[1] / slope if slope > 0 else 0.0) if curve.scaled else \

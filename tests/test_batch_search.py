@@ -539,3 +539,15 @@ def test_doubling_a_size_too_small_to_train_stops_after_a_few_and_at_the_first_o
     # A failure other than memory above a size that trained bounds the search as before.
     assert finder.bracket([Outcome(2, True, 1.0), Outcome(64, False, failed_otherwise=True)]) == (2, 64)
     assert BatchSearch(LIMIT_GB).next_size([Outcome(1, False)]) is None  # out of memory at 1: nothing fits
+
+
+def test_the_estimates_first_size_that_fails_otherwise_sends_the_search_to_the_smallest():
+    """The first size, placed by the estimate, fails for a reason other than memory (a data
+    share too small, say): the search does not double it as a size too small to train,
+    but starts again from the smallest."""
+    curve = linear(500)
+    finder = BatchSearch(LIMIT_GB, prior=estimated(curve))
+    first = finder.next_size([])
+    assert first > 100
+    assert finder.next_size([Outcome(first, False, failed_otherwise=True)]) == 1
+    assert finder.next_size([Outcome(first, False)]) == 1  # out of memory there: the same

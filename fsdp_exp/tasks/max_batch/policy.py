@@ -241,7 +241,8 @@ class BatchSearch:
         # Until a size fails the probes, placed by it near the boundary, are too close for a line
         # of their own: it goes on, scaled to their growth, while that is within a factor 2 of its own.
         anchor = next(p for p in reversed(points) if p[0] <= lo)
-        return hi is None and self.prior.through(points[0], anchor).scaled
+        grown = self.prior.peak_gb(anchor[0]) - self.prior.peak_gb(points[0][0])
+        return hi is None and grown > 0 and 0.5 <= (anchor[1] - points[0][1]) / grown <= 2
 
     def _rise_shown(self, points: Sequence[Point]) -> bool:
         """Whether the probes span enough of the growth to measure it better than the

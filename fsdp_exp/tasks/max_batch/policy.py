@@ -22,8 +22,8 @@ REACH = 64  # a line is followed at most this many times its rise so far
 MISS_NOISE = 0.003  # after a miss, the prediction is widened by what this noise in peaks gives
 SPLIT_NOISE = 0.0005  # near the end, peaks scatter by at least this share, when the probes show less
 PRIOR_ERROR = 0.1  # the estimate's growth from a probe to the limit may be off by this share (docs/BENCHMARKS.md)
-# The estimate's level may be low by this share of the limit (under memory.limit_gb it is within 5% on 29 of the
-# 34 rows of bench/estimate_accuracy.py, low by 2-4% on most): its first probe aims this far below the limit.
+# The estimate's level may be low by this share of the limit (under memory.limit_gb, bench/estimate_accuracy.py's
+# 34 rows are 0.951 to 1.011 of the runs): its first probe aims this far below the limit.
 LEVEL_ERROR = 0.05
 GROWTH_ERROR = 0.05  # the trace's growth per sample is within this share of a run's (bench/estimate_accuracy.py)
 PRIOR_SPAN = 10  # probes whose peaks span less than this many times their noise leave the estimate's growth standing

@@ -77,6 +77,7 @@ def test_on_cpu_rank_0_builds_the_whole_model_under_meta_too() -> None:
     assert round(found.phases_gb["rank 0's model build"] * GB) == DEPTH * LAYER + DEPTH * LAYER // 2
 
 
+@pytest.mark.slow
 def test_memory_host_limit_gb_judges_the_host_and_the_table_says_what_holds_less(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli("task=estimate", *STACK, "memory.host_limit_gb=0.5", "data.num_workers=1",

@@ -350,6 +350,7 @@ def test_task_eval_of_the_weights_is_estimated_by_hand():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_task_eval_holds_what_the_estimate_says(tmp_path):
     """GPT-2 small's weights, evaluated at batch 8 and 32 (logits of 50257 a token): the
     command's anonymous memory at its peak, sampled, against the estimate's eval_gb."""

@@ -10,7 +10,6 @@ external torchrun) acts as one worker instead.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import sys
@@ -22,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import options
-from fsdp_exp.driver.check import BadInput, Refused, check_run, composed, explain, swept_values, take_plan
+from fsdp_exp.driver.compose import CONF_DIR, check_search_path, compose_config
+from fsdp_exp.driver.check import BadInput, Refused, check_run, explain, swept_values, take_plan
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
@@ -38,17 +37,6 @@ from fsdp_exp.metrics.sinks import write_summary
 from fsdp_exp.metrics.startup import process_started
 
 
-def find_conf_dir() -> str:
-    """conf/: inside an installed package (setup.py ships it as fsdp_exp/conf), or at the
-    top of the checkout (a source tree, or an editable install)."""
-    package = Path(__file__).resolve().parent
-    for candidate in (package / "conf", package.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return str(candidate)
-    raise FileNotFoundError(f"fsdp_exp's conf/ is in neither {package} nor {package.parent}; reinstall fsdp_exp")
-
-
-CONF_DIR = find_conf_dir()
 IMPORTED = time.time()  # the start-up's first mark after the command's (fsdp_exp.metrics.startup)
 EXIT_BAD_CONFIG = 2
 EXIT_STOPPED = 128  # + the signal, as a shell reports a process a signal ended: 130 for SIGINT, 143 for SIGTERM
@@ -143,44 +131,6 @@ def compose_checked(overrides: list[str], config_name: str = "config") -> DictCo
     cfg = compose_config(overrides, config_name)
     check_run(cfg)
     return cfg
-
-
-def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
-    """The config for these overrides, with the hydra node, composed with Hydra's compose
-    API; its errors as one-line ConfigErrors (an external torchrun's ranks and the tests)."""
-    check_search_path(overrides)
-
-    def compose_it() -> DictConfig:
-        with initialize_config_dir(CONF_DIR, version_base="1.3", job_name="fsdp_exp"):
-            return compose(config_name, overrides=overrides, return_hydra_config=True)
-
-    return composed(compose_it)
-
-
-def check_search_path(overrides: list[str]) -> None:
-    """Each folder or package of `hydra.searchpath=[...]` is there: Hydra only warns of one
-    that is not, and then reports the options it holds as missing."""
-    for override in overrides:
-        key, _, value = override.partition("=")
-        if key.lstrip("+") != "hydra.searchpath":
-            continue
-        for entry in value.strip("[]").split(","):
-            scheme, _, where = entry.strip().strip("'\"").partition("://")
-            if scheme == "file" and not Path(where).expanduser().is_dir():
-                raise ConfigError(f"hydra.searchpath: {entry.strip()}: no such folder")
-            if scheme == "pkg" and importlib.util.find_spec(where.split(".")[0]) is None:
-                raise ConfigError(f"hydra.searchpath: {entry.strip()}: no such package here")
-            if scheme == "pkg" and not _package_folder(where):
-                top, _, rest = where.partition(".")
-                raise ConfigError(f"hydra.searchpath: {entry.strip()}: package {top} has no {rest.replace('.', '/')}/ "
-                                  "folder, so the search path adds no configs")
-
-
-def _package_folder(dotted: str) -> bool:
-    try:
-        return importlib.util.find_spec(dotted) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_exp.errors import one_line
+from fsdp_exp.keys import MISSING, lookup
 from fsdp_exp.metrics.plots import none_fits, plot_comparison, plot_throughput_vs_memory
 from fsdp_exp.metrics.sinks import wandb_project
 
@@ -300,18 +301,6 @@ def train_batch_size(run: Run) -> int | float | None:
     if not total or not world:
         return None
     return total // world if total % world == 0 else total / world
-
-
-MISSING = object()
-
-
-def lookup(config: dict, dotted_key: str) -> Any:
-    value: Any = config
-    for part in dotted_key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return MISSING
-        value = value[part]
-    return value
 
 
 def setup_names(runs: list[Run]) -> list[str]:

@@ -29,6 +29,7 @@ from fsdp_exp.tasks.eval import Eval
 from fsdp_exp.tasks.export import Export
 from fsdp_exp.tasks.max_batch.task import MaxBatch
 from fsdp_exp.tasks.train import Train
+from fsdp_exp.tasks.tune.task import Tune
 
 # Each group's options, by schema name: conf/<group>/<option>.yaml extends one of these.
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -39,7 +40,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "checkpoint": {"none": NoCheckpoint, "dcp": DCPCheckpoint},
     "launcher": {"local": LocalLauncher, "torchrun": TorchrunLauncher, "slurm": SlurmLauncher,
                  "ray": RayLauncher},
-    "task": {"train": Train, "max_batch": MaxBatch, "eval": Eval, "export": Export, "estimate": Estimate},
+    "task": {"train": Train, "max_batch": MaxBatch, "eval": Eval, "export": Export, "estimate": Estimate,
+             "tune": Tune},
     "profile": {"none": NoProfile, "memory": MemoryProfile},
     "wandb": {"wandb": WandbSettings},
 }

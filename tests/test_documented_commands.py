@@ -138,7 +138,8 @@ def test_every_documented_command_is_accepted_as_written(command: Command, workd
 
 
 SHORT = ["train.steps=2", "train.log_every=1", "wandb.mode=disabled"]
-SEARCH_SHORT = ["task.search_up_to=32", "task.estimate=false"]  # task=max_batch's own keys
+SEARCH_SHORT = ["task.search_up_to=32", "task.estimate=false"]  # task=max_batch's own keys, and task=tune's
+TUNE_SHORT = ["task.budget=3"]
 
 
 @pytest.mark.slow
@@ -153,7 +154,8 @@ def test_every_documented_command_runs_as_written(workdir: Path) -> None:
         folder = where(command, workdir)
         task = next((a.partition("=")[2] for a in command.args if a.startswith("task=")), "train")
         short = [s for s in SHORT if not (task in ("estimate", "eval", "export") and s.startswith("train."))]
-        short += SEARCH_SHORT if task == "max_batch" else []
+        short += SEARCH_SHORT if task in ("max_batch", "tune") else []
+        short += TUNE_SHORT if task == "tune" else []
         replaced = {s.partition("=")[0] for s in short}
         args = [a for a in command.args if a.partition("=")[0] not in replaced]
         done = run_cli(*args, *short, cwd=folder, timeout=900,

@@ -85,6 +85,7 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
         check_limit(exp.memory.limit_gb, exp.device, 1 if on_gpu else nproc)
     exp.checkpoint.check()
     exp.task.check(exp)
+    exp.task.check_world(world)
     global_batch = exp.train.batch_size * (1 if exp.sharding.distributed else world)
     return RunPlan(replace(exp, train=replace(exp.train, batch_size=global_batch), wandb=exp.wandb.resolved()), nproc)
 

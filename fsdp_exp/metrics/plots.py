@@ -211,9 +211,11 @@ def pareto_front(points: list[tuple[str, float, float]]) -> list[int]:
 
 
 def plot_throughput_vs_memory(points: list[tuple[str, float, float]], path: Path, title: str | None = None,
-                              memory_label: str = "peak memory per rank (GB)") -> list[str]:
+                              memory_label: str = "peak memory per rank (GB)", winner: int | None = None,
+                              limit_gb: float | None = None) -> list[str]:
     """Each (label, samples_per_s, peak_gb) a point; the Pareto front (the most samples/s for
-    its memory) joined in red. Points carry their number in `points` (from 1), and a key
+    its memory) joined in red; `winner` (an index into `points`, task=tune's) starred, and
+    `limit_gb` a dashed line. Points carry their number in `points` (from 1), and a key
     beside the axes names them: every point while few enough to read, else the front.
     Returns the texts drawn: the key's entries, then any note, then the legend's."""
     plt = _pyplot()
@@ -225,13 +227,18 @@ def plot_throughput_vs_memory(points: list[tuple[str, float, float]], path: Path
                    label="run" if len(others) == 1 else "runs")
     ax.plot([points[i][2] for i in front], [points[i][1] for i in front], "o-", color="tab:red", zorder=3,
             label="Pareto front: no run is faster at this memory or less")
+    if winner is not None:
+        ax.scatter([points[winner][2]], [points[winner][1]], marker="*", s=320, color="gold", edgecolor="black",
+                   zorder=4, label=f"fastest: {winner + 1}")
+    if limit_gb is not None:
+        ax.axvline(limit_gb, color="grey", linestyle="--", label=f"memory.limit_gb={limit_gb:g}")
     named = list(range(len(points))) if len(points) <= LABEL_ALL_POINTS_UP_TO else front
     for i in named:
         ax.annotate(str(i + 1), (points[i][2], points[i][1]), xytext=(4, 3), textcoords="offset points",
                     fontsize="small", color="tab:red" if i in front else "black")
     ax.set_xlabel(memory_label)
     ax.set_ylabel("samples/s")
-    ax.set_xlim(0, max(p[2] for p in points) * 1.1)
+    ax.set_xlim(0, max([p[2] for p in points] + [limit_gb or 0.0]) * 1.1)
     ax.set_ylim(0, max(p[1] for p in points) * 1.1)
     ax.grid(alpha=0.3)
     texts = _key(key_ax, points, sorted(named)[:KEY_ENTRIES], front)

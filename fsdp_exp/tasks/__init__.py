@@ -26,6 +26,9 @@ class Task:
     def check(self, exp: Experiment) -> None:
         """Refuse what the task cannot do with these settings, in one ConfigError line."""
 
+    def check_world(self, world_size: int) -> None:
+        """Refuse what the task cannot do on this many ranks, in one ConfigError line."""
+
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         """Do the task; returns the run's figures for summary.json."""
         raise NotImplementedError

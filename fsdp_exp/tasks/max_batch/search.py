@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_exp.config import Experiment, as_dict
+from fsdp_exp.estimate.curve import PeakCurve
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.memory import device_memory_gb
@@ -78,6 +79,7 @@ class MaxBatchSearch:
         self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.max_batch.prior), once traced
         self.reused = 0
         self.units_told = False
+        self.placed = False  # the probe that places the fastest batch has been spent (or was not needed)
         self.start = time.perf_counter()
         self.data_share = self.data_share_per_rank()
 
@@ -117,15 +119,20 @@ class MaxBatchSearch:
         one, which needs none."""
         if self.limit_gb is None:
             return self.cfg.task.resolution
-        if self.estimated is None and self.cfg.task.estimate:
-            # Before the first probe, which it places (under memory.limit_gb, or on a GPU once a probe has
-            # told the device's memory).
+        self.estimate()  # before the first probe, which it places
+        return self.search().next_size(self.outcomes())
+
+    def estimate(self) -> PeakCurve | None:
+        """The estimate's curve of this setup's peak against the batch (task.estimate), traced
+        once the limit is known (under memory.limit_gb, or on a GPU once a probe has told the
+        device's memory) and recorded; None without it, or when the trace failed."""
+        if self.estimated is None and self.cfg.task.estimate and self.limit_gb is not None:
             probe = probe_config(self.cfg, self.cfg.task.resolution, self.steps, self.nproc)
             estimate_cfg = replace(probe, task=replace(probe.task, search_up_to=self.up_to()))  # traced no further
             self.estimated = estimate_curve(estimate_cfg, self.nproc, self.limit_gb)
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)  # before the first probe makes it
             self.save(None)
-        return self.search().next_size(self.outcomes())
+        return prior(self.estimated)
 
     def boundary(self) -> int:
         return self.search().bracket(self.outcomes())[0]
@@ -144,30 +151,44 @@ class MaxBatchSearch:
                    default=self.cfg.task.resolution)
 
     def run(self) -> dict:
+        self.start_or_resume()
+        while self.step():
+            pass
+        return self.finish()
+
+    def start_or_resume(self) -> None:
+        """Read the probes an earlier run into this directory recorded, and what they tell."""
         self.probes = self.recorded_probes()
         self.reused = len(self.probes)
         self.learn_device()
-        placed = any(p.for_fastest for p in self.probes)
-        while True:
-            size, for_fastest = self.next_size(), False
-            if size is None and not placed and self.boundary():
-                placed = for_fastest = True
-                size = probe_to_place_fastest(self.probes, self.boundary(), self.cfg.task.resolution)
-                if size is not None:
-                    log.info("one more probe, at batch %d: the probes next to the fastest batch are more than %gx "
-                             "apart", size, SPACING)
-            if size is None:
-                break
-            small = self.too_small()
-            if small and len(small) == len([p for p in self.probes if not p.killed]):
-                log.info("batch %d failed for a reason other than memory; trying %d, in case it is too small to "
-                         "train (as BatchNorm is with one value per channel)", small[-1].batch_size, size)
-            probe = self.probe(size, for_fastest=for_fastest)
-            if probe.killed:  # stopped from outside: the batch may well fit; try it once more
-                log.warning("batch %d was killed from outside; trying it once more", size)
-                retry = self.probe(size, for_fastest=for_fastest)
-                retry.killed = False  # a second kill counts as a failure at this size
-                self.save(None)
+        self.placed = any(p.for_fastest for p in self.probes)
+
+    def step(self) -> bool:
+        """Run the search's next probe (and its retry, if it was killed from outside); False
+        when the boundary is known and the fastest batch placed, with nothing run."""
+        size, for_fastest = self.next_size(), False
+        if size is None and not self.placed and self.boundary():
+            self.placed = for_fastest = True
+            size = probe_to_place_fastest(self.probes, self.boundary(), self.cfg.task.resolution)
+            if size is not None:
+                log.info("one more probe, at batch %d: the probes next to the fastest batch are more than %gx "
+                         "apart", size, SPACING)
+        if size is None:
+            return False
+        small = self.too_small()
+        if small and len(small) == len([p for p in self.probes if not p.killed]):
+            log.info("batch %d failed for a reason other than memory; trying %d, in case it is too small to "
+                     "train (as BatchNorm is with one value per channel)", small[-1].batch_size, size)
+        probe = self.probe(size, for_fastest=for_fastest)
+        if probe.killed:  # stopped from outside: the batch may well fit; try it once more
+            log.warning("batch %d was killed from outside; trying it once more", size)
+            retry = self.probe(size, for_fastest=for_fastest)
+            retry.killed = False  # a second kill counts as a failure at this size
+            self.save(None)
+        return True
+
+    def finish(self) -> dict:
+        """The answer: max_batch.json, its plot, wandb and the log line; the summary's figures."""
         boundary = self.boundary()
         if not boundary:
             self.measure_need()

@@ -1,0 +1,98 @@
+"""What task=tune concludes from its measurements, as pure functions: how fast a setup could
+still get, whether it can still win, and the ranked table. Nothing here runs.
+
+A setup's speed is samples/s at its fastest batch under the limit. Its bound: a step at a
+larger batch takes at least as long as one at a smaller, so at batch B a setup measured at
+batch b trains at most samples_per_s(b) * B / b. With B the largest batch the setup can
+reach under the limit (the estimate's, widened by its error), a setup whose bound is below
+the best measured speed, less the noise between runs, cannot win and is not searched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# samples/s of one setup at one batch moves by about this between runs (docs/BENCHMARKS.md):
+# a bound this far below the best still searches, a measured speed this close to the best ties.
+SPEED_NOISE = 0.05
+
+STATUSES = ("measured", "bounded", "pruned", "does not fit", "refused", "failed", "not reached")
+
+
+@dataclass
+class Row:
+    """One setup's line of tune.json."""
+
+    setup: str  # its overrides
+    overrides: list[str]
+    status: str = "not reached"  # one of STATUSES
+    how: str = ""  # how it was settled, in words
+    batch_size: int | None = None  # per rank: the fastest measured under the limit (bounded: the one probe's)
+    grad_accum: int = 1
+    max_batch_size: int | None = None  # the largest that fits (measured rows)
+    samples_per_s: float | None = None
+    step_s: float | None = None  # with task.global_batch: the time of one optimizer step
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    peak_gb: float | None = None  # at batch_size, as the limit counts it
+    headroom_gb: float | None = None  # the limit less peak_gb
+    estimated_max_batch: int | None = None  # where the estimate puts the largest batch
+    bound_samples_per_s: float | None = None  # the most it could reach under the limit
+    probes: int = 0
+    dir: str = ""
+    winner: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def speed_bound(samples_per_s: float, batch_size: int, largest: float) -> float:
+    """The most samples/s a setup measured at `batch_size` can reach at any batch up to `largest`."""
+    return samples_per_s * max(largest, batch_size) / batch_size
+
+
+def can_win(bound: float, best: float | None) -> bool:
+    return best is None or bound >= best * (1 - SPEED_NOISE)
+
+
+def ranked(rows: list[Row]) -> list[Row]:
+    """Measured rows by samples/s, fastest first; then bounded by their bound; then the rest
+    in the order of STATUSES."""
+    def key(row: Row) -> tuple:
+        speed = row.samples_per_s if row.status == "measured" else row.bound_samples_per_s
+        return STATUSES.index(row.status), -(speed or 0.0)
+    return sorted(rows, key=key)
+
+
+def winner(rows: list[Row]) -> Row | None:
+    measured = [r for r in rows if r.status == "measured" and r.samples_per_s]
+    return max(measured, key=lambda r: r.samples_per_s or 0.0, default=None)
+
+
+def ties(rows: list[Row], best: Row) -> list[Row]:
+    """The measured setups within SPEED_NOISE of the winner: as fast, as far as runs can tell."""
+    return [r for r in rows if r is not best and r.status == "measured" and r.samples_per_s
+            and best.samples_per_s and r.samples_per_s >= best.samples_per_s * (1 - SPEED_NOISE)]
+
+
+def table(rows: list[Row], tokens: bool) -> str:
+    """The ranked rows as a markdown table."""
+    mfu = any(r.mfu is not None for r in rows)  # where the device's peak FLOP/s is known
+    step = any(r.step_s is not None for r in rows)  # task.global_batch
+    head = ["#", "setup", "batch", *(["step s"] if step else []), "samples/s", *(["tokens/s"] if tokens else []),
+            *(["MFU"] if mfu else []), "peak GB", "headroom GB", "probes", "how"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, r in enumerate(ranked(rows), 1):
+        batch = "" if r.batch_size is None else f"{r.batch_size}" + (f" x {r.grad_accum}" if r.grad_accum > 1 else "")
+        cells = [str(i) + (" (winner)" if r.winner else ""), r.setup, batch, *([fmt(r.step_s, ".3f")] if step else []),
+                 fmt(r.samples_per_s, ",.1f"),
+                 *([fmt(r.tokens_per_s, ",.0f")] if tokens else []), *([fmt(r.mfu, ".1%")] if mfu else []),
+                 fmt(r.peak_gb, ".3f"),
+                 fmt(r.headroom_gb, ".3f"), str(r.probes), f"{r.status}: {r.how}" if r.how else r.status]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)

@@ -1,0 +1,128 @@
+"""What task=tune writes: tune.json (every setup's row, ranked, and the winner's command
+line), tune.md (the table), tune.png (samples/s against peak memory, one point a setup,
+the Pareto front and the winner marked: compare's chart), the table in wandb, and the
+answer in the log."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fsdp_exp.config import as_dict
+from fsdp_exp.metrics.plots import plot_throughput_vs_memory
+from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, ranked, table, ties, winner
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
+    from fsdp_exp.run_context import RunContext
+
+log = logging.getLogger("fsdp_exp")
+
+RECORD = "tune.json"
+
+
+def command_line(prefix: list[str], row: Row) -> str:
+    """The command that trains the setup at its batch, as the user would type it."""
+    words = [*prefix, *row.overrides, f"train.batch_size={row.batch_size}"]
+    if row.grad_accum > 1:
+        words.append(f"train.grad_accum={row.grad_accum}")
+    return " ".join(["python -m fsdp_exp", *(shlex.quote(w) for w in words)])
+
+
+def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb: float | None, budget: str,
+                stopped: bool, probes_run: int, probes_reused: int, tokens_per_sample: int, wall_s: float) -> dict:
+    """tune.json: the rows ranked, the winner marked, and how the tune got there."""
+    best = winner(rows)
+    for row in rows:
+        row.winner = row is best
+    order = ranked(rows)
+    counts = {status: sum(r.status == status for r in rows) for status in dict.fromkeys(r.status for r in order)}
+    return {
+        "winner": best.setup if best else None,
+        "command": command_line(prefix, best) if best else None,
+        "batch_size": best.batch_size if best else None,
+        "grad_accum": best.grad_accum if best else None,
+        "step_s": best.step_s if best else None,  # with task.global_batch: the time of one optimizer step
+        "samples_per_s": best.samples_per_s if best else None,
+        "tokens_per_s": best.tokens_per_s if best else None,
+        "peak_gb": best.peak_gb if best else None,
+        "as_fast": [r.setup for r in ties(rows, best)] if best else [],  # within the speed noise of the winner
+        "speed_noise": SPEED_NOISE,
+        "limit_gb": limit_gb,
+        "world_size": world_size,
+        "setups": len(rows),
+        "settled": counts,
+        "budget": budget,
+        "stopped_by_budget": stopped,
+        "probes": probes_run,  # run by this tune (the setups' searches reuse any recorded)
+        "probes_reused": probes_reused,
+        "tokens_per_sample": tokens_per_sample,
+        "wall_s": wall_s,
+        "rows": [r.to_json() for r in order],
+    }
+
+
+def rows_of(record: dict) -> list[Row]:
+    return [Row(**r) for r in record["rows"]]
+
+
+def answer_line(record: dict) -> str:
+    settled = ", ".join(f"{n} {status}" for status, n in record["settled"].items())
+    cost = f"{record['setups']} setups ({settled}), {record['probes']} probe(s) in {record['wall_s']:.0f} s"
+    if not record["winner"]:
+        return f"tune: no setup trained under the limit; {cost}"
+    speed = f"{record['samples_per_s']:,.1f} samples/s" + (
+        f" ({record['tokens_per_s']:,.0f} tokens/s)" if record.get("tokens_per_s") else "")
+    also = f"; as fast within {record['speed_noise']:.0%}: {'; '.join(record['as_fast'])}" if record["as_fast"] else ""
+    batch = f"{record['batch_size']}" + (f" x {record['grad_accum']} (train.grad_accum)" if record["grad_accum"] > 1
+                                         else "")
+    if record.get("step_s") is not None:
+        speed = f"{record['step_s']:.3f} s a step, {speed}"
+    return (f"tune: fastest {record['winner']} at batch {batch} per rank, {speed}, peak "
+            f"{record['peak_gb']:.3f} GB{also}; {cost}\n  run it: {record['command']}")
+
+
+def plot(record: dict, path: Path) -> list[str]:
+    """tune.png: compare's chart of samples/s against peak memory, the winner starred."""
+    rows = [r for r in rows_of(record) if r.samples_per_s and r.peak_gb is not None
+            and r.status in ("measured", "bounded")]
+    if not rows:
+        return []
+    points = [(f"{r.setup} @ {r.batch_size}" + ("" if r.status == "measured" else " (one probe; bounded)"),
+               r.samples_per_s or 0.0, r.peak_gb or 0.0) for r in rows]
+    best = next((i for i, r in enumerate(rows) if r.winner), None)
+    limit = record.get("limit_gb")
+    title = f"task=tune on {record['world_size']} rank(s)" + (f", memory.limit_gb={limit:g}" if limit else "")
+    return plot_throughput_vs_memory(points, path, title=title, memory_label="peak memory per rank (GB)",
+                                     winner=best, limit_gb=limit)
+
+
+def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) -> dict:
+    """tune.md, tune.png, wandb and the log; the summary's figures."""
+    tokens = bool(record["tokens_per_sample"])
+    text = table(rows_of(record), tokens)
+    (run_dir / "tune.md").write_text(f"{text}\n\n{answer_line(record)}\n")
+    png = run_dir / "tune.png"
+    drawn = plot(record, png)
+    log_to_wandb(exp, context, run_dir, record, png if drawn else None)
+    log.info("%s\n%s -> %s", text, answer_line(record), run_dir / RECORD)
+    keys = ("winner", "command", "batch_size", "grad_accum", "step_s", "samples_per_s", "tokens_per_s", "peak_gb", "as_fast", "limit_gb",
+            "world_size", "setups", "settled", "probes", "probes_reused", "stopped_by_budget")
+    return {"task": "tune", **{k: record[k] for k in keys}}
+
+
+def log_to_wandb(exp: Experiment, context: RunContext, run_dir: Path, record: dict, png: Path | None) -> None:
+    sink = exp.wandb.sink({**as_dict(exp), "environment": context.environment}, run_dir)
+    if sink.run is None:
+        return
+    import wandb
+
+    columns = ["setup", "status", "how", "batch_size", "grad_accum", "samples_per_s", "tokens_per_s", "mfu", "peak_gb",
+               "headroom_gb", "max_batch_size", "estimated_max_batch", "bound_samples_per_s", "probes", "winner"]
+    logged: dict = {"setups": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in record["rows"]])}
+    if png is not None:
+        logged["tune"] = wandb.Image(str(png))
+    sink.run.log(logged)
+    sink.finish({k: record[k] for k in ("winner", "command", "batch_size", "samples_per_s", "probes")})

@@ -1,0 +1,373 @@
+"""The driver of task=tune: every setup of task.space composed and checked as its command
+line would be, then measured only where the measurement can change the answer.
+
+1. The estimate (one trace on fake tensors a setup, seconds) prunes the setups whose
+   smallest batch cannot fit, and says where each one's largest batch lies.
+2. One probe a setup, placed by that estimate near its largest batch (task=max_batch's
+   own first probe), measures its speed.
+3. The setups are searched to their fastest batch in the order of the most they could
+   reach (fsdp_exp.tasks.tune.ranking); one whose bound falls below the best measured is
+   not searched on.
+
+Each setup's search is task=max_batch's, in `<run>/setups/<setup>/`, recorded after every
+probe: a tune run again into the same directory goes on from its recorded probes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fsdp_exp.config import as_dict
+from fsdp_exp.driver.check import check_run
+from fsdp_exp.driver.compose import compose_config
+from fsdp_exp.errors import ConfigError, one_line
+from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.metrics.sinks import write_json
+from fsdp_exp.run_context import RunContext
+from fsdp_exp.tasks.tune.report import RECORD, report, tune_record
+from fsdp_exp.tasks.max_batch.answer import speeds
+from fsdp_exp.tasks.max_batch.policy import PRIOR_ERROR
+from fsdp_exp.tasks.max_batch.prior import prior
+from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
+from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
+from fsdp_exp.tasks.max_batch.settings import SearchSettings
+from fsdp_exp.tasks.tune.accumulation import fastest_splits
+from fsdp_exp.tasks.tune.ranking import Row, can_win, speed_bound
+from fsdp_exp.tasks.tune.space import Setup, setups
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
+    from fsdp_exp.driver.plan import RunPlan
+    from fsdp_exp.launch.core import Launcher
+
+log = logging.getLogger("fsdp_exp")
+
+SPLITS = "global_batch.json"
+SPLITS_TRIED = 3  # splits of task.global_batch probed before a setup is said not to reach it
+# The estimate is at most about 1% above a run's peak (bench/estimate_accuracy.py): a setup
+# whose smallest batch it puts this far over the limit is pruned without a probe.
+PRUNE_OVER = 0.02
+
+
+@dataclass
+class Entry:
+    """One setup on its way: its row, and its plan and search once it composed."""
+
+    setup: Setup
+    row: Row
+    plan: RunPlan | None = None
+    search: MaxBatchSearch | None = None
+    done: bool = False  # settled: its row says how
+    split_probes: int = 0  # task.global_batch's probes of a micro-batch with accumulation
+
+
+class Tuner:
+    def __init__(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int):
+        self.exp, self.context, self.run_dir, self.launcher, self.nproc = exp, context, Path(run_dir), launcher, nproc
+        self.settings = exp.task
+        self.budget = self.settings.stop_after()
+        self.command = base_overrides(context.overrides())
+        self.start = time.perf_counter()
+        self.probes_run = 0
+        self.stopped = False  # the budget ran out
+        self.entries: list[Entry] = []
+        self.speaking: Entry | None = None  # the setup whose search logged last
+
+    # --- the three steps ---
+
+    def run(self) -> dict:
+        nodes = max(1, self.nproc // max(1, self.launcher.ranks_per_node(self.nproc)))
+        made = setups(self.settings.space, self.command, self.nproc, nodes, as_dict(self.exp))
+        log.info("task=tune: %d setup(s) of %s on %d rank(s), budget %s", len(made),
+                 ", ".join(dict.fromkeys(o.split("=")[0].lstrip("+") for s in made for o in s.overrides)) or "nothing",
+                 self.nproc,
+                 self.budget)
+        self.entries = [self.prepare(setup) for setup in made]
+        self.save()
+        for entry in self.live():
+            self.estimate(entry)
+        for entry in self.live():
+            self.first_speed(entry)
+        self.search_those_that_can_win()
+        return self.finish()
+
+    def prepare(self, setup: Setup) -> Entry:
+        """The setup composed and checked as its command line would be; refused, a row that says why."""
+        entry = Entry(setup, Row(setup.name, list(setup.overrides), dir=f"setups/{setup.dir_name}"))
+        try:
+            entry.plan = check_run(compose_config(self.setup_overrides(setup)))
+        except ConfigError as err:
+            entry.row.status, entry.row.how, entry.done = "refused", str(err), True
+            log.info("%s: refused: %s", setup.name, err)
+            return entry
+        plan = entry.plan
+        entry.search = MaxBatchSearch(plan.exp, self.run_dir / entry.row.dir, plan.launcher, plan.nproc,
+                                      RunContext(environment={"overrides": [*self.command, *setup.overrides]}))
+        entry.search.start_or_resume()
+        return entry
+
+    def estimate(self, entry: Entry) -> None:
+        """Prune a setup whose smallest batch the estimate puts over the limit; note where it
+        puts the largest."""
+        search = entry.search
+        assert search is not None
+        curve = search.estimate()
+        if curve is None or search.limit_gb is None:
+            return
+        smallest = self.settings.resolution
+        need = curve.peak_gb(smallest)
+        if need > search.limit_gb * (1 + PRUNE_OVER) and not self.trained(entry):
+            self.settle(entry, "pruned", f"the estimate puts batch {smallest} at {need:.3f} GB, over the "
+                        f"{search.limit_gb:g} GB limit")
+            return
+        crossing = min(curve.crossing(search.limit_gb - search.noise_gb()), search.up_to())
+        entry.row.estimated_max_batch = math.floor(crossing) if math.isfinite(crossing) else None
+
+    def first_speed(self, entry: Entry) -> None:
+        """Probe until the setup has a speed (its search's first probe, placed by the estimate
+        near its largest batch), or its search ends."""
+        while not self.trained(entry) and not self.stopped:
+            if not self.step(entry):
+                if not self.stopped:
+                    self.settle_searched(entry)
+                return
+        self.update(entry)
+
+    def search_those_that_can_win(self) -> None:
+        """Search to the fastest batch each setup whose bound can still beat the best, most
+        promising first; bound the others."""
+        for entry in sorted(self.live(), key=lambda e: -(self.bound(e) or 0.0)):
+            if self.stopped:
+                return
+            if not entry.done and not can_win(self.bound(entry) or math.inf, self.best_speed()):
+                self.settle(entry, "bounded", self.bounded_words(entry))
+                continue
+            while self.step(entry):
+                pass
+            if not self.stopped:
+                self.settle_searched(entry)
+
+    # --- one setup ---
+
+    def step(self, entry: Entry) -> bool:
+        """The setup's next probe; False when its search is done or the budget is spent."""
+        search = entry.search
+        assert search is not None
+        if self.budget.spent(self.probes_run, time.perf_counter() - self.start):
+            if not self.stopped:
+                log.info("task=tune: the budget (task.budget=%s) is spent; the answer is the best so far", self.budget)
+            self.stopped = True
+            return False
+        before = len(search.probes)
+        if self.speaking is not entry:  # the search's own lines do not say which setup they are
+            log.info("setup %d of %d: %s", self.entries.index(entry) + 1, len(self.entries), entry.setup.name)
+            self.speaking = entry
+        ran = search.step()
+        self.probes_run += len(search.probes) - before
+        self.update(entry)
+        self.save()
+        return ran
+
+    def trained(self, entry: Entry) -> list[Probe]:
+        search = entry.search
+        return [] if search is None else [p for p in search.probes if p.status == "ok" and p.samples_per_s
+                                          and not p.killed]
+
+    def largest(self, entry: Entry) -> float:
+        """The largest batch this setup could reach: below its smallest size that ran out of
+        memory, within the search's range, and, with the estimate moved through its largest
+        probe that trained, within that curve's crossing widened by the error of its growth."""
+        search = entry.search
+        assert search is not None
+        r = self.settings.resolution
+        largest: float = search.up_to()
+        failed = [p.batch_size for p in search.probes if p.status == "oom" and not p.killed]
+        if failed:
+            largest = min(largest, min(failed) - r)
+        curve, fit = prior(search.estimated), self.trained(entry)
+        if curve is not None and fit and search.limit_gb is not None:
+            top = max(fit, key=lambda p: p.batch_size)
+            peak = top.limited_peak_gb()
+            if peak is not None:
+                crossing = curve.through((top.batch_size, peak), (top.batch_size, peak)).crossing(search.limit_gb)
+                largest = min(largest, top.batch_size + max(crossing - top.batch_size, 0.0) * (1 + PRIOR_ERROR))
+        return largest
+
+    def bound(self, entry: Entry) -> float | None:
+        fit = self.trained(entry)
+        if not fit:
+            return None
+        largest = self.largest(entry)
+        return max(speed_bound(p.samples_per_s or 0.0, p.batch_size, largest) for p in fit)
+
+    def bounded_words(self, entry: Entry) -> str:
+        fit = max(self.trained(entry), key=lambda p: p.samples_per_s or 0.0)
+        return (f"{fit.samples_per_s:,.1f} samples/s at batch {fit.batch_size}: at most {self.bound(entry):,.1f} "
+                f"up to batch {self.largest(entry):.0f}, below the best's {self.best_speed():,.1f}")
+
+    def update(self, entry: Entry) -> None:
+        """The row's figures from the setup's probes so far: its fastest that trained."""
+        row, search = entry.row, entry.search
+        assert search is not None
+        row.probes = len([p for p in search.probes if not p.killed]) + entry.split_probes
+        fit = self.trained(entry)
+        if not fit:
+            return
+        best = max(fit, key=lambda p: p.samples_per_s or 0.0)
+        self.fill(row, best, search.limit_gb)
+        row.bound_samples_per_s = self.bound(entry)
+
+    def fill(self, row: Row, probe: Probe, limit_gb: float | None) -> None:
+        row.batch_size, row.samples_per_s, row.mfu = probe.batch_size, probe.samples_per_s, probe.mfu
+        tokens = self.exp.data.tokens_per_sample
+        row.tokens_per_s = probe.samples_per_s * tokens if tokens and probe.samples_per_s else None
+        row.peak_gb = probe.limited_peak_gb()
+        row.headroom_gb = None if limit_gb is None or row.peak_gb is None else limit_gb - row.peak_gb
+
+    def settle_searched(self, entry: Entry) -> None:
+        """A setup whose search ended: its answer, or the one line of why it has none."""
+        search = entry.search
+        assert search is not None
+        try:
+            figures = search.finish()
+        except (RunFailed, ConfigError) as err:
+            self.settle(entry, "failed", one_line(err))
+            return
+        entry.row.max_batch_size = figures["max_batch_size"]
+        if not figures["max_batch_size"]:
+            need = figures.get("smallest_batch_needs_gb")
+            self.settle(entry, "does not fit", f"batch {figures['searched_from']} "
+                        + (f"needs {need:.3f} GB" if need else "runs out of memory") + " under the limit")
+            return
+        fastest = figures["fastest_batch_size"]
+        probe = max((p for p in self.trained(entry) if p.batch_size == fastest), key=lambda p: p.samples_per_s or 0.0)
+        self.fill(entry.row, probe, search.limit_gb)
+        how = f"fastest of {entry.row.probes} probes; max batch {figures['max_batch_size']}"
+        above = figures["max_batch_size"] + self.settings.resolution
+        failed = next((p for p in search.probes if p.batch_size == above and p.status == "failed"), None)
+        if figures["bounded_by"] == "failed" and failed is not None:
+            how += f" ({above} did not train, not for lack of memory: {failed.reason})"
+        if self.settings.global_batch is None:
+            self.settle(entry, "measured", how)
+        else:
+            self.split(entry, figures["max_batch_size"], how)
+
+    def split(self, entry: Entry, largest: int, how: str) -> None:
+        """task.global_batch: the setup's fastest micro-batch and accumulation under its largest
+        batch, by its probes' speeds, confirmed by a probe of that split (the next one, should it
+        run out of memory)."""
+        search, plan, global_batch = entry.search, entry.plan, self.settings.global_batch
+        assert search is not None and plan is not None and global_batch is not None
+        tried = []
+        for micro, accum in fastest_splits(global_batch, plan.nproc, largest, speeds(search.probes, largest)):
+            if self.budget.spent(self.probes_run, time.perf_counter() - self.start):
+                self.stopped = True
+                return
+            probe = self.split_probe(entry, micro, accum)
+            if probe.status == "ok" and probe.samples_per_s:
+                self.fill(entry.row, probe, search.limit_gb)
+                entry.row.grad_accum = accum
+                entry.row.step_s = global_batch / probe.samples_per_s
+                self.settle(entry, "measured", f"{how}; task.global_batch={global_batch} as {micro} x {accum} "
+                            f"on {plan.nproc} rank(s)")
+                return
+            if probe.status == "failed":
+                self.settle(entry, "failed", f"{micro} x {accum}: {probe.reason}")
+                return
+            tried.append(f"{micro} x {accum}")
+            if len(tried) >= SPLITS_TRIED:
+                break
+        self.settle(entry, "does not fit", f"no split of task.global_batch={global_batch} into micro-batches "
+                    f"under {largest} trained" + (f" (tried {', '.join(tried)})" if tried else ""))
+
+    def split_probe(self, entry: Entry, micro: int, accum: int) -> Probe:
+        """A probe of `micro` at train.grad_accum=`accum`, recorded in the setup's folder
+        (global_batch.json), and reused from there by a tune run again."""
+        search, plan = entry.search, entry.plan
+        assert search is not None and plan is not None
+        path = search.run_dir / SPLITS
+        recorded = json.loads(path.read_text()) if path.is_file() else []
+        for earlier in recorded:
+            if (earlier["batch_size"], earlier["grad_accum"], earlier["fingerprint"]) == (micro, accum, search.fingerprint):
+                entry.split_probes += 1
+                entry.row.probes += 1
+                return Probe.from_json(earlier["probe"])
+        if self.speaking is not entry:
+            log.info("setup %d of %d: %s", self.entries.index(entry) + 1, len(self.entries), entry.setup.name)
+            self.speaking = entry
+        exp = replace(plan.exp, train=replace(plan.exp.train, grad_accum=accum))
+        probe = run_probe(exp, micro, search.run_dir / "splits" / f"b{micro}x{accum}", plan.launcher, plan.nproc,
+                          search.steps, search.timeout_s)
+        log.info("train.grad_accum=%d: %s", accum, probe.line())
+        self.probes_run += 1
+        entry.split_probes += 1
+        entry.row.probes += 1
+        recorded.append({"batch_size": micro, "grad_accum": accum, "fingerprint": search.fingerprint,
+                         "probe": probe.to_json()})
+        write_json(path, recorded)
+        self.save()
+        return probe
+
+    def settle(self, entry: Entry, status: str, how: str) -> None:
+        entry.row.status, entry.row.how, entry.done = status, how, True
+        log.info("%s: %s: %s", entry.setup.name, status, how)
+        self.save()
+
+    # --- the tune as a whole ---
+
+    def live(self) -> list[Entry]:
+        return [e for e in self.entries if not e.done]
+
+    def best_speed(self) -> float | None:
+        return max((e.row.samples_per_s for e in self.entries if e.row.status == "measured" and e.row.samples_per_s),
+                   default=None)
+
+    def setup_overrides(self, setup: Setup) -> list[str]:
+        """The command line of one setup's search: the tune's, its own options, and the tune's
+        search settings as task=max_batch's; no wandb run of its own."""
+        search = [f"task.{f.name}={value_text(getattr(self.settings, f.name))}" for f in fields(SearchSettings)]
+        return [*self.command, *setup.overrides, "task=max_batch", *search, "wandb.mode=disabled",
+                *search_path_overrides()]
+
+    def finish(self) -> dict:
+        for entry in self.entries:
+            if not entry.done and self.stopped:
+                entry.row.how = f"the budget (task.budget={self.budget}) ran out first"
+        return report(self.exp, self.context, self.run_dir, self.save())
+
+    def save(self) -> dict:
+        """tune.json, rewritten whole after every probe, so no probe is ever lost."""
+        limits = {e.search.limit_gb for e in self.entries if e.search is not None and e.search.limit_gb is not None}
+        record = tune_record(
+            [e.row for e in self.entries], prefix=[*self.command, *search_path_overrides()], world_size=self.nproc,
+            limit_gb=self.exp.memory.limit_gb or (max(limits) if limits else None), budget=str(self.budget),
+            stopped=self.stopped, probes_run=self.probes_run,
+            probes_reused=sum(e.search.reused for e in self.entries if e.search is not None),
+            tokens_per_sample=self.exp.data.tokens_per_sample, wall_s=time.perf_counter() - self.start)
+        write_json(self.run_dir / RECORD, record)
+        return record
+
+
+def base_overrides(command_line: list[str]) -> list[str]:
+    """The command line without the tune's own keys (task=tune, task.*)."""
+    return [o for o in command_line if o.split("=", 1)[0].lstrip("+~") != "task"
+            and not o.lstrip("+~").startswith("task.")]
+
+
+def value_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def search_path_overrides() -> list[str]:
+    """The command's hydra.searchpath, so that a setup finds the user's config folder too."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [o for o in HydraConfig.get().overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath"]

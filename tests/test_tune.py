@@ -1,0 +1,336 @@
+"""task=tune: the space of setups, the budget, the bounds that spare searches, the table
+and the chart (fast); real tunes on 2 gloo ranks (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, can_win, ranked, speed_bound, table, winner
+from fsdp_exp.tasks.tune.report import command_line, plot, tune_record
+from fsdp_exp.tasks.tune.settings import Budget, default_space, parse_budget
+from fsdp_exp.tasks.tune.space import flatten, setups
+from tests.conftest import read_json, run_cli
+
+# --- the space ---
+
+
+def names(space: dict, command: list[str] = (), world: int = 2, nodes: int = 1) -> list[str]:
+    return [s.name for s in setups(space, list(command), world, nodes)]
+
+
+def test_the_default_space_is_every_combination_of_the_options_that_keep_the_numerics():
+    made = names(default_space())
+    # full, grad_op, ddp (hybrid needs more than one node) x activation checkpointing x offload
+    assert len(made) == 3 * 2 * 2 == len(set(made))
+    assert "sharding=grad_op train.activation_checkpointing=true offload=false" in made
+    assert names({"sharding": ["full"], "offload": [True]}) == ["sharding=full offload=true"]  # nothing varies
+    assert not any("precision" in m or "compile" in m for m in made)  # they change the numerics: only when listed
+
+
+def test_a_key_the_command_line_sets_is_not_tuned():
+    made = names(default_space(), ["sharding=grad_op", "model=cnn"])
+    assert len(made) == 4 and not any("sharding" in m for m in made)
+
+
+def test_hybrid_is_each_shape_that_divides_the_world_across_nodes_and_left_out_on_one_node():
+    space = {"sharding": ["full", "hybrid"]}
+    assert names(space, world=8, nodes=2) == ["sharding=full", "sharding=hybrid sharding.replicate=2",
+                                              "sharding=hybrid sharding.replicate=4"]
+    assert names(space, world=8, nodes=1) == ["sharding=full"]
+    with pytest.raises(ConfigError, match="task.space.sharding: no option left"):
+        names({"sharding": ["hybrid"]}, world=2, nodes=1)
+
+
+def test_nested_keys_and_listed_options_join_the_space():
+    space = {"precision": ["fp32", "bf16"], "train": {"compile": [False, True]}, "offload": False}
+    assert flatten(space) == {"precision": ["fp32", "bf16"], "train.compile": [False, True], "offload": [False]}
+    last = setups(space, [], 2, 1)[-1]
+    assert last.name == "precision=bf16 train.compile=true"  # what sets it apart
+    assert last.overrides == ("precision=bf16", "train.compile=true", "offload=false")  # what it runs with
+    with pytest.raises(ConfigError, match=r"task.space.precision=\[\]"):
+        flatten({"precision": []})
+
+
+def test_a_key_the_config_does_not_have_is_added_as_the_command_line_adds_one():
+    config = {"model": {"_target_": "mypkg.Net", "width": 64}, "sharding": {"reshard_after_forward": True}}
+    made = setups({"sharding": ["full"], "model": {"width": [64], "depth": [2]}}, [], 2, 1, config)
+    assert [s.overrides for s in made] == [("sharding=full", "model.width=64", "+model.depth=2")]
+
+
+# --- the budget ---
+
+
+@pytest.mark.parametrize("text, budget", [(None, Budget()), (40, Budget(probes=40)), ("40 probes", Budget(probes=40)),
+                                          ("30m", Budget(minutes=30)), ("1.5 min", Budget(minutes=1.5))])
+def test_a_budget_in_probes_or_minutes(text, budget):
+    assert parse_budget(text) == budget
+
+
+@pytest.mark.parametrize("text", ["soon", "0", "2.5", "-3m", "30s"])
+def test_a_budget_that_is_neither_is_refused_in_one_line(text):
+    with pytest.raises(ConfigError, match=r"task.budget=.*a number of probes \(40\) or minutes \(30m\)"):
+        parse_budget(text)
+
+
+def test_the_budget_is_spent_by_probes_or_by_time():
+    assert Budget(probes=3).spent(3, 0) and not Budget(probes=3).spent(2, 1e9)
+    assert Budget(minutes=1).spent(0, 60) and not Budget(minutes=1).spent(100, 59)
+    assert not Budget().spent(10**6, 1e9)
+
+
+# --- task.global_batch ---
+
+
+def test_a_global_batch_splits_into_micro_batches_under_the_largest_that_fits():
+    from fsdp_exp.tasks.tune.accumulation import fastest_splits, speed_at, splits
+
+    assert splits(64, 2, 100) == [(32, 1), (16, 2), (8, 4), (4, 8), (2, 16), (1, 32)]
+    assert splits(1024, 2, 218) == [(128, 4), (64, 8), (32, 16), (16, 32), (8, 64), (4, 128), (2, 256), (1, 512)]
+    speeds = {32: 100.0, 128: 300.0, 200: 280.0}
+    assert speed_at(speeds, 64) == pytest.approx(100.0 + 200.0 * 32 / 96) and speed_at(speeds, 8) == 100.0
+    # the probes say 128 is the fastest, past it the speed falls: 128 x 4 before 64 x 8
+    assert fastest_splits(1024, 2, 218, speeds)[:2] == [(128, 4), (64, 8)]
+    assert fastest_splits(1024, 2, 218, {})[0] == (128, 4)  # without speeds: the largest micro-batch
+
+
+def test_a_global_batch_the_ranks_do_not_divide_is_refused_in_one_line():
+    from fsdp_exp.cli import compose_checked
+
+    with pytest.raises(ConfigError, match=r"^task.global_batch=33: must be a multiple of the 2 ranks"):
+        compose_checked(["task=tune", "model=cnn", "memory.limit_gb=0.6", "task.global_batch=33"])
+
+
+# --- bounds, ranking, the table ---
+
+
+def test_a_setup_measured_at_one_batch_is_bounded_by_linear_growth_to_its_largest():
+    # A step at a larger batch takes at least as long: 100 samples/s at 200 is at most 150 at 300.
+    assert speed_bound(100.0, 200, 300) == pytest.approx(150.0)
+    assert speed_bound(100.0, 200, 150) == 100.0  # below its own batch: what it measured
+    assert can_win(150.0, 150.0 / (1 - SPEED_NOISE)) and not can_win(149.0, 150.0 / (1 - SPEED_NOISE))
+    assert can_win(1.0, None)  # nothing measured yet
+
+
+def rows() -> list[Row]:
+    return [
+        Row("sharding=ddp", ["sharding=ddp"], "bounded", "below the best", 300, samples_per_s=250.0, peak_gb=0.58,
+            bound_samples_per_s=270.0, probes=1),
+        Row("sharding=full", ["sharding=full"], "measured", "fastest of 3 probes", 200, samples_per_s=300.0,
+            peak_gb=0.59, headroom_gb=0.01, probes=3),
+        Row("sharding=grad_op", ["sharding=grad_op"], "measured", "fastest of 4 probes", 250, samples_per_s=290.0,
+            peak_gb=0.57, headroom_gb=0.03, probes=4),
+        Row("sharding=ddp offload=true", ["sharding=ddp", "offload=true"], "refused", "offload=true: sharding=ddp ..."),
+    ]
+
+
+def test_measured_setups_rank_by_speed_then_bounded_then_the_rest():
+    order = ranked(rows())
+    assert [r.setup for r in order] == ["sharding=full", "sharding=grad_op", "sharding=ddp",
+                                        "sharding=ddp offload=true"]
+    assert winner(rows()).setup == "sharding=full"
+
+
+def test_the_record_names_the_winner_its_command_line_and_what_is_as_fast():
+    record = tune_record(rows(), prefix=["model=cnn", "hydra.searchpath=[file://./conf]"], world_size=2,
+                         limit_gb=0.6, budget="none", stopped=False, probes_run=8, probes_reused=0,
+                         tokens_per_sample=0, wall_s=100.0)
+    assert record["winner"] == "sharding=full" and record["batch_size"] == 200
+    # what the user types: the search path quoted for the shell
+    assert record["command"] == ("python -m fsdp_exp model=cnn 'hydra.searchpath=[file://./conf]' sharding=full "
+                                 "train.batch_size=200")
+    assert record["as_fast"] == ["sharding=grad_op"]  # 290 within 5% of 300
+    assert record["settled"] == {"measured": 2, "bounded": 1, "refused": 1}
+    assert [r["winner"] for r in record["rows"]] == [True, False, False, False]
+    text = table([Row(**r) for r in record["rows"]], tokens=False)
+    assert "| 1 (winner) | sharding=full | 200 | 300.0 |" in text
+    assert "refused: offload=true: sharding=ddp" in text
+
+
+def test_a_winner_with_accumulation_runs_with_it():
+    row = Row("sharding=full", ["sharding=full"], "measured", batch_size=16, grad_accum=4)
+    assert command_line([], row).endswith("sharding=full train.batch_size=16 train.grad_accum=4")
+
+
+def test_the_chart_stars_the_winner_and_draws_the_limit(tmp_path):
+    record = tune_record(rows(), prefix=[], world_size=2, limit_gb=0.6, budget="none", stopped=False, probes_run=8,
+                         probes_reused=0, tokens_per_sample=0, wall_s=1.0)
+    texts = plot(record, tmp_path / "tune.png")
+    assert (tmp_path / "tune.png").stat().st_size > 10_000
+    assert any(t.startswith("1   300.0 samples/s at 0.59 GB") and "sharding=full @ 200" in t for t in texts)
+    assert any("sharding=ddp @ 300 (one probe; bounded)" in t for t in texts)
+    assert "fastest: 1" in texts and "memory.limit_gb=0.6" in texts
+    assert not any("offload=true" in t for t in texts)  # refused: no point
+
+
+# --- setups composed as their command lines (no rank starts) ---
+
+
+def tuner(tmp_path: Path, *overrides: str):
+    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.driver.plan import prepare
+    from fsdp_exp.run_context import RunContext
+    from fsdp_exp.tasks.tune.tuner import Tuner
+
+    command = ["task=tune", "model=cnn", "memory.limit_gb=0.6", "wandb.mode=disabled", *overrides]
+    plan = prepare(compose_checked(command), 0)
+    return Tuner(plan.exp, RunContext(environment={"overrides": command}), tmp_path, plan.launcher, plan.nproc)
+
+
+def test_each_setup_is_composed_and_checked_as_its_command_line_and_a_refused_one_is_a_row(tmp_path):
+    tune = tuner(tmp_path, "task.space.sharding=[full,ddp]", "task.space.train.activation_checkpointing=[false]",
+                 "task.steps_per_probe=2", "task.resolution=2")
+    entries = [tune.prepare(s) for s in setups(tune.settings.space, tune.command, tune.nproc, 1)]
+    by_name = {e.setup.name: e for e in entries}
+    refused = by_name["sharding=ddp offload=true"]
+    assert refused.row.status == "refused" and refused.plan is None
+    assert refused.row.how.startswith("offload=true: sharding=ddp keeps a full replica")
+    offloaded = by_name["sharding=full offload=true"]
+    exp = offloaded.plan.exp
+    assert type(exp.sharding).__name__ == "FullyShard" and exp.offload and not exp.train.activation_checkpointing
+    assert type(exp.task).__name__ == "MaxBatch" and exp.task.steps_per_probe == 2 and exp.task.resolution == 2
+    assert exp.memory.limit_gb == 0.6 and exp.wandb.mode.value == "disabled"  # the command line's, no wandb run a setup
+    assert offloaded.search.run_dir == tmp_path / "setups" / "sharding=full,offload=true"
+    assert tune.command == ["model=cnn", "memory.limit_gb=0.6", "wandb.mode=disabled"]
+
+
+def test_the_estimate_prunes_a_setup_whose_smallest_batch_is_over_the_limit(tmp_path):
+    """The estimate's record as a setup's search keeps it (max_batch.json's "estimate"):
+    batch 1 at 0.7 GB under a 0.6 GB limit is pruned without a probe; 0.55 GB is not, and
+    its largest batch is where the curve crosses the limit."""
+    tune = tuner(tmp_path, "task.space.sharding=[full,grad_op]", "task.space.train.activation_checkpointing=[false]",
+                 "task.space.offload=[false]")
+    over, under = [tune.prepare(s) for s in setups(tune.settings.space, tune.command, tune.nproc, 1)]
+    over.search.estimated = {"peaks_gb": [[1, 0.7], [2, 0.72]]}
+    under.search.estimated = {"peaks_gb": [[1, 0.55], [64, 0.55], [128, 0.65]]}
+    tune.entries = [over, under]
+    tune.estimate(over)
+    tune.estimate(under)
+    assert over.row.status == "pruned" and over.row.probes == 0
+    assert over.row.how == "the estimate puts batch 1 at 0.700 GB, over the 0.6 GB limit"
+    assert under.row.status == "not reached" and not under.done
+    assert under.row.estimated_max_batch == 95  # 64 + (0.6 - 0.0006 - 0.55) / 0.1 * 64 (noise band 0.6 MB)
+    assert json.loads((tmp_path / "tune.json").read_text())["settled"] == {"pruned": 1, "not reached": 1}
+
+
+# --- real tunes on 2 gloo ranks ---
+
+SMALL_TUNE = ["task=tune", "model=cnn", "memory.limit_gb=0.6", "wandb.mode=disabled", "task.steps_per_probe=2",
+              "task.space.train.activation_checkpointing=[false]", "task.space.offload=[false]"]
+
+
+@pytest.mark.slow
+def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_limit(tmp_path):
+    out = tmp_path / "tune"
+    result = run_cli(*SMALL_TUNE, "task.space.sharding=[full,ddp]", f"hydra.run.dir={out}", cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(out / "tune.json")
+    rows = {r["setup"]: r for r in record["rows"]}
+    assert set(rows) == {"sharding=full", "sharding=ddp"} and record["winner"] in rows
+    best = rows[record["winner"]]
+    assert best["status"] == "measured" and best["winner"] and best["headroom_gb"] >= 0
+    # the winner's batch is its own search's fastest, recorded where its row says
+    searched = read_json(out / best["dir"] / "max_batch.json")
+    assert best["batch_size"] == searched["fastest_batch_size"] and best["max_batch_size"] == searched["max_batch_size"]
+    assert best["samples_per_s"] == pytest.approx(searched["fastest_samples_per_s"])
+    other = next(r for r in rows.values() if not r["winner"])
+    assert other["status"] in ("measured", "bounded"), other
+    if other["status"] == "bounded":  # spared its search: one probe, and a bound under the winner's speed
+        assert other["probes"] == 1 and other["bound_samples_per_s"] < best["samples_per_s"] * (1 - 0.05) + 1e-9
+    assert record["probes"] == sum(r["probes"] for r in rows.values())
+    assert (out / "tune.png").stat().st_size > 10_000 and "| 1 (winner) |" in (out / "tune.md").read_text()
+    assert "run it: python -m fsdp_exp model=cnn" in result.stdout + result.stderr
+    # The answer holds: its command line, as printed, trains under the limit.
+    words = record["command"].split()[3:]
+    run = run_cli(*words, "train.steps=4", "train.log_every=2", f"hydra.run.dir={tmp_path / 'winner'}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = read_json(tmp_path / "winner" / "summary.json")
+    assert summary["status"] == "ok" and summary["peak_under_limit_gb"] <= 0.6
+
+
+@pytest.mark.slow
+def test_a_budget_stops_the_tune_and_a_second_run_goes_on_from_its_probes(tmp_path):
+    out = tmp_path / "tune"
+    first = run_cli(*SMALL_TUNE, "task.space.sharding=[full,grad_op]", "task.budget=1", f"hydra.run.dir={out}",
+                    cwd=tmp_path, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    stopped = read_json(out / "tune.json")
+    assert stopped["stopped_by_budget"] and stopped["probes"] == 1
+    assert "the budget (task.budget=1 probes) is spent" in first.stdout + first.stderr
+    assert any(r["how"] == "the budget (task.budget=1 probes) ran out first" for r in stopped["rows"])
+    probed = [r for r in stopped["rows"] if r["probes"]]
+    assert len(probed) == 1 and probed[0]["samples_per_s"] > 0
+    again = run_cli(*SMALL_TUNE, "task.space.sharding=[full,grad_op]", f"hydra.run.dir={out}", cwd=tmp_path,
+                    timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    done = read_json(out / "tune.json")
+    assert not done["stopped_by_budget"] and done["winner"] and done["probes_reused"] >= 1
+    assert "reusing 1 probe(s) recorded" in again.stdout + again.stderr
+    assert {r["status"] for r in done["rows"]} <= {"measured", "bounded"}
+
+
+BROKEN = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    \"\"\"Fails on the ranks when broken: an error of the model's own, not of memory.\"\"\"
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__()
+        self.broken = broken
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, images):
+        if self.broken and torch.distributed.is_initialized() and torch.is_grad_enabled():
+            raise RuntimeError("the model's own error in this setup")
+        return self.body(images)
+"""
+
+
+@pytest.mark.slow
+def test_a_setup_that_fails_otherwise_is_a_row_with_its_reason_and_the_tune_goes_on(tmp_path):
+    package = tmp_path / "brokenpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "model.py").write_text(BROKEN)
+    out = tmp_path / "tune"
+    result = run_cli("task=tune", "model=custom", "model._target_=brokenpkg.model.Net", "model.blocks=[torch.nn.Linear]",
+                     "memory.limit_gb=0.6", "wandb.mode=disabled", "task.steps_per_probe=2", "task.space.sharding=[full]",
+                     "task.space.train.activation_checkpointing=[false]", "task.space.offload=[false]",
+                     "+task.space.model.broken=[true,false]", "task.estimate=false", f"hydra.run.dir={out}",
+                     cwd=tmp_path, timeout=900, extra_env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r["setup"]: r for r in read_json(out / "tune.json")["rows"]}
+    broken = rows["+model.broken=true"]
+    assert broken["status"] == "failed" and "the model's own error in this setup" in broken["how"], broken
+    assert "\n" not in broken["how"]
+    assert rows["+model.broken=false"]["status"] == "measured"
+    assert rows["+model.broken=false"]["winner"]
+
+
+@pytest.mark.slow
+def test_with_a_global_batch_each_setup_reaches_it_by_accumulation_and_is_ranked_by_step_time(tmp_path):
+    """1024 samples a step on 2 ranks is 512 a rank, past the CNN's largest batch under 0.6 GB
+    (about 218): each setup reaches it with a micro-batch that fits and train.grad_accum."""
+    out = tmp_path / "tune"
+    result = run_cli(*SMALL_TUNE, "task.space.sharding=[full,ddp]", "task.global_batch=1024", f"hydra.run.dir={out}",
+                     cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(out / "tune.json")
+    measured = [r for r in record["rows"] if r["status"] == "measured"]
+    assert measured and record["winner"] == measured[0]["setup"]
+    for row in measured:
+        assert row["batch_size"] * row["grad_accum"] * 2 == 1024 and row["grad_accum"] > 1, row
+        assert row["batch_size"] <= row["max_batch_size"]
+        assert row["step_s"] == pytest.approx(1024 / row["samples_per_s"])
+        assert (out / row["dir"] / "global_batch.json").is_file()
+    best = measured[0]
+    assert record["command"].endswith(f"train.batch_size={best['batch_size']} train.grad_accum={best['grad_accum']}")
+    assert "| step s |" in (out / "tune.md").read_text()
+    assert f"at batch {best['batch_size']} x {best['grad_accum']} (train.grad_accum) per rank, " \
+           f"{best['step_s']:.3f} s a step" in result.stdout + result.stderr

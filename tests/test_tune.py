@@ -223,9 +223,11 @@ SMALL_TUNE = ["task=tune", "model=cnn", "memory.limit_gb=0.6", "wandb.mode=disab
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_limit(tmp_path):
     out = tmp_path / "tune"
-    result = run_cli(*SMALL_TUNE, "task.space.sharding=[full,ddp]", f"hydra.run.dir={out}", cwd=tmp_path, timeout=900)
+    result = run_cli(*SMALL_TUNE, "task.space.sharding=[full,ddp]", "wandb.mode=offline", f"hydra.run.dir={out}",
+                     cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     record = read_json(out / "tune.json")
     rows = {r["setup"]: r for r in record["rows"]}
@@ -243,8 +245,11 @@ def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_li
     assert record["probes"] == sum(r["probes"] for r in rows.values())
     assert (out / "tune.png").stat().st_size > 10_000 and "| 1 (winner) |" in (out / "tune.md").read_text()
     assert "run it: python -m fsdp_exp model=cnn" in result.stdout + result.stderr
+    # one wandb run for the tune, with the rows as a table; the setups' probes log none of their own
+    (table,) = (out / "wandb").glob("offline-run-*/files/media/table/setups_*.table.json")
+    assert record["winner"] in table.read_text() and not list((out / "setups").glob("**/wandb"))
     # The answer holds: its command line, as printed, trains under the limit.
-    words = record["command"].split()[3:]
+    words = [w for w in record["command"].split()[3:] if w != "wandb.mode=offline"] + ["wandb.mode=disabled"]
     run = run_cli(*words, "train.steps=4", "train.log_every=2", f"hydra.run.dir={tmp_path / 'winner'}", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = read_json(tmp_path / "winner" / "summary.json")
@@ -252,6 +257,7 @@ def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_li
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_a_budget_stops_the_tune_and_a_second_run_goes_on_from_its_probes(tmp_path):
     out = tmp_path / "tune"
     first = run_cli(*SMALL_TUNE, "task.space.sharding=[full,grad_op]", "task.budget=1", f"hydra.run.dir={out}",
@@ -293,6 +299,7 @@ class Net(nn.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_a_setup_that_fails_otherwise_is_a_row_with_its_reason_and_the_tune_goes_on(tmp_path):
     package = tmp_path / "brokenpkg"
     package.mkdir()
@@ -314,6 +321,7 @@ def test_a_setup_that_fails_otherwise_is_a_row_with_its_reason_and_the_tune_goes
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_with_a_global_batch_each_setup_reaches_it_by_accumulation_and_is_ranked_by_step_time(tmp_path):
     """1024 samples a step on 2 ranks is 512 a rank, past the CNN's largest batch under 0.6 GB
     (about 218): each setup reaches it with a micro-batch that fits and train.grad_accum."""
@@ -334,3 +342,33 @@ def test_with_a_global_batch_each_setup_reaches_it_by_accumulation_and_is_ranked
     assert "| step s |" in (out / "tune.md").read_text()
     assert f"at batch {best['batch_size']} x {best['grad_accum']} (train.grad_accum) per rank, " \
            f"{best['step_s']:.3f} s a step" in result.stdout + result.stderr
+
+
+def first_probe_span(setup_dir: Path) -> tuple[float, float]:
+    """From the start of the rank of the setup's first probe that trained to its last step."""
+    probe = next(p for p in sorted((setup_dir / "probes").glob("*_b*")) if read_json(p / "summary.json")["status"] == "ok")
+    started = read_json(probe / "summary.json")["startup"]["rank_started"]
+    return started, json.loads((probe / "metrics.jsonl").read_text().splitlines()[-1])["time"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("launcher", [["launcher=slurm", "launcher.cluster=local", "launcher.nproc_per_node=1"],
+                                      ["launcher=ray", "launcher.num_workers=1", "task.budget=4"]], ids=["slurm", "ray"])
+def test_on_a_cluster_launcher_setups_run_side_by_side(tmp_path, launcher):
+    """launcher.max_parallel setups in flight at once: real jobs of submitit's local executor
+    (the whole tune), and a local Ray (its first probes: a Ray Train run starts in tens of
+    seconds); each probe in fresh ranks as ever."""
+    out = tmp_path / "tune"
+    result = run_cli(*SMALL_TUNE, *launcher, "launcher.max_parallel=2", "task.space.sharding=[full,grad_op]",
+                     f"hydra.run.dir={out}", cwd=tmp_path, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(out / "tune.json")
+    assert record["world_size"] == 1
+    assert record["stopped_by_budget"] if "task.budget=4" in launcher else record["winner"], record["settled"]
+    dirs = [out / r["dir"] for r in record["rows"]]
+    (start_a, end_a), (start_b, end_b) = (first_probe_span(d) for d in dirs)
+    assert max(start_a, start_b) < min(end_a, end_b), "the two setups' first probes that trained ran at the same time"
+    # each setup's lines carry its name, and its driver lines are in its own folder's log
+    assert "sharding=grad_op: started in" in result.stdout
+    assert "sharding=full: " in (dirs[0] / "fsdp_exp.log").read_text() + (dirs[1] / "fsdp_exp.log").read_text()

@@ -10,7 +10,9 @@ line would be, then measured only where the measurement can change the answer.
    not searched on.
 
 Each setup's search is task=max_batch's, in `<run>/setups/<setup>/`, recorded after every
-probe: a tune run again into the same directory goes on from its recorded probes.
+probe: a tune run again into the same directory goes on from its recorded probes. On a
+launcher that runs more than one job at a time (launcher.max_parallel: slurm, ray), steps 2
+and 3 run that many setups side by side (fsdp_exp.driver.sweep), each probe in fresh ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_exp.config import as_dict
 from fsdp_exp.driver.check import check_run
 from fsdp_exp.driver.compose import compose_config
+from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.sinks import write_json
@@ -78,6 +83,9 @@ class Tuner:
         self.stopped = False  # the budget ran out
         self.entries: list[Entry] = []
         self.speaking: Entry | None = None  # the setup whose search logged last
+        self.parallel = max(1, launcher.max_parallel)  # setups in flight at once (launcher=slurm, ray)
+        self.in_flight: SideBySide | None = None
+        self.lock = threading.RLock()  # side by side, the setups' threads share the counts and tune.json
 
     # --- the three steps ---
 
@@ -92,8 +100,9 @@ class Tuner:
         self.save()
         for entry in self.live():
             self.estimate(entry)
-        for entry in self.live():
-            self.first_speed(entry)
+        if self.parallel > 1:
+            self.launcher.connect(self.nproc, self.parallel)
+        self.side_by_side(self.live(), self.first_speed)
         self.search_those_that_can_win()
         return self.finish()
 
@@ -137,21 +146,59 @@ class Tuner:
                 if not self.stopped:
                     self.settle_searched(entry)
                 return
-        self.update(entry)
 
     def search_those_that_can_win(self) -> None:
         """Search to the fastest batch each setup whose bound can still beat the best, most
-        promising first; bound the others."""
+        promising first; bound the others. Side by side, a setup is judged when a place is free."""
+        runs = self.runs()
         for entry in sorted(self.live(), key=lambda e: -(self.bound(e) or 0.0)):
+            if runs is not None:
+                runs.wait(lambda: runs.in_flight() < self.parallel)
             if self.stopped:
-                return
-            if not entry.done and not can_win(self.bound(entry) or math.inf, self.best_speed()):
+                break
+            if not can_win(self.bound(entry) or math.inf, self.best_speed()):
                 self.settle(entry, "bounded", self.bounded_words(entry))
-                continue
-            while self.step(entry):
-                pass
-            if not self.stopped:
-                self.settle_searched(entry)
+            elif runs is None:
+                self.search_whole(entry)
+            else:
+                runs.start(entry.setup.name, self.run_dir / entry.row.dir, self.parallel,
+                           lambda entry=entry: self.search_whole(entry))
+        if runs is not None:
+            self.wait(runs)
+
+    def search_whole(self, entry: Entry) -> None:
+        while self.step(entry):
+            pass
+        if not self.stopped:
+            self.settle_searched(entry)
+
+    # --- side by side (launcher.max_parallel: slurm, ray) ---
+
+    def runs(self) -> SideBySide | None:
+        """The setups in flight, when the launcher runs more than one at a time."""
+        if self.parallel <= 1:
+            return None
+        if self.in_flight is None:
+            self.in_flight = SideBySide()
+        return self.in_flight
+
+    def side_by_side(self, entries: list[Entry], work: Callable[[Entry], None]) -> None:
+        """`work(entry)` for each entry: one after another, or up to launcher.max_parallel at once."""
+        runs = self.runs()
+        if runs is None:
+            for entry in entries:
+                work(entry)
+            return
+        for entry in entries:
+            runs.start(entry.setup.name, self.run_dir / entry.row.dir, self.parallel, lambda entry=entry: work(entry))
+        self.wait(runs)
+
+    def wait(self, runs: SideBySide) -> None:
+        """Until every setup in flight has ended; an error in one is raised here, after the others ended."""
+        runs.wait(lambda: runs.in_flight() == 0)
+        for _, future in runs.runs:
+            future.result()
+        runs.runs.clear()
 
     # --- one setup ---
 
@@ -159,20 +206,30 @@ class Tuner:
         """The setup's next probe; False when its search is done or the budget is spent."""
         search = entry.search
         assert search is not None
-        if self.budget.spent(self.probes_run, time.perf_counter() - self.start):
-            if not self.stopped:
-                log.info("task=tune: the budget (task.budget=%s) is spent; the answer is the best so far", self.budget)
-            self.stopped = True
+        if self.spent():
             return False
         before = len(search.probes)
-        if self.speaking is not entry:  # the search's own lines do not say which setup they are
+        self.announce(entry)
+        ran = search.step()
+        with self.lock:
+            self.probes_run += len(search.probes) - before
+            self.update(entry)
+            self.save()
+        return ran
+
+    def spent(self) -> bool:
+        """Whether the budget is spent (said once)."""
+        with self.lock:
+            if not self.stopped and self.budget.spent(self.probes_run, time.perf_counter() - self.start):
+                log.info("task=tune: the budget (task.budget=%s) is spent; the answer is the best so far", self.budget)
+                self.stopped = True
+            return self.stopped
+
+    def announce(self, entry: Entry) -> None:
+        """One at a time, the setup whose probes the next lines are (side by side, each line says it)."""
+        if self.parallel <= 1 and self.speaking is not entry:
             log.info("setup %d of %d: %s", self.entries.index(entry) + 1, len(self.entries), entry.setup.name)
             self.speaking = entry
-        ran = search.step()
-        self.probes_run += len(search.probes) - before
-        self.update(entry)
-        self.save()
-        return ran
 
     def trained(self, entry: Entry) -> list[Probe]:
         search = entry.search
@@ -266,8 +323,7 @@ class Tuner:
         assert search is not None and plan is not None and global_batch is not None
         tried = []
         for micro, accum in fastest_splits(global_batch, plan.nproc, largest, speeds(search.probes, largest)):
-            if self.budget.spent(self.probes_run, time.perf_counter() - self.start):
-                self.stopped = True
+            if self.spent():
                 return
             probe = self.split_probe(entry, micro, accum)
             if probe.status == "ok" and probe.samples_per_s:
@@ -298,26 +354,26 @@ class Tuner:
                 entry.split_probes += 1
                 entry.row.probes += 1
                 return Probe.from_json(earlier["probe"])
-        if self.speaking is not entry:
-            log.info("setup %d of %d: %s", self.entries.index(entry) + 1, len(self.entries), entry.setup.name)
-            self.speaking = entry
+        self.announce(entry)
         exp = replace(plan.exp, train=replace(plan.exp.train, grad_accum=accum))
         probe = run_probe(exp, micro, search.run_dir / "splits" / f"b{micro}x{accum}", plan.launcher, plan.nproc,
                           search.steps, search.timeout_s)
         log.info("train.grad_accum=%d: %s", accum, probe.line())
-        self.probes_run += 1
-        entry.split_probes += 1
-        entry.row.probes += 1
         recorded.append({"batch_size": micro, "grad_accum": accum, "fingerprint": search.fingerprint,
                          "probe": probe.to_json()})
         write_json(path, recorded)
-        self.save()
+        with self.lock:
+            self.probes_run += 1
+            entry.split_probes += 1
+            entry.row.probes += 1
+            self.save()
         return probe
 
     def settle(self, entry: Entry, status: str, how: str) -> None:
-        entry.row.status, entry.row.how, entry.done = status, how, True
+        with self.lock:
+            entry.row.status, entry.row.how, entry.done = status, how, True
+            self.save()
         log.info("%s: %s: %s", entry.setup.name, status, how)
-        self.save()
 
     # --- the tune as a whole ---
 

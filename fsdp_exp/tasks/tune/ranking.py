@@ -70,10 +70,10 @@ def winner(rows: list[Row]) -> Row | None:
     return max(measured, key=lambda r: r.samples_per_s or 0.0, default=None)
 
 
-def ties(rows: list[Row], best: Row) -> list[Row]:
-    """The measured setups within SPEED_NOISE of the winner: as fast, as far as runs can tell."""
+def ties(rows: list[Row], best: Row, noise: float = SPEED_NOISE) -> list[Row]:
+    """The measured setups within `noise` of the winner: as fast, as far as runs can tell."""
     return [r for r in rows if r is not best and r.status == "measured" and r.samples_per_s
-            and best.samples_per_s and r.samples_per_s >= best.samples_per_s * (1 - SPEED_NOISE)]
+            and best.samples_per_s and r.samples_per_s >= best.samples_per_s * (1 - noise)]
 
 
 def table(rows: list[Row], tokens: bool) -> str:

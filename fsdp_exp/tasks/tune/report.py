@@ -32,9 +32,15 @@ def command_line(prefix: list[str], row: Row) -> str:
 
 
 def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb: float | None, budget: str,
-                stopped: bool, probes_run: int, probes_reused: int, tokens_per_sample: int, wall_s: float) -> dict:
-    """tune.json: the rows ranked, the winner marked, and how the tune got there."""
+                stopped: bool, probes_run: int, probes_reused: int, tokens_per_sample: int, wall_s: float,
+                confirmed: dict | None = None) -> dict:
+    """tune.json: the rows ranked, the winner marked, and how the tune got there. `confirmed`:
+    the winner run again (status, samples_per_s, peak_gb): the speed noise is how far that moved,
+    SPEED_NOISE at least."""
     best = winner(rows)
+    noise = SPEED_NOISE
+    if best and best.samples_per_s and confirmed and confirmed.get("samples_per_s"):
+        noise = max(noise, abs(confirmed["samples_per_s"] / best.samples_per_s - 1))
     for row in rows:
         row.winner = row is best
     order = ranked(rows)
@@ -48,8 +54,9 @@ def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb
         "samples_per_s": best.samples_per_s if best else None,
         "tokens_per_s": best.tokens_per_s if best else None,
         "peak_gb": best.peak_gb if best else None,
-        "as_fast": [r.setup for r in ties(rows, best)] if best else [],  # within the speed noise of the winner
-        "speed_noise": SPEED_NOISE,
+        "as_fast": [r.setup for r in ties(rows, best, noise)] if best else [],  # within the speed noise of the winner
+        "speed_noise": noise,  # samples/s moves by this share between runs: the answer's noise band
+        "confirmed": confirmed,
         "limit_gb": limit_gb,
         "world_size": world_size,
         "setups": len(rows),
@@ -81,7 +88,18 @@ def answer_line(record: dict) -> str:
     if record.get("step_s") is not None:
         speed = f"{record['step_s']:.3f} s a step, {speed}"
     return (f"tune: fastest {record['winner']} at batch {batch} per rank, {speed}, peak "
-            f"{record['peak_gb']:.3f} GB{also}; {cost}\n  run it: {record['command']}")
+            f"{record['peak_gb']:.3f} GB{run_again(record)}{also}; {cost}\n  run it: {record['command']}")
+
+
+def run_again(record: dict) -> str:
+    """What the winner did when run again (empty when it was not)."""
+    confirmed = record.get("confirmed")
+    if not confirmed:
+        return ""
+    if confirmed["status"] == "ok":
+        return f"; run again, {confirmed['samples_per_s']:,.1f} samples/s: noise band {record['speed_noise']:.0%}"
+    return (f"; run again at batch {record['batch_size']} it did not train ({confirmed['status']}: "
+            f"{confirmed['reason']}): its setup's max_batch.json has a batch with room to spare")
 
 
 def plot(record: dict, path: Path) -> list[str]:
@@ -108,7 +126,8 @@ def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) ->
     drawn = plot(record, png)
     log_to_wandb(exp, context, run_dir, record, png if drawn else None)
     log.info("%s\n%s -> %s", text, answer_line(record), run_dir / RECORD)
-    keys = ("winner", "command", "batch_size", "grad_accum", "step_s", "samples_per_s", "tokens_per_s", "peak_gb", "as_fast", "limit_gb",
+    keys = ("winner", "command", "batch_size", "grad_accum", "step_s", "samples_per_s", "tokens_per_s", "peak_gb",
+            "speed_noise", "confirmed", "as_fast", "limit_gb",
             "world_size", "setups", "settled", "probes", "probes_reused", "stopped_by_budget")
     return {"task": "tune", **{k: record[k] for k in keys}}
 

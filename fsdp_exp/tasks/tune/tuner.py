@@ -43,7 +43,7 @@ from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
 from fsdp_exp.tasks.max_batch.settings import SearchSettings
 from fsdp_exp.tasks.tune.accumulation import fastest_splits
-from fsdp_exp.tasks.tune.ranking import Row, can_win, speed_bound
+from fsdp_exp.tasks.tune.ranking import Row, can_win, speed_bound, winner
 from fsdp_exp.tasks.tune.space import Setup, setups
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fsdp_exp")
 
-SPLITS = "global_batch.json"
+EXTRA_PROBES = "extra_probes.json"
+CONFIRM_STEPS = 10  # the winner run again: steps, the first warm-up
 SPLITS_TRIED = 3  # splits of task.global_batch probed before a setup is said not to reach it
 # The estimate is at most about 1% above a run's peak (bench/estimate_accuracy.py): a setup
 # whose smallest batch it puts this far over the limit is pruned without a probe.
@@ -69,7 +70,7 @@ class Entry:
     plan: RunPlan | None = None
     search: MaxBatchSearch | None = None
     done: bool = False  # settled: its row says how
-    split_probes: int = 0  # task.global_batch's probes of a micro-batch with accumulation
+    extra_probes: int = 0  # beside its search: task.global_batch's splits, the winner's confirmation
 
 
 class Tuner:
@@ -85,6 +86,7 @@ class Tuner:
         self.speaking: Entry | None = None  # the setup whose search logged last
         self.parallel = max(1, launcher.max_parallel)  # setups in flight at once (launcher=slurm, ray)
         self.in_flight: SideBySide | None = None
+        self.confirmed: dict | None = None  # the winner run again (confirm)
         self.lock = threading.RLock()  # side by side, the setups' threads share the counts and tune.json
 
     # --- the three steps ---
@@ -104,6 +106,7 @@ class Tuner:
             self.launcher.connect(self.nproc, self.parallel)
         self.side_by_side(self.live(), self.first_speed)
         self.search_those_that_can_win()
+        self.confirm()
         return self.finish()
 
     def prepare(self, setup: Setup) -> Entry:
@@ -272,7 +275,7 @@ class Tuner:
         """The row's figures from the setup's probes so far: its fastest that trained."""
         row, search = entry.row, entry.search
         assert search is not None
-        row.probes = len([p for p in search.probes if not p.killed]) + entry.split_probes
+        row.probes = len([p for p in search.probes if not p.killed]) + entry.extra_probes
         fit = self.trained(entry)
         if not fit:
             return
@@ -325,7 +328,7 @@ class Tuner:
         for micro, accum in fastest_splits(global_batch, plan.nproc, largest, speeds(search.probes, largest)):
             if self.spent():
                 return
-            probe = self.split_probe(entry, micro, accum)
+            probe = self.extra_probe(entry, "split", micro, accum)
             if probe.status == "ok" and probe.samples_per_s:
                 self.fill(entry.row, probe, search.limit_gb)
                 entry.row.grad_accum = accum
@@ -342,32 +345,47 @@ class Tuner:
         self.settle(entry, "does not fit", f"no split of task.global_batch={global_batch} into micro-batches "
                     f"under {largest} trained" + (f" (tried {', '.join(tried)})" if tried else ""))
 
-    def split_probe(self, entry: Entry, micro: int, accum: int) -> Probe:
-        """A probe of `micro` at train.grad_accum=`accum`, recorded in the setup's folder
-        (global_batch.json), and reused from there by a tune run again."""
+    def extra_probe(self, entry: Entry, kind: str, micro: int, accum: int) -> Probe:
+        """A probe of `micro` at train.grad_accum=`accum` beside the setup's search (`kind`:
+        "split", task.global_batch's; "confirm", the winner run again), in `<setup>/<kind>/`,
+        recorded in the setup's folder (extra_probes.json) and reused from there by a tune run
+        again."""
         search, plan = entry.search, entry.plan
         assert search is not None and plan is not None
-        path = search.run_dir / SPLITS
+        path = search.run_dir / EXTRA_PROBES
         recorded = json.loads(path.read_text()) if path.is_file() else []
-        for earlier in recorded:
-            if (earlier["batch_size"], earlier["grad_accum"], earlier["fingerprint"]) == (micro, accum, search.fingerprint):
-                entry.split_probes += 1
-                entry.row.probes += 1
-                return Probe.from_json(earlier["probe"])
-        self.announce(entry)
-        exp = replace(plan.exp, train=replace(plan.exp.train, grad_accum=accum))
-        probe = run_probe(exp, micro, search.run_dir / "splits" / f"b{micro}x{accum}", plan.launcher, plan.nproc,
-                          search.steps, search.timeout_s)
-        log.info("train.grad_accum=%d: %s", accum, probe.line())
-        recorded.append({"batch_size": micro, "grad_accum": accum, "fingerprint": search.fingerprint,
-                         "probe": probe.to_json()})
-        write_json(path, recorded)
+        key = {"kind": kind, "batch_size": micro, "grad_accum": accum, "fingerprint": search.fingerprint}
+        earlier = next((r for r in recorded if {k: r.get(k) for k in key} == key), None)
+        if earlier is not None:
+            probe = Probe.from_json(earlier["probe"])
+        else:
+            self.announce(entry)
+            exp = replace(plan.exp, train=replace(plan.exp.train, grad_accum=accum))
+            as_run = kind == "confirm"  # as its command line runs it: its own data, long enough to time
+            probe = run_probe(exp, micro, search.run_dir / kind / f"b{micro}x{accum}", plan.launcher, plan.nproc,
+                              max(search.steps, CONFIRM_STEPS) if as_run else search.steps, search.timeout_s,
+                              data_as_is=as_run)
+            log.info("%s, train.grad_accum=%d: %s", kind, accum, probe.line())
+            write_json(path, [*recorded, {**key, "probe": probe.to_json()}])
         with self.lock:
-            self.probes_run += 1
-            entry.split_probes += 1
+            self.probes_run += earlier is None
+            entry.extra_probes += 1
             entry.row.probes += 1
             self.save()
         return probe
+
+    def confirm(self) -> None:
+        """The winner once more, in fresh ranks at its batch, as its command line runs it (its
+        own data, CONFIRM_STEPS steps): that it fits again, and how far its speed is from the
+        search's short probes (the noise band its answer carries)."""
+        best = winner([e.row for e in self.entries])
+        if best is None or best.batch_size is None or self.spent():
+            return
+        entry = next(e for e in self.entries if e.row is best)
+        probe = self.extra_probe(entry, "confirm", best.batch_size, best.grad_accum)
+        self.confirmed = {"status": probe.status, "samples_per_s": probe.samples_per_s,
+                          "peak_gb": probe.limited_peak_gb(), "reason": probe.reason}
+        self.save()
 
     def settle(self, entry: Entry, status: str, how: str) -> None:
         with self.lock:
@@ -405,7 +423,8 @@ class Tuner:
             limit_gb=self.exp.memory.limit_gb or (max(limits) if limits else None), budget=str(self.budget),
             stopped=self.stopped, probes_run=self.probes_run,
             probes_reused=sum(e.search.reused for e in self.entries if e.search is not None),
-            tokens_per_sample=self.exp.data.tokens_per_sample, wall_s=time.perf_counter() - self.start)
+            tokens_per_sample=self.exp.data.tokens_per_sample, wall_s=time.perf_counter() - self.start,
+            confirmed=self.confirmed)
         write_json(self.run_dir / RECORD, record)
         return record
 

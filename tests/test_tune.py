@@ -332,13 +332,15 @@ def test_a_setup_that_fails_otherwise_is_a_row_with_its_reason_and_the_tune_goes
     result = run_cli("task=tune", "model=custom", "model._target_=brokenpkg.model.Net", "model.blocks=[torch.nn.Linear]",
                      "memory.limit_gb=0.6", "wandb.mode=disabled", "task.steps_per_probe=2", "task.space.sharding=[full]",
                      "task.space.train.activation_checkpointing=[false]", "task.space.offload=[false]",
-                     "+task.space.model.broken=[true,false]", "task.estimate=false", f"hydra.run.dir={out}",
+                     "+task.space.model.broken=[true,false]", f"hydra.run.dir={out}",
                      cwd=tmp_path, timeout=900, extra_env={"PYTHONPATH": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["setup"]: r for r in read_json(out / "tune.json")["rows"]}
     broken = rows["+model.broken=true"]
     assert broken["status"] == "failed" and "the model's own error in this setup" in broken["how"], broken
     assert "\n" not in broken["how"]
+    # its estimate's trace met the same error: said, and its search went on from the probes alone
+    assert "could not trace this setup: RuntimeError: the model's own error" in result.stdout + result.stderr
     assert rows["+model.broken=false"]["status"] == "measured"
     assert rows["+model.broken=false"]["winner"]
 

@@ -101,6 +101,8 @@ class Tuner:
         self.entries = [self.prepare(setup) for setup in made]
         self.save()
         for entry in self.live():
+            if self.spent():
+                break
             self.estimate(entry)
         if self.parallel > 1:
             self.launcher.connect(self.nproc, self.parallel)
@@ -129,7 +131,7 @@ class Tuner:
         puts the largest."""
         search = entry.search
         assert search is not None
-        curve = search.estimate()
+        curve = search.estimate()  # a trace that fails is said, and the probes place the search alone
         if curve is None or search.limit_gb is None:
             return
         smallest = self.settings.resolution

@@ -37,7 +37,7 @@ def test_under_external_torchrun_each_process_is_one_rank(tmp_path: Path) -> Non
     out = tmp_path / "run"
     result = run_cli(
         "--nproc_per_node=2", "-m", "fsdp_exp", *SMALL_VIT, "train.steps=3", "train.log_every=1",
-        f"hydra.run.dir={out}",
+        "memory.estimate=false", f"hydra.run.dir={out}",  # as run_cli sets it for the run below
         cwd=tmp_path, module=("-m", "torch.distributed.run"),
     )
     assert result.returncode == 0, result.stderr

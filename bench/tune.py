@@ -1,0 +1,129 @@
+"""task=tune against the exhaustive grid, on the same machine, alternating.
+
+- The grid: every setup of the space searched to its fastest batch, as a user would run it:
+  one `-m task=max_batch` sweep over the space's options (`python -m fsdp_exp -m
+  task=max_batch sharding=full,grad_op,ddp train.activation_checkpointing=false,true
+  offload=false,true ...`), each search with its estimate, as by default. Its answer is the
+  setup with the most samples/s at its fastest batch (`fastest_samples_per_s`).
+- task=tune: `python -m fsdp_exp task=tune ...`, the same model, limit and space.
+
+Each model runs grid, tune, grid, tune (`--rounds`), so that a drift of the machine falls on
+both. The table: each command's wall time (the whole command, as typed), its probes and its
+answer; tune's wall time over the grid's; whether tune's winner is within the grid's noise of
+the grid's best (the grid's two rounds give that noise: how far each setup's fastest
+samples/s moved between them, at least 5%).
+
+    python bench/tune.py                  # every model (hours on 2 cores)
+    python bench/tune.py cnn --rounds 1   # one model, one round
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from machine import header
+
+from fsdp_exp.tasks.tune.ranking import SPEED_NOISE
+
+GRID = ["sharding=full,grad_op,ddp", "train.activation_checkpointing=false,true", "offload=false,true"]
+
+
+@dataclass
+class Model:
+    name: str
+    overrides: list[str]
+    limit_gb: float
+
+
+MODELS = [
+    Model("vit", ["model.num_layers=2"], 0.6),
+    Model("cnn", ["model=cnn"], 0.6),
+    Model("gpt-small", ["model=gpt", "model.size=small", "data=synthetic_tokens"], 2.5),
+]
+
+
+def run(args: list[str], cwd: Path) -> float:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "fsdp_exp", *args], cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args)}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    return time.perf_counter() - start
+
+
+def grid(model: Model, out: Path) -> dict:
+    wall = run(["-m", "task=max_batch", f"memory.limit_gb={model.limit_gb}", "wandb.mode=disabled",
+                "memory.estimate=false", *model.overrides, *GRID, f"hydra.sweep.dir={out}"], out.parent)
+    rows = {}
+    for summary_path in sorted(out.glob("*/summary.json")):
+        summary = json.loads(summary_path.read_text())
+        choices = [o for o in summary.get("overrides", []) if o.split("=")[0] in
+                   ("sharding", "train.activation_checkpointing", "offload")]
+        setup = " ".join(choices)
+        record_path = summary_path.parent / "max_batch.json"
+        record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+        rows[setup] = {"status": summary["status"], "speed": summary.get("fastest_samples_per_s"),
+                       "batch": summary.get("fastest_batch_size"), "probes": record.get("probe_count", 0)}
+    best = max((s for s in rows if rows[s]["speed"]), key=lambda s: rows[s]["speed"])
+    return {"wall_s": wall, "rows": rows, "best": best, "speed": rows[best]["speed"],
+            "probes": sum(r["probes"] for r in rows.values())}
+
+
+def tune(model: Model, out: Path) -> dict:
+    wall = run(["task=tune", f"memory.limit_gb={model.limit_gb}", "wandb.mode=disabled", "memory.estimate=false",
+                *model.overrides, f"hydra.run.dir={out}"], out.parent)
+    record = json.loads((out / "tune.json").read_text())
+    full = next(r for r in record["rows"] if r["winner"])["overrides"]
+    setup = " ".join(o for o in full if o.split("=")[0] in ("sharding", "train.activation_checkpointing", "offload"))
+    return {"wall_s": wall, "best": setup, "speed": record["samples_per_s"], "probes": record["probes"],
+            "settled": record["settled"]}
+
+
+def grid_noise(grids: list[dict]) -> float:
+    """How far a setup's fastest samples/s moved between the grid's rounds (SPEED_NOISE at least)."""
+    moves = [SPEED_NOISE]
+    for setup in grids[0]["rows"]:
+        speeds = [g["rows"].get(setup, {}).get("speed") for g in grids]
+        if len(speeds) > 1 and all(speeds):
+            moves.append(max(speeds) / min(speeds) - 1)
+    return max(moves)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="*", help=f"some of: {', '.join(m.name for m in MODELS)} (default: all)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    chosen = [m for m in MODELS if not args.models or m.name in args.models]
+    print(header(2, False))
+    lines = ["| model | limit GB | grid: wall s, probes | tune: wall s, probes, settled | tune / grid | grid's best "
+             "(samples/s) | tune's winner (samples/s) | within the grid's noise |", "|" + "---|" * 8]
+    for model in chosen:
+        grids, tunes = [], []
+        with tempfile.TemporaryDirectory() as tmp:
+            for k in range(args.rounds):
+                grids.append(grid(model, Path(tmp) / f"grid{k}"))
+                print(f"{model.name} grid {k}: {grids[-1]['wall_s']:.0f} s, {grids[-1]['probes']} probes, best "
+                      f"{grids[-1]['best']} {grids[-1]['speed']:.1f}", flush=True)
+                tunes.append(tune(model, Path(tmp) / f"tune{k}"))
+                print(f"{model.name} tune {k}: {tunes[-1]['wall_s']:.0f} s, {tunes[-1]['probes']} probes, winner "
+                      f"{tunes[-1]['best']} {tunes[-1]['speed']:.1f}", flush=True)
+        noise = grid_noise(grids)
+        for g, t in zip(grids, tunes):
+            grid_speed_of_winner = g["rows"].get(t["best"], {}).get("speed") or 0.0
+            within = grid_speed_of_winner >= g["speed"] * (1 - noise)
+            lines.append(f"| {model.name} | {model.limit_gb:g} | {g['wall_s']:.0f}, {g['probes']} | {t['wall_s']:.0f}, "
+                         f"{t['probes']}, {t['settled']} | {t['wall_s'] / g['wall_s']:.2f} | {g['best']} "
+                         f"({g['speed']:.1f}) | {t['best']} ({t['speed']:.1f}; the grid's {grid_speed_of_winner:.1f}) "
+                         f"| {'yes' if within else 'no'} (noise {noise:.0%}) |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

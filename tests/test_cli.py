@@ -19,6 +19,7 @@ from fsdp_exp.errors import ConfigError
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
 
 
+@pytest.mark.slow  # 50 steps of the default ViT: 33 s of the fast suite's 15 minutes
 def test_default_experiment_trains_to_the_end(tmp_path: Path) -> None:
     """No overrides at all: the default experiment, wandb offline, no network, no GPU."""
     result = run_cli(cwd=tmp_path, timeout=400, extra_env={"WANDB_API_KEY": ""})
@@ -185,7 +186,7 @@ if __name__ == "__main__":  # as python -m fsdp_exp does it
 """
 
 
-@pytest.mark.parametrize("bad", [False, True])
+@pytest.mark.parametrize("bad", [pytest.param(False, marks=pytest.mark.slow), True])  # the run that trains: slow
 def test_the_model_is_checked_against_the_data_in_a_fork_of_the_rank_server(tmp_path: Path, bad: bool) -> None:
     """The command never imports the model's modules (torchvision's take 1.1 s): its check
     of the model against the data runs forked from the rank server, which has them; a

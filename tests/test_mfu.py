@@ -249,7 +249,7 @@ print(step_peak_mb(False), step_peak_mb(True))
 """
 
 
-@pytest.mark.parametrize("model", ["checkpointed", "plain"])
+@pytest.mark.parametrize("model", ["checkpointed", pytest.param("plain", marks=pytest.mark.slow)])
 def test_counting_a_steps_flops_holds_no_more_than_the_step(model: str) -> None:
     """The first micro-batch of every run is counted. torch's FlopCounterMode tracks modules
     with hooks that keep activation-checkpointed blocks' activations alive (pytorch#139214):

@@ -10,7 +10,7 @@ the best measured speed, less the noise between runs, cannot win and is not sear
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 # samples/s of one setup at one batch moves by about this between runs (docs/BENCHMARKS.md):
 # a bound this far below the best still searches, a measured speed this close to the best ties.
@@ -41,7 +41,6 @@ class Row:
     probes: int = 0
     dir: str = ""
     winner: bool = False
-    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -45,7 +45,7 @@ class Model:
 MODELS = [
     Model("vit", ["model.num_layers=2"], 0.6),
     Model("cnn", ["model=cnn"], 0.6),
-    Model("gpt-small", ["model=gpt", "model.size=small", "data=synthetic_tokens"], 2.5),
+    Model("gpt-small", ["model=gpt", "model.size=small", "data=synthetic_tokens"], 2.2),
 ]
 
 
@@ -57,15 +57,21 @@ def run(args: list[str], cwd: Path) -> float:
     return time.perf_counter() - start
 
 
+def setup_key(overrides: list[str]) -> str:
+    """The grid's keys of a command line, their values as the tune writes them (a sweep's
+    summary has Hydra's `True` where the tune has `true`)."""
+    keys = [o.split("=", 1) for o in overrides if o.split("=")[0] in ("sharding", "train.activation_checkpointing",
+                                                                       "offload")]
+    return " ".join(f"{k}={v.lower() if v in ('True', 'False') else v}" for k, v in sorted(keys))
+
+
 def grid(model: Model, out: Path) -> dict:
     wall = run(["-m", "task=max_batch", f"memory.limit_gb={model.limit_gb}", "wandb.mode=disabled",
                 "memory.estimate=false", *model.overrides, *GRID, f"hydra.sweep.dir={out}"], out.parent)
     rows = {}
     for summary_path in sorted(out.glob("*/summary.json")):
         summary = json.loads(summary_path.read_text())
-        choices = [o for o in summary.get("overrides", []) if o.split("=")[0] in
-                   ("sharding", "train.activation_checkpointing", "offload")]
-        setup = " ".join(choices)
+        setup = setup_key(summary.get("overrides", []))
         record_path = summary_path.parent / "max_batch.json"
         record = json.loads(record_path.read_text()) if record_path.is_file() else {}
         rows[setup] = {"status": summary["status"], "speed": summary.get("fastest_samples_per_s"),
@@ -80,7 +86,7 @@ def tune(model: Model, out: Path) -> dict:
                 *model.overrides, f"hydra.run.dir={out}"], out.parent)
     record = json.loads((out / "tune.json").read_text())
     full = next(r for r in record["rows"] if r["winner"])["overrides"]
-    setup = " ".join(o for o in full if o.split("=")[0] in ("sharding", "train.activation_checkpointing", "offload"))
+    setup = setup_key(full)
     return {"wall_s": wall, "best": setup, "speed": record["samples_per_s"], "probes": record["probes"],
             "settled": record["settled"]}
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_exp.config import as_dict
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, can_win, ranked, speed_bound, table, winner
 from fsdp_exp.tasks.tune.report import answer_line, command_line, plot, tune_record
@@ -231,6 +232,24 @@ def test_the_estimate_prunes_a_setup_whose_smallest_batch_is_over_the_limit(tmp_
     assert under.row.status == "not reached" and not under.done
     assert under.row.estimated_max_batch == 95  # 64 + (0.6 - 0.0006 - 0.55) / 0.1 * 64 (noise band 0.6 MB)
     assert json.loads((tmp_path / "tune.json").read_text())["settled"] == {"pruned": 1, "not reached": 1}
+
+
+def test_the_setups_estimates_are_traced_side_by_side_each_into_its_own_record(tmp_path, caplog):
+    """Two real traces at once on the 2 cores: both start before either ends, and each
+    setup's record holds its own curve (a 100,000-class head adds about 0.2 GB at batch 1)."""
+    tune = tuner(tmp_path, "+task.space.model.num_classes=[10,100000]", "task.space.sharding=[full]",
+                 "task.space.train.activation_checkpointing=[false]", "task.space.offload=[false]",
+                 "task.search_up_to=16", "memory.limit_gb=2")
+    tune.entries = [tune.prepare(s) for s in setups(tune.settings.space, tune.command, tune.nproc, 1, as_dict(tune.exp))]
+    with caplog.at_level("INFO", logger="fsdp_exp"):
+        tune.estimate_all(tune.entries)
+    lines = [r.getMessage() for r in caplog.records]
+    first_done = next(i for i, line in enumerate(lines) if "estimate: batch 1" in line)
+    assert sum(": started in " in line for line in lines[:first_done]) == 2
+    small, large = (read_json(tmp_path / e.row.dir / "max_batch.json")["estimate"]["peaks_gb"] for e in tune.entries)
+    assert [b for b, _ in small] == [b for b, _ in large] == [1, 2, 4, 8, 16]
+    assert 0.15 < large[0][1] - small[0][1] < 0.3
+    assert all(e.row.estimated_max_batch and e.row.status == "not reached" for e in tune.entries)
 
 
 # --- real tunes on 2 gloo ranks ---

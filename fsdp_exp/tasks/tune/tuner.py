@@ -1,8 +1,9 @@
 """The driver of task=tune: every setup of task.space composed and checked as its command
 line would be, then measured only where the measurement can change the answer.
 
-1. The estimate (one trace on fake tensors a setup, seconds) prunes the setups whose
-   smallest batch cannot fit, and says where each one's largest batch lies.
+1. The estimate (one trace on fake tensors a setup, seconds; as many at once as the machine
+   has cores) prunes the setups whose smallest batch cannot fit, and says where each one's
+   largest batch lies.
 2. One probe a setup, placed by that estimate near its largest batch (task=max_batch's
    own first probe), measures its speed.
 3. The setups are searched to their fastest batch in the order of the most they could
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +61,7 @@ SPLITS_TRIED = 3  # splits of task.global_batch probed before a setup is said no
 # The estimate is at most about 1% above a run's peak (bench/estimate_accuracy.py): a setup
 # whose smallest batch it puts this far over the limit is pruned without a probe.
 PRUNE_OVER = 0.02
+TRACES_AT_ONCE = 8  # estimates traced side by side, one process and one core each
 
 
 @dataclass
@@ -125,6 +128,24 @@ class Tuner:
                                       RunContext(environment={"overrides": [*self.command, *setup.overrides]}))
         entry.search.start_or_resume()
         return entry
+
+    def estimate_all(self, entries: list[Entry]) -> None:
+        """Each setup's estimate. A trace is a process of its own that keeps one core busy, so
+        as many run at once as this machine has cores (TRACES_AT_ONCE at most)."""
+        at_once = min(len(entries), TRACES_AT_ONCE, len(os.sched_getaffinity(0)))
+        traces = SideBySide() if at_once > 1 else None
+        for entry in entries:
+            if traces is not None:
+                traces.wait(lambda: traces.in_flight() < at_once)
+            if self.spent():
+                break
+            if traces is None:
+                self.estimate(entry)
+            else:
+                traces.start(entry.setup.name, self.run_dir / entry.row.dir, at_once,
+                             lambda entry=entry: self.estimate(entry))
+        if traces is not None:
+            self.wait(traces)
 
     def estimate(self, entry: Entry) -> None:
         """Prune a setup whose smallest batch the estimate puts over the limit; note where it

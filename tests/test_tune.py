@@ -252,6 +252,18 @@ def test_the_setups_estimates_are_traced_side_by_side_each_into_its_own_record(t
     assert all(e.row.estimated_max_batch and e.row.status == "not reached" for e in tune.entries)
 
 
+@pytest.mark.parametrize("args, message", [
+    ([], "memory.limit_gb: task=tune on CPU needs a per-rank limit"),
+    (["memory.limit_gb=1", "resume=auto"], "resume=auto: task=tune starts every probe fresh"),
+])
+def test_what_no_search_can_do_is_one_line_naming_the_tune_before_any_probe(tmp_path, args, message):
+    result = run_cli("task=tune", "device=cpu", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert message in result.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
 # --- real tunes on 2 gloo ranks ---
 
 SMALL_TUNE = ["task=tune", "model=cnn", "memory.limit_gb=0.6", "wandb.mode=disabled", "task.steps_per_probe=2",

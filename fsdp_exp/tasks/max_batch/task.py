@@ -23,29 +23,34 @@ class MaxBatch(SearchSettings, Task):
     """task=max_batch; its settings (task.*) are SearchSettings."""
 
     def check(self, exp: Experiment) -> None:
-        """Refuse what the search cannot do, before any probe starts."""
-        if exp.device == "cpu" and exp.memory.limit_gb is None:
-            raise ConfigError(
-                "memory.limit_gb: task=max_batch on CPU needs a per-rank limit to fit in "
-                "(without one the boundary is the machine's RAM and the kernel's OOM killer)"
-            )
-        if exp.train.grad_accum != 1:
-            raise ConfigError(
-                f"train.grad_accum={exp.train.grad_accum}: task=max_batch searches the batch "
-                "of one forward and backward; set train.grad_accum=1"
-            )
-        if not exp.launcher.starts_all_ranks:
-            raise ConfigError(
-                f"launcher.nnodes={exp.launcher.nnodes}: with launcher=torchrun each node's command would search "
-                "on its own; search on one node, or with launcher=slurm or ray, whose one command starts every probe")
-        if exp.launcher.restarts:
-            key = exp.launcher.restarts_key
-            raise ConfigError(
-                f"{key}={exp.launcher.restarts}: task=max_batch needs every probe "
-                f"to fail when it runs out of memory, not to restart; set {key}=0")
-        if exp.resume:
-            raise ConfigError(f"resume={exp.resume}: task=max_batch starts every probe fresh; "
-                              "resume is for task=train")
+        check_searchable(exp)
 
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         return MaxBatchSearch(exp, run_dir, launcher, nproc, context).run()
+
+
+def check_searchable(exp: Experiment, task: str = "task=max_batch") -> None:
+    """Refuse what a search of the batch cannot do, before any probe starts (task=max_batch,
+    and task=tune's searches)."""
+    if exp.device == "cpu" and exp.memory.limit_gb is None:
+        raise ConfigError(
+            f"memory.limit_gb: {task} on CPU needs a per-rank limit to fit in "
+            "(without one the boundary is the machine's RAM and the kernel's OOM killer)"
+        )
+    if exp.train.grad_accum != 1:
+        raise ConfigError(
+            f"train.grad_accum={exp.train.grad_accum}: {task} searches the batch "
+            "of one forward and backward; set train.grad_accum=1"
+        )
+    if not exp.launcher.starts_all_ranks:
+        raise ConfigError(
+            f"launcher.nnodes={exp.launcher.nnodes}: with launcher=torchrun each node's command would search "
+            "on its own; search on one node, or with launcher=slurm or ray, whose one command starts every probe")
+    if exp.launcher.restarts:
+        key = exp.launcher.restarts_key
+        raise ConfigError(
+            f"{key}={exp.launcher.restarts}: {task} needs every probe "
+            f"to fail when it runs out of memory, not to restart; set {key}=0")
+    if exp.resume:
+        raise ConfigError(f"resume={exp.resume}: {task} starts every probe fresh; "
+                          "resume is for task=train")

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_exp.errors import ConfigError
 from fsdp_exp.tasks import Task
-from fsdp_exp.tasks.max_batch.task import MaxBatch
+from fsdp_exp.tasks.max_batch.task import check_searchable
 from fsdp_exp.tasks.tune.accumulation import check_divides
 from fsdp_exp.tasks.tune.settings import TuneSettings
 from fsdp_exp.tasks.tune.tuner import Tuner
@@ -26,10 +25,7 @@ class Tune(TuneSettings, Task):
 
     def check(self, exp: Experiment) -> None:
         """What every setup's search needs (task=max_batch's checks), before any starts."""
-        try:
-            MaxBatch.check(self, exp)  # type: ignore[arg-type]
-        except ConfigError as err:
-            raise ConfigError(str(err).replace("task=max_batch", "task=tune")) from None
+        check_searchable(exp, "task=tune")
 
     def check_world(self, world_size: int) -> None:
         if self.global_batch is not None:

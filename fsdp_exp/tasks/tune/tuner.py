@@ -103,10 +103,7 @@ class Tuner:
                  self.budget)
         self.entries = [self.prepare(setup) for setup in made]
         self.save()
-        for entry in self.live():
-            if self.spent():
-                break
-            self.estimate(entry)
+        self.estimate_all(self.live())
         if self.parallel > 1:
             self.launcher.connect(self.nproc, self.parallel)
         self.side_by_side(self.live(), self.first_speed)

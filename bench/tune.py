@@ -15,11 +15,13 @@ samples/s moved between them, at least 5%).
 
     python bench/tune.py                  # every model (hours on 2 cores)
     python bench/tune.py cnn --rounds 1   # one model, one round
+    python bench/tune.py --out runs       # keep every run (runs/<model>/grid0, tune0, ...)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -105,6 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="*", help=f"some of: {', '.join(m.name for m in MODELS)} (default: all)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", help="keep every run here (<out>/<model>/grid0, tune0, ...); default: a temporary folder")
     args = parser.parse_args()
     chosen = [m for m in MODELS if not args.models or m.name in args.models]
     print(header(2, False))
@@ -112,7 +115,9 @@ def main() -> None:
              "(samples/s) | tune's winner (samples/s) | within the grid's noise |", "|" + "---|" * 8]
     for model in chosen:
         grids, tunes = [], []
-        with tempfile.TemporaryDirectory() as tmp:
+        with (contextlib.nullcontext(args.out) if args.out else tempfile.TemporaryDirectory()) as tmp:
+            tmp = Path(tmp) / model.name
+            tmp.mkdir(parents=True, exist_ok=True)
             for k in range(args.rounds):
                 grids.append(grid(model, Path(tmp) / f"grid{k}"))
                 print(f"{model.name} grid {k}: {grids[-1]['wall_s']:.0f} s, {grids[-1]['probes']} probes, best "

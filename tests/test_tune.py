@@ -252,6 +252,27 @@ def test_the_setups_estimates_are_traced_side_by_side_each_into_its_own_record(t
     assert all(e.row.estimated_max_batch and e.row.status == "not reached" for e in tune.entries)
 
 
+def test_a_budget_spent_before_a_search_ends_answers_with_the_best_probe_so_far(tmp_path):
+    """A setup with a probe that trained when the budget ran out is measured as far as it
+    went, and can win; one without is not reached."""
+    from fsdp_exp.tasks.max_batch.probe import Probe
+
+    tune = tuner(tmp_path, "task.space.sharding=[full,grad_op]", "task.space.train.activation_checkpointing=[false]",
+                 "task.space.offload=[false]", "task.budget=1")
+    probed, unprobed = tune.entries = [tune.prepare(s) for s in setups(tune.settings.space, tune.command,
+                                                                        tune.nproc, 1, as_dict(tune.exp))]
+    probed.search.probes.append(Probe(100, "ok", samples_per_s=250.0, peak_under_limit_gb=0.55))
+    tune.stopped = True
+    tune.finish()
+    record = read_json(tmp_path / "tune.json")
+    rows = {r["setup"]: r for r in record["rows"]}
+    assert rows["sharding=full"]["status"] == "measured" and rows["sharding=full"]["batch_size"] == 100
+    assert rows["sharding=full"]["how"] == ("fastest of 1 probe(s) so far; the budget (task.budget=1 probes) "
+                                            "ran out first, before its search ended")
+    assert record["winner"] == "sharding=full"
+    assert rows["sharding=grad_op"]["status"] == "not reached"
+
+
 @pytest.mark.parametrize("args, message", [
     ([], "memory.limit_gb: task=tune on CPU needs a per-rank limit"),
     (["memory.limit_gb=1", "resume=auto"], "resume=auto: task=tune starts every probe fresh"),

@@ -433,6 +433,11 @@ class Tuner:
         for entry in self.entries:
             if not entry.done and self.stopped:
                 entry.row.how = f"the budget (task.budget={self.budget}) ran out first"
+                if self.trained(entry):  # the best so far: what its probes measured under the limit
+                    self.update(entry)
+                    entry.row.status = "measured"
+                    entry.row.how = (f"fastest of {entry.row.probes} probe(s) so far; {entry.row.how}, "
+                                     "before its search ended")
         return report(self.exp, self.context, self.run_dir, self.save())
 
     def save(self) -> dict:

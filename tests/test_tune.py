@@ -14,6 +14,7 @@ from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, can_win, ranked, speed
 from fsdp_exp.tasks.tune.report import answer_line, command_line, plot, tune_record
 from fsdp_exp.tasks.tune.settings import Budget, default_space, parse_budget
 from fsdp_exp.tasks.tune.space import flatten, setups
+from fsdp_exp.tasks.tune.tuner import step_spread
 from tests.conftest import read_json, run_cli
 
 # --- the space ---
@@ -151,17 +152,32 @@ def test_the_record_names_the_winner_its_command_line_and_what_is_as_fast():
     assert "refused: offload=true: sharding=ddp" in text
 
 
+def test_a_runs_step_spread_is_half_its_timed_steps_range_over_their_median(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    steps = [{"step": 1, "samples_per_s": 10.0, "warmup": True}, *({"step": i + 2, "samples_per_s": v}
+                                                                    for i, v in enumerate([90.0, 100.0, 110.0, 104.0]))]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    assert step_spread(metrics) == pytest.approx(10 / 102)  # the warm-up step is not counted
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in steps[:3]))
+    assert step_spread(metrics) is None and step_spread(tmp_path / "none.jsonl") is None
+
+
 def test_the_winner_run_again_sets_the_noise_band():
     """300 samples/s in the search, 270 run again: a 10% band, in which grad_op's 290 ties."""
     record = tune_record(rows(), prefix=[], world_size=2, limit_gb=0.6, budget="none", stopped=False, probes_run=9,
                          probes_reused=0, tokens_per_sample=0, wall_s=1.0,
                          confirmed={"status": "ok", "samples_per_s": 270.0, "peak_gb": 0.59, "reason": None})
     assert record["speed_noise"] == pytest.approx(0.1) and record["as_fast"] == ["sharding=grad_op"]
-    assert "; run again, 270.0 samples/s: noise band 10%" in answer_line(record)
+    assert "; its command line, run again: 270.0 samples/s (noise band 10%)" in answer_line(record)
     quiet = tune_record(rows(), prefix=[], world_size=2, limit_gb=0.6, budget="none", stopped=False, probes_run=9,
                         probes_reused=0, tokens_per_sample=0, wall_s=1.0,
                         confirmed={"status": "ok", "samples_per_s": 299.0, "peak_gb": 0.59, "reason": None})
     assert quiet["speed_noise"] == SPEED_NOISE  # never below it
+    unsteady = tune_record(rows(), prefix=[], world_size=2, limit_gb=0.6, budget="none", stopped=False, probes_run=9,
+                           probes_reused=0, tokens_per_sample=0, wall_s=1.0,
+                           confirmed={"status": "ok", "samples_per_s": 299.0, "peak_gb": 0.59, "reason": None,
+                                      "step_spread": 0.2})
+    assert unsteady["speed_noise"] == pytest.approx(0.2)  # its own steps strayed further than the table
     failed = tune_record(rows(), prefix=[], world_size=2, limit_gb=0.6, budget="none", stopped=False, probes_run=9,
                          probes_reused=0, tokens_per_sample=0, wall_s=1.0,
                          confirmed={"status": "oom", "samples_per_s": None, "peak_gb": None, "reason": "out of memory"})
@@ -287,6 +303,12 @@ def test_what_no_search_can_do_is_one_line_naming_the_tune_before_any_probe(tmp_
 
 # --- real tunes on 2 gloo ranks ---
 
+# How far one fresh run of the same command moves from another on the 2-core CPU machine, whose
+# runs can be steady within (a step spread of 5%) but not between: this CNN at batch 315 ran
+# at 486 to 610 samples/s over 16 fresh runs of 10 to 12 steps. No band a tune measures
+# from one run again can hold a further run on such a machine closer than this.
+BETWEEN_RUNS = 0.25
+
 SMALL_TUNE = ["task=tune", "model=cnn", "memory.limit_gb=0.6", "wandb.mode=disabled", "task.steps_per_probe=2",
               "task.space.train.activation_checkpointing=[false]", "task.space.offload=[false]"]
 
@@ -327,10 +349,13 @@ def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_li
     assert summary["status"] == "ok" and summary["peak_under_limit_gb"] <= 0.6
     # ... run again by the tune itself, in fresh ranks: the noise band it reports
     assert record["confirmed"]["status"] == "ok" and record["speed_noise"] >= 0.05
+    assert 0 < record["confirmed"]["step_spread"] <= record["speed_noise"]  # a record each of its steps
     assert abs(record["confirmed"]["samples_per_s"] / best["samples_per_s"] - 1) <= record["speed_noise"] + 1e-9
-    # the command's own speed is the table's within that band (and the slack of one more run's noise)
-    ratio = summary["samples_per_s"] / best["samples_per_s"]
-    assert abs(ratio - 1) <= record["speed_noise"] + SPEED_NOISE, (ratio, record["speed_noise"], record["confirmed"])
+    # the command's own speed is the one the answer gives for it (its command line run again, as
+    # it runs: its own data, 10 steps, where the table's come from short probes that rank the
+    # setups alike) within that band, and the slack of one more fresh run on this machine
+    ratio = summary["samples_per_s"] / record["confirmed"]["samples_per_s"]
+    assert abs(ratio - 1) <= record["speed_noise"] + BETWEEN_RUNS, (ratio, record["speed_noise"], best["samples_per_s"])
 
 
 @pytest.mark.slow

@@ -109,23 +109,24 @@ class Probe:
 
 
 def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
-                 limit_gb: Any = "same", data_as_is: bool = False) -> Experiment:
+                 limit_gb: Any = "same", as_run: bool = False) -> Experiment:
     """The run's config, trimmed to a probe: `steps` steps at `batch_size`, the first of
     them warm-up (with train.compile the first two, and then at least 3 steps, so that the
     probe's samples/s times training, not the compiler), no profile, export or wandb run of
     its own. Generated data is made one global batch long, so that its samples take no
-    memory of note, unless `data_as_is` (a probe of the run as its command line runs it)."""
+    memory of note, unless `as_run` (a probe of the run as its command line runs it: its own
+    data, and a record of each step in metrics.jsonl)."""
     warmup = warmup_steps_to_skip(cfg.train.compile)
     steps = max(steps, warmup + 1)
     return replace(
         cfg,
-        train=replace(cfg.train, batch_size=batch_size, steps=steps, log_every=steps),
+        train=replace(cfg.train, batch_size=batch_size, steps=steps, log_every=1 if as_run else steps),
         metrics=replace(cfg.metrics, warmup_steps=warmup),
         profile=NoProfile(),
         checkpoint=NoCheckpoint(),
         wandb=replace(cfg.wandb, mode=WandbMode.disabled),
         memory=cfg.memory if limit_gb == "same" else replace(cfg.memory, limit_gb=limit_gb),
-        data=cfg.data if data_as_is else cfg.data.enough_for(batch_size * world_size),  # generated: one global batch
+        data=cfg.data if as_run else cfg.data.enough_for(batch_size * world_size),  # generated: one global batch
     )
 
 
@@ -153,11 +154,11 @@ def startup_s(figures: dict, launched: float) -> float | None:
 
 
 def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launcher, world_size: int,
-              steps: int, timeout_s: float, limit_gb: Any = "same", data_as_is: bool = False) -> Probe:
+              steps: int, timeout_s: float, limit_gb: Any = "same", as_run: bool = False) -> Probe:
     """Train `steps` steps at `batch_size` on fresh ranks; the outcome, never an exception
     for a rank's failure (KeyboardInterrupt still stops the search)."""
     probe_dir.mkdir(parents=True, exist_ok=True)
-    run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb, data_as_is)
+    run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb, as_run)
     start = time.perf_counter()
     context = RunContext(startup={"launched": time.time()})
     try:

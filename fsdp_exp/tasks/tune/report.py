@@ -35,12 +35,12 @@ def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb
                 stopped: bool, probes_run: int, probes_reused: int, tokens_per_sample: int, wall_s: float,
                 confirmed: dict | None = None) -> dict:
     """tune.json: the rows ranked, the winner marked, and how the tune got there. `confirmed`:
-    the winner run again (status, samples_per_s, peak_gb): the speed noise is how far that moved,
-    SPEED_NOISE at least."""
+    the winner run again (status, samples_per_s, peak_gb, step_spread): the speed noise is how
+    far that moved from the table, or its own steps from each other, SPEED_NOISE at least."""
     best = winner(rows)
     noise = SPEED_NOISE
     if best and best.samples_per_s and confirmed and confirmed.get("samples_per_s"):
-        noise = max(noise, abs(confirmed["samples_per_s"] / best.samples_per_s - 1))
+        noise = max(noise, abs(confirmed["samples_per_s"] / best.samples_per_s - 1), confirmed.get("step_spread") or 0)
     for row in rows:
         row.winner = row is best
     order = ranked(rows)
@@ -97,7 +97,8 @@ def run_again(record: dict) -> str:
     if not confirmed:
         return ""
     if confirmed["status"] == "ok":
-        return f"; run again, {confirmed['samples_per_s']:,.1f} samples/s: noise band {record['speed_noise']:.0%}"
+        return (f"; its command line, run again: {confirmed['samples_per_s']:,.1f} samples/s "
+                f"(noise band {record['speed_noise']:.0%})")
     return (f"; run again at batch {record['batch_size']} it did not train ({confirmed['status']}: "
             f"{confirmed['reason']}): its setup's max_batch.json has a batch with room to spare")
 

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -106,7 +107,7 @@ class Tuner:
         self.estimate_all(self.live())
         if self.parallel > 1:
             self.launcher.connect(self.nproc, self.parallel)
-        self.side_by_side(self.live(), self.first_speed)
+        self.side_by_side(self.live(), self.first_speed, self.parallel, self.runs())
         self.search_those_that_can_win()
         self.confirm()
         return self.finish()
@@ -130,19 +131,7 @@ class Tuner:
         """Each setup's estimate. A trace is a process of its own that keeps one core busy, so
         as many run at once as this machine has cores (TRACES_AT_ONCE at most)."""
         at_once = min(len(entries), TRACES_AT_ONCE, len(os.sched_getaffinity(0)))
-        traces = SideBySide() if at_once > 1 else None
-        for entry in entries:
-            if traces is not None:
-                traces.wait(lambda: traces.in_flight() < at_once)
-            if self.spent():
-                break
-            if traces is None:
-                self.estimate(entry)
-            else:
-                traces.start(entry.setup.name, self.run_dir / entry.row.dir, at_once,
-                             lambda entry=entry: self.estimate(entry))
-        if traces is not None:
-            self.wait(traces)
+        self.side_by_side(entries, self.estimate, at_once, SideBySide() if at_once > 1 else None)
 
     def estimate(self, entry: Entry) -> None:
         """Prune a setup whose smallest batch the estimate puts over the limit; note where it
@@ -205,16 +194,21 @@ class Tuner:
             self.in_flight = SideBySide()
         return self.in_flight
 
-    def side_by_side(self, entries: list[Entry], work: Callable[[Entry], None]) -> None:
-        """`work(entry)` for each entry: one after another, or up to launcher.max_parallel at once."""
-        runs = self.runs()
-        if runs is None:
-            for entry in entries:
-                work(entry)
-            return
+    def side_by_side(self, entries: list[Entry], work: Callable[[Entry], None], at_once: int,
+                     runs: SideBySide | None) -> None:
+        """`work(entry)` for each entry until the budget is spent: one after another, or up to
+        `at_once` at a time in `runs`."""
         for entry in entries:
-            runs.start(entry.setup.name, self.run_dir / entry.row.dir, self.parallel, lambda entry=entry: work(entry))
-        self.wait(runs)
+            if runs is not None:
+                runs.wait(lambda: runs.in_flight() < at_once)
+            if self.spent():
+                break
+            if runs is None:
+                work(entry)
+            else:
+                runs.start(entry.setup.name, self.run_dir / entry.row.dir, at_once, lambda entry=entry: work(entry))
+        if runs is not None:
+            self.wait(runs)
 
     def wait(self, runs: SideBySide) -> None:
         """Until every setup in flight has ended; an error in one is raised here, after the others ended."""
@@ -384,7 +378,7 @@ class Tuner:
             as_run = kind == "confirm"  # as its command line runs it: its own data, long enough to time
             probe = run_probe(exp, micro, search.run_dir / kind / f"b{micro}x{accum}", plan.launcher, plan.nproc,
                               max(search.steps, CONFIRM_STEPS) if as_run else search.steps, search.timeout_s,
-                              data_as_is=as_run)
+                              as_run=as_run)
             log.info("%s, train.grad_accum=%d: %s", kind, accum, probe.line())
             write_json(path, [*recorded, {**key, "probe": probe.to_json()}])
         with self.lock:
@@ -403,8 +397,10 @@ class Tuner:
             return
         entry = next(e for e in self.entries if e.row is best)
         probe = self.extra_probe(entry, "confirm", best.batch_size, best.grad_accum)
+        assert entry.search is not None
         self.confirmed = {"status": probe.status, "samples_per_s": probe.samples_per_s,
-                          "peak_gb": probe.limited_peak_gb(), "reason": probe.reason}
+                          "peak_gb": probe.limited_peak_gb(), "reason": probe.reason,
+                          "step_spread": step_spread(entry.search.run_dir / probe.dir / "metrics.jsonl")}
         self.save()
 
     def settle(self, entry: Entry, status: str, how: str) -> None:
@@ -471,3 +467,15 @@ def search_path_overrides() -> list[str]:
     if not HydraConfig.initialized():
         return []
     return [o for o in HydraConfig.get().overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath"]
+
+
+def step_spread(metrics: Path) -> float | None:
+    """How far a run's timed steps' samples/s stray from their median (half their range over
+    it), from its metrics.jsonl with a record each step; None with fewer than 3 timed steps."""
+    if not metrics.is_file():
+        return None
+    speeds = [r["samples_per_s"] for r in map(json.loads, metrics.read_text().splitlines())
+              if not r.get("warmup") and r.get("samples_per_s")]
+    if len(speeds) < 3:
+        return None
+    return (max(speeds) - min(speeds)) / 2 / statistics.median(speeds)

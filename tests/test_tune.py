@@ -336,6 +336,10 @@ def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_li
     assert record["probes"] == sum(r["probes"] for r in rows.values())
     assert (out / "tune.png").stat().st_size > 10_000 and "| 1 (winner) |" in (out / "tune.md").read_text()
     assert "run it: python -m fsdp_exp model=cnn" in result.stdout + result.stderr
+    # the line to copy is the command and nothing else (a "-> tune.json" after it, pasted into a
+    # shell, would write over the record)
+    (run_it,) = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("  run it: ")]
+    assert run_it == f"  run it: {record['command']}"
     # the two setups' estimates were traced side by side: each line names its setup
     assert all(f"{name}: estimate: batch 1 " in result.stdout + result.stderr for name in rows)
     # one wandb run for the tune, with the rows as a table; the setups' probes log none of their own

@@ -158,6 +158,9 @@ def test_a_runs_step_spread_is_half_its_timed_steps_range_over_their_median(tmp_
                                                                     for i, v in enumerate([90.0, 100.0, 110.0, 104.0]))]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in steps))
     assert step_spread(metrics) == pytest.approx(10 / 102)  # the warm-up step is not counted
+    with metrics.open("a") as f:
+        f.write('{"step": 6, "samples_')  # cut short
+    assert step_spread(metrics) == pytest.approx(10 / 102)
     metrics.write_text("".join(json.dumps(r) + "\n" for r in steps[:3]))
     assert step_spread(metrics) is None and step_spread(tmp_path / "none.jsonl") is None
 

@@ -400,7 +400,8 @@ class Tuner:
         assert entry.search is not None
         self.confirmed = {"status": probe.status, "samples_per_s": probe.samples_per_s,
                           "peak_gb": probe.limited_peak_gb(), "reason": probe.reason,
-                          "step_spread": step_spread(entry.search.run_dir / probe.dir / "metrics.jsonl")}
+                          "step_spread": step_spread(entry.search.run_dir / probe.dir / "metrics.jsonl")
+                          if probe.status == "ok" else None}
         self.save()
 
     def settle(self, entry: Entry, status: str, how: str) -> None:
@@ -474,8 +475,13 @@ def step_spread(metrics: Path) -> float | None:
     it), from its metrics.jsonl with a record each step; None with fewer than 3 timed steps."""
     if not metrics.is_file():
         return None
-    speeds = [r["samples_per_s"] for r in map(json.loads, metrics.read_text().splitlines())
-              if not r.get("warmup") and r.get("samples_per_s")]
+    records = []
+    for line in metrics.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short (a run killed while writing) says nothing
+            continue
+    speeds = [r["samples_per_s"] for r in records if not r.get("warmup") and r.get("samples_per_s")]
     if len(speeds) < 3:
         return None
     return (max(speeds) - min(speeds)) / 2 / statistics.median(speeds)

@@ -54,6 +54,52 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240, extra_env: dict | None 
     )
 
 
+def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
+                 missing: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`python -m fsdp_exp ARGS` run by its own `main()` in this process, for a command the
+    check must refuse before anything starts: its exit code and what it printed, without the
+    seconds a fresh interpreter spends importing torch. Every refusal takes the same way out
+    of `main()` (one line, exit 2); tests/test_config.py runs it in a fresh process too, rank
+    server included. `missing`: packages whose import fails meanwhile, as when they are not
+    installed (Python's own way: None in sys.modules). Hydra's, the signals' and the
+    process's state are put back."""
+    import contextlib
+    import io
+    import signal
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fsdp_exp.cli import main
+
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    hidden = {name: sys.modules.get(name) for name in missing}
+    sys.modules.update(dict.fromkeys(missing))
+    os.environ.update(extra_env or {})
+    os.chdir(cwd)
+    sys.argv = ["fsdp_exp", *args, "memory.estimate=false"]  # as run_cli: a run it failed to refuse traces nothing
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    finally:
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        GlobalHydra.instance().clear()
+        for name, module in hidden.items():
+            if module is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = module
+    return subprocess.CompletedProcess(["fsdp_exp", *args], code, out.getvalue(), err.getvalue())
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

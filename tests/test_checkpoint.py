@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from fsdp_exp.checkpoint.files import latest, open_checkpoint
 from fsdp_exp.checkpoint.resume import resolve_resume
 from fsdp_exp.cli import compose_checked
-from tests.conftest import SMALL_VIT, precheck, read_json, read_jsonl, run_cli, signal_at_step
+from tests.conftest import SMALL_VIT, precheck, read_json, read_jsonl, refused_here, run_cli, signal_at_step
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.local import LocalLauncher
@@ -275,7 +275,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_the_latest(tmp_pat
     assert list(second.glob("*.distcp")) and not (second / ".metadata").exists(), "the kill missed the save"
     assert latest(root) == root / "step_00000001"
     assert open_checkpoint(root).step == 1
-    result = run_cli(*SMALL_VIT, f"resume={second}", cwd=tmp_path)
+    result = refused_here(*SMALL_VIT, f"resume={second}", cwd=tmp_path)
     assert result.returncode == 2
     assert f"resume={second}: half-written checkpoint (no .metadata" in result.stderr
 

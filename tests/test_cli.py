@@ -16,7 +16,7 @@ from fsdp_exp.cli import CONF_DIR
 from fsdp_exp.driver.check import check_sweep, combinations, parse_overrides
 from hydra_plugins.fsdp_exp_sweeper.fsdp_exp_sweeper import ComposedOnce
 from fsdp_exp.errors import ConfigError
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, refused_here, run_cli
 
 
 @pytest.mark.slow  # 50 steps of the default ViT: 33 s of the fast suite's 15 minutes
@@ -136,7 +136,7 @@ def test_a_grid_sweep_runs_its_valid_runs_and_shows_the_invalid_one_as_refused(t
 
 
 def test_a_sweep_whose_every_run_is_refused_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    result = run_cli("-m", *SMALL_VIT, "sharding=ddp", "offload=true", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    result = refused_here("-m", *SMALL_VIT, "sharding=ddp", "offload=true", "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("fsdp_exp: offload=true: sharding=ddp keeps a full replica")
     assert len(result.stderr.strip().splitlines()) == 1
@@ -210,7 +210,7 @@ def test_the_model_is_checked_against_the_data_in_a_fork_of_the_rank_server(tmp_
 def test_a_key_of_a_swept_group_says_how_to_set_it(tmp_path: Path) -> None:
     """Hydra composes a -m sweep's base config with the swept group's default first
     (checkpoint=none has no `every`): the refusal names the way that works, `++`."""
-    result = run_cli("-m", "checkpoint=dcp,dcp_async", "checkpoint.every=1", cwd=tmp_path)
+    result = refused_here("-m", "checkpoint=dcp,dcp_async", "checkpoint.every=1", cwd=tmp_path)
     assert result.returncode == 2 and not (tmp_path / "outputs").exists()
     assert result.stderr.strip() == (
         "fsdp_exp: checkpoint.every: unknown key; checkpoint has: export_full (a -m sweep over checkpoint is first "

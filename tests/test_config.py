@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fsdp_exp.cli import compose_checked
-from tests.conftest import precheck, run_cli
+from tests.conftest import precheck, refused_here, run_cli
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.sharding import FullyShard
 
@@ -147,8 +147,10 @@ def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:
     ids=["option", "sweep", "key", "data.root", "checkpoint.dir"],
 )
 def test_cli_refuses_with_one_line_and_leaves_nothing_behind(args: list[str], tmp_path: Path) -> None:
-    """(Damaged weights for task=eval: the same checks, in-process, below.)"""
-    result = run_cli(*args, cwd=tmp_path, timeout=120)
+    """The sweep in a fresh process, as typed (the rank server started, then stopped); the
+    others through the command's main() in this process. (Damaged weights for task=eval: the
+    same checks, in-process, below.)"""
+    result = run_cli(*args, cwd=tmp_path, timeout=120) if args[0] == "-m" else refused_here(*args, cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fsdp_exp: {args[-1].split('=')[0]}"), result.stderr

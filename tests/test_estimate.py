@@ -14,7 +14,7 @@ from fsdp_exp.errors import ConfigError
 from fsdp_exp.estimate.breakdown import GB, attention_workspace, estimate_batch
 from fsdp_exp.estimate.allocator import cuda_block
 from fsdp_exp.estimate.trace import for_tracing, trace
-from tests.conftest import REPO, read_json, run_cli
+from tests.conftest import REPO, read_json, refused_here, run_cli
 
 WIDTH, DEPTH, FP32, INT64 = 256, 4, 4, 8
 LAYER = WIDTH * WIDTH * FP32  # one Linear's weight: 262,144 bytes
@@ -221,7 +221,7 @@ def test_more_ranks_hold_less_per_rank(tmp_path):
 
 
 def test_bad_estimate_settings_are_one_line(tmp_path):
-    result = run_cli("task=estimate", "task.world_size=0", "wandb.mode=disabled", cwd=tmp_path)
+    result = refused_here("task=estimate", "task.world_size=0", "wandb.mode=disabled", cwd=tmp_path)
     assert result.returncode != 0
     assert "task.world_size=0" in result.stderr and "Traceback" not in result.stderr
     with pytest.raises(ConfigError, match="task.device=tpu: choose one of: auto, cpu, cuda"):
@@ -282,7 +282,7 @@ def test_estimate_for_a_gpu_on_a_machine_without_one(tmp_path):
     assert record["gpu"] == "A100-40GB" and record["gpu_memory_gb"] == 40
     assert record["largest_batch_fitting"] == (record["batch_size"] if fitting else 0)
     assert "the device also holds cuda context 0.50 GB, nccl 0.69 GB outside it" in result.stdout
-    result = run_cli("task=estimate", "device=cuda", "wandb.mode=disabled", cwd=tmp_path)
+    result = refused_here("task=estimate", "device=cuda", "wandb.mode=disabled", cwd=tmp_path)
     assert result.returncode != 0 and "task.device=cuda" in result.stderr
 
 

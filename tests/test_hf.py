@@ -8,7 +8,6 @@ gradient shows at once. Every model here is tiny and built offline.
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_exp.checkpoint.export import load_weights
 from fsdp_exp.cli import compose_checked, compose_config
-from tests.conftest import REPO, precheck, read_json, read_jsonl, run_cli
+from tests.conftest import precheck, read_json, read_jsonl, refused_here
 from fsdp_exp.config import ConfigError
 from fsdp_exp.data.tokens import SyntheticTokens
 from fsdp_exp.driver.plan import prepare
@@ -185,23 +184,9 @@ def test_bad_hf_input_is_one_line_naming_the_key(gpt2_dir: Path, overrides: list
     assert "\n" not in str(refused.value)
 
 
-# Runs the real command line in a Python where `import transformers` fails as it does
-# when the package is not installed.
-WITHOUT_TRANSFORMERS = textwrap.dedent("""
-    import sys
-    class NotInstalled:
-        def find_spec(self, name, path=None, target=None):
-            if name == "transformers" or name.startswith("transformers."):
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-    sys.meta_path.insert(0, NotInstalled())
-    from fsdp_exp.cli import main
-    main()
-""")
-
-
 def test_without_transformers_model_hf_is_one_line_naming_the_extra(tmp_path: Path) -> None:
-    result = run_cli("model=hf", "data=synthetic_tokens", "wandb.mode=disabled", cwd=tmp_path,
-                     module=("-c", WITHOUT_TRANSFORMERS), extra_env={"PYTHONPATH": str(REPO)})
+    result = refused_here("model=hf", "data=synthetic_tokens", "wandb.mode=disabled", cwd=tmp_path,
+                          missing=("transformers",))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == ("fsdp_exp: model=hf: needs transformers, which is not installed; "
                                      "install the extra: pip install -e .[hf]")

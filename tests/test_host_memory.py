@@ -16,7 +16,7 @@ from fsdp_exp.driver.plan import prepare
 from fsdp_exp.estimate.breakdown import GB, estimate_batch
 from fsdp_exp.estimate.host import PREFETCH, HostSetup, host_memory
 from fsdp_exp.estimate.trace import trace
-from tests.conftest import REPO, read_json, run_cli
+from tests.conftest import REPO, read_json, refused_here, run_cli
 from tests.test_estimate import DEPTH, FP32, INT64, LAYER, STACK, WIDTH
 
 SAMPLE = WIDTH * FP32 + INT64  # a sample of Vectors and its class index
@@ -93,7 +93,7 @@ def test_memory_host_limit_gb_judges_the_host_and_the_table_says_what_holds_less
     assert "fewer ranks per node, fewer data.num_workers" in result.stdout
     assert "does not fit with the host under memory.host_limit_gb=0.5" in result.stdout + result.stderr
 
-    bad = run_cli("task=estimate", "memory.host_limit_gb=0", "wandb.mode=disabled", cwd=tmp_path)
+    bad = refused_here("task=estimate", "memory.host_limit_gb=0", "wandb.mode=disabled", cwd=tmp_path)
     assert bad.returncode != 0 and "memory.host_limit_gb=0.0: must be greater than 0" in bad.stderr
     assert "Traceback" not in bad.stderr
 

@@ -22,7 +22,7 @@ from typing import Iterator
 import pytest
 
 from fsdp_exp.checkpoint.files import step_name
-from tests.conftest import SMALL_VIT, rank_pid, read_json, read_jsonl, run_cli
+from tests.conftest import SMALL_VIT, rank_pid, read_json, read_jsonl, refused_here, run_cli
 
 RAY = ["launcher=ray"]
 # 4 steps, a record and a checkpoint every 2: the Ray run reports 4 records and 2 checkpoints.
@@ -109,13 +109,9 @@ def test_a_run_matches_launcher_local_and_fills_the_run_directory(tmp_path: Path
 
 
 def test_without_ray_installed_launcher_ray_names_the_extra(tmp_path: Path) -> None:
-    """A `ray` package that fails to import stands in for a missing one."""
-    fake = tmp_path / "no_ray" / "ray"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('No module named ray (a stand-in for a missing ray)')\n")
-    path = os.pathsep.join([str(fake.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    """`import ray` fails as when the package is not installed."""
     out = tmp_path / "run"
-    result = run_cli(*RAY, *SMALL_VIT, f"hydra.run.dir={out}", cwd=tmp_path, extra_env={"PYTHONPATH": path})
+    result = refused_here(*RAY, *SMALL_VIT, f"hydra.run.dir={out}", cwd=tmp_path, missing=("ray",))
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip() == ("fsdp_exp: launcher=ray: needs ray[train], which is not installed; "
                                      "install the extra: pip install -e .[ray]")

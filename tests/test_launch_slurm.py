@@ -19,7 +19,7 @@ import pytest
 
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.slurm import SlurmLauncher
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli, signal_at_step
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, refused_here, run_cli, signal_at_step
 
 SLURM_LOCAL = ["launcher=slurm", "launcher.cluster=local"]
 
@@ -200,13 +200,9 @@ def fake_missing_submitit(tmp_path: Path) -> dict:
 
 
 def test_without_submitit_launcher_slurm_is_one_line_naming_the_extra(tmp_path: Path) -> None:
-    """A `submitit` that fails to import, first on PYTHONPATH: what `import submitit` sees when
-    the package is not installed. The refusal comes during the checks: exit 2, no output."""
-    fake = tmp_path / "no_submitit" / "submitit"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'submitit'\")\n")
-    path = os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")]))
-    result = run_cli(*SLURM_LOCAL, *SMALL_VIT, cwd=tmp_path, extra_env={"PYTHONPATH": path})
+    """`import submitit` fails as when the package is not installed. The refusal comes during
+    the checks: exit 2, no output."""
+    result = refused_here(*SLURM_LOCAL, *SMALL_VIT, cwd=tmp_path, missing=("submitit",))
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip() == ("fsdp_exp: launcher=slurm: needs submitit, which is not installed; "
                                      "install the extra: pip install -e .[slurm]")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fsdp_exp.cli import compose_checked
-from tests.conftest import REPO, SMALL_VIT, precheck, rank_pid, read_json, run_cli
+from tests.conftest import REPO, SMALL_VIT, precheck, rank_pid, read_json, refused_here, run_cli
 from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
@@ -165,7 +165,7 @@ def test_a_probe_past_its_timeout_is_recorded_as_failed(tmp_path: Path) -> None:
 
 
 def test_bad_input_is_one_line_before_any_probe(tmp_path: Path) -> None:
-    result = run_cli("task=max_batch", "device=cpu", cwd=tmp_path)
+    result = refused_here("task=max_batch", "device=cpu", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "memory.limit_gb: task=max_batch on CPU needs a per-rank limit" in result.stderr

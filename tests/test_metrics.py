@@ -19,7 +19,7 @@ from fsdp_exp.metrics.sinks import Progress, record_line, summary_table
 from fsdp_exp.models.vit import build_vit
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, refused_here, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +283,7 @@ def test_wandb_settings_the_config_leaves_open_come_from_the_environment(
 
 
 def test_a_bad_wandb_mode_in_the_environment_is_one_line(tmp_path: Path) -> None:
-    result = run_cli("train.steps=1", cwd=tmp_path, extra_env={"WANDB_MODE": "loud"})  # refused before it trains
+    result = refused_here("train.steps=1", cwd=tmp_path, extra_env={"WANDB_MODE": "loud"})  # refused before it trains
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
     assert result.stderr.strip().splitlines() == [

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.conftest import precheck, read_json, read_jsonl, run_cli
+from tests.conftest import precheck, read_json, read_jsonl, refused_here, run_cli
 from fsdp_exp.config import ConfigError
 from fsdp_exp.data.token_file import TokenFile, TokenWindows, first_bad_id
 
@@ -226,7 +226,7 @@ def test_cli_refuses_a_bad_file_in_one_line_and_leaves_nothing_behind(tmp_path: 
     path, args, expected = make_bad_files(tmp_path, "id too big")
     work = tmp_path / "work"
     work.mkdir()
-    result = run_cli(*args, cwd=work, timeout=120)
+    result = refused_here(*args, cwd=work)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fsdp_exp: data.path={path}: "), result.stderr

@@ -15,7 +15,7 @@ from fsdp_exp.tasks.tune.report import answer_line, command_line, plot, tune_rec
 from fsdp_exp.tasks.tune.settings import Budget, default_space, parse_budget
 from fsdp_exp.tasks.tune.space import flatten, setups
 from fsdp_exp.tasks.tune.tuner import step_spread
-from tests.conftest import read_json, run_cli
+from tests.conftest import read_json, refused_here, run_cli
 
 # --- the space ---
 
@@ -297,7 +297,7 @@ def test_a_budget_spent_before_a_search_ends_answers_with_the_best_probe_so_far(
     (["memory.limit_gb=1", "resume=auto"], "resume=auto: task=tune starts every probe fresh"),
 ])
 def test_what_no_search_can_do_is_one_line_naming_the_tune_before_any_probe(tmp_path, args, message):
-    result = run_cli("task=tune", "device=cpu", *args, cwd=tmp_path)
+    result = refused_here("task=tune", "device=cpu", *args, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert message in result.stderr

@@ -6,6 +6,6 @@ if __name__ == "__main__":
         from fsdp_exp.launch.rank_server import start_rank_server
 
         start_rank_server()
-    from fsdp_exp.cli import main
+    from fsdp_exp.cli import command
 
-    main()
+    command()

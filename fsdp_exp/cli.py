@@ -10,15 +10,18 @@ external torchrun) acts as one worker instead.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from hydra.errors import HydraException
@@ -69,6 +72,30 @@ def main() -> None:
         sys.exit(EXIT_STOPPED + stop_signal(err))
     finally:
         side_by_side.close()  # runs still in flight (Ctrl-C) stop their jobs before the command ends
+
+
+def command() -> NoReturn:
+    """`python -m fsdp_exp` and `fsdp-exp`: main(), then the process ends without Python
+    freeing every module it imported, which takes a second or more once torch is loaded.
+    What a normal exit does first still happens: threads still running are waited for,
+    atexit's hooks run (logging's files flushed and closed, wandb's and Ray's shutdown),
+    and the console's streams are flushed. An exception main() does not turn into an exit
+    code ends the process as usual, with its traceback."""
+    try:
+        main()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe (| head) or stream
+            stream.flush()
+    os._exit(code)
 
 
 def swept_group_hint(line: str, argv: list[str]) -> str:
@@ -134,4 +161,4 @@ def compose_checked(overrides: list[str], config_name: str = "config") -> DictCo
 
 
 if __name__ == "__main__":
-    main()
+    command()

@@ -61,10 +61,11 @@ def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
     seconds a fresh interpreter spends importing torch. Every refusal takes the same way out
     of `main()` (one line, exit 2); tests/test_config.py runs it in a fresh process too, rank
     server included. `missing`: packages whose import fails meanwhile, as when they are not
-    installed (Python's own way: None in sys.modules). Hydra's, the signals' and the
-    process's state are put back."""
+    installed (Python's own way: None in sys.modules). Hydra's, logging's, the signals' and
+    the process's state are put back."""
     import contextlib
     import io
+    import logging
     import signal
 
     from hydra.core.global_hydra import GlobalHydra
@@ -73,6 +74,8 @@ def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
 
     saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    loggers = [logging.root, *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    logging_state = [(lg, lg.handlers[:], lg.filters[:], lg.level, lg.propagate, lg.disabled) for lg in loggers]
     out, err, code = io.StringIO(), io.StringIO(), 0
     hidden = {name: sys.modules.get(name) for name in missing}
     sys.modules.update(dict.fromkeys(missing))
@@ -91,6 +94,9 @@ def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
         os.environ.update(saved_env)
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+        for lg, lg_handlers, lg_filters, level, propagate, disabled in logging_state:
+            lg.handlers[:], lg.filters[:] = lg_handlers, lg_filters
+            lg.level, lg.propagate, lg.disabled = level, propagate, disabled
         GlobalHydra.instance().clear()
         for name, module in hidden.items():
             if module is None:

@@ -172,17 +172,34 @@ def test_the_sweeper_hands_the_launcher_each_run_as_the_check_composed_it() -> N
 
 
 DRIVER = """
+import atexit
 import sys
+import threading
+import time
 from fsdp_exp.launch.rank_server import start_rank_server
-from fsdp_exp.cli import main
+import fsdp_exp.cli as cli
+
+main_ended = threading.Event()
+
+
+def main():
+    try:
+        run_main()
+    finally:
+        main_ended.set()
+
+
+def imported():
+    print("driver imported:", sorted(m for m in ("torchvision", "fsdp_exp.models.vit") if m in sys.modules))
+
 
 if __name__ == "__main__":  # as python -m fsdp_exp does it
     start_rank_server()
     sys.argv = ["fsdp_exp", *sys.argv[1:]]
-    try:
-        main()
-    finally:
-        print("driver imported:", sorted(m for m in ("torchvision", "fsdp_exp.models.vit") if m in sys.modules))
+    run_main, cli.main = cli.main, main
+    atexit.register(imported)  # command() ends the process at once, after atexit's hooks
+    threading.Thread(target=lambda: (main_ended.wait(), time.sleep(0.3), print("a thread still running: waited for"))).start()
+    cli.command()
 """
 
 
@@ -191,12 +208,14 @@ def test_the_model_is_checked_against_the_data_in_a_fork_of_the_rank_server(tmp_
     """The command never imports the model's modules (torchvision's take 1.1 s): its check
     of the model against the data runs forked from the rank server, which has them; a
     model that cannot read the data is refused from there in one line, before any run
-    directory exists."""
+    directory exists. The command then ends at once (command()), yet waits for a thread
+    still running and runs atexit's hooks first, as a normal exit does."""
     (tmp_path / "driver.py").write_text(DRIVER)
     out = tmp_path / "run"
     args = [*SMALL_VIT, "train.steps=1", f"hydra.run.dir={out}", *(["data=synthetic_tokens"] if bad else [])]
     result = run_cli(str(tmp_path / "driver.py"), *args, cwd=tmp_path, module=())
-    assert result.stdout.strip().splitlines()[-1] == "driver imported: []", result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-2:] == ["a thread still running: waited for", "driver imported: []"], \
+        result.stdout + result.stderr
     if bad:
         assert result.returncode == 2 and not out.exists()
         assert result.stderr.strip().startswith("fsdp_exp: data.seq_len=128: model fsdp_exp.models.vit.build_vit "

@@ -284,12 +284,11 @@ def test_export_writes_the_plain_model_from_any_checkpoint(tmp_path: Path, refer
     final = load_file(reference / "model.safetensors")  # gathered at the end of training
     model = plain_small_vit()
     model.load_state_dict(final, strict=True)
-    for fmt, name in (("safetensors", "model.safetensors"), ("pt", "model.pt")):
-        out = tmp_path / fmt
-        result = run_cli(*SMALL_VIT, "task=export", f"task.checkpoint={reference / 'checkpoints'}",
-                         f"task.format={fmt}", f"hydra.run.dir={out}", cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-2000:]
-        exported = load_file(out / name) if fmt == "safetensors" else torch.load(out / name, weights_only=True)
+    result = run_cli("-m", *SMALL_VIT, "task=export", f"task.checkpoint={reference / 'checkpoints'}",
+                     "task.format=safetensors,pt", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for out, name in ((tmp_path / "sweep" / "0", "model.safetensors"), (tmp_path / "sweep" / "1", "model.pt")):
+        exported = load_file(out / name) if name.endswith(".safetensors") else torch.load(out / name, weights_only=True)
         assert exported.keys() == final.keys()
         assert all(torch.equal(exported[k], final[k]) for k in final)
 
@@ -329,15 +328,12 @@ def test_eval_with_device_cuda_on_a_machine_without_a_gpu_says_where_it_runs(tmp
 def test_eval_reports_loss_and_accuracy_on_the_test_split(tmp_path: Path, reference: Path) -> None:
     images, labels = make_dataset(tmp_path / "data", "FashionMNIST", n=96)
     data = ["data=fashion_mnist", f"data.root={tmp_path / 'data'}"]
-    by_source = {}
-    for source in (reference / "model.safetensors", reference / "checkpoints"):
-        out = tmp_path / f"eval_{source.name}"
-        result = run_cli(*SMALL_VIT, *data, "task=eval", f"task.weights={source}", "task.show=4",
-                         f"hydra.run.dir={out}", cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-2000:]
-        assert "predicted / label" in result.stdout
-        by_source[source.name] = read_json(out / "summary.json")
-    from_file, from_dcp = by_source.values()
+    sources = (reference / "model.safetensors", reference / "checkpoints")
+    result = run_cli("-m", *SMALL_VIT, *data, "task=eval", f"task.weights={','.join(map(str, sources))}", "task.show=4",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("predicted / label") == 2, result.stdout
+    from_file, from_dcp = (read_json(tmp_path / "sweep" / str(n) / "summary.json") for n in range(2))
     assert from_file["eval_samples"] == 96 and len(from_file["examples"]) == 4
     # The same figures by hand, from the exported file and the IDX files.
     model = plain_small_vit()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import pickle
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -42,35 +42,59 @@ def test_default_experiment_trains_to_the_end(tmp_path: Path) -> None:
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), "wandb offline run missing"
 
 
-def test_sweep_over_sharding_and_precision(tmp_path: Path) -> None:
-    result = run_cli(
-        "-m", "sharding=full,grad_op", "precision=bf16", *SMALL_VIT, "train.steps=3",
-        "train.log_every=1", cwd=tmp_path, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
-    runs = sorted(p for p in sweep.iterdir() if p.is_dir())
-    assert [p.name for p in runs] == ["0", "1"]
-    seen = set()
-    for run in runs:
-        summary = read_json(run / "summary.json")
+# One -m sweep, as a user types it (the outputs/multirun/<date>/<time> default), read by the
+# three tests below: every combination runs, offload with both mixed precisions trains, and
+# the combinations the check refuses (ddp keeps a full replica) are rows of their own.
+GRID = ["sharding=full,ddp", "offload=false,true", "precision=bf16,fp16"]
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict[tuple, dict], Path]:
+    tmp = tmp_path_factory.mktemp("grid")
+    result = run_cli("-m", *GRID, *SMALL_VIT, "train.steps=3", "train.log_every=1", cwd=tmp, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (sweep,) = (tmp / "outputs" / "multirun").glob("*/*")
+    summaries = {}
+    for run in sweep.iterdir():
+        if run.is_dir() and run.name.isdigit():
+            summary = read_json(run / "summary.json")
+            offload = next(o.split("=")[1].lower() for o in summary["overrides"] if o.startswith("offload="))
+            key = (summary["choices"]["sharding"], offload, summary["choices"]["precision"])
+            summaries[key] = summary | {"dir": run}
+    return result, summaries, sweep
+
+
+def test_a_sweep_runs_every_combination_in_a_directory_of_its_own(grid) -> None:
+    _, summaries, sweep = grid
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")) == [str(n) for n in range(8)]
+    assert sorted(summaries) == sorted((s, o, p) for s in ("full", "ddp") for o in ("false", "true")
+                                       for p in ("bf16", "fp16"))
+    for (sharding, offload, _), summary in summaries.items():
+        if (sharding, offload) == ("ddp", "true"):
+            continue
         assert summary["status"] == "ok", summary
-        seen.add((summary["choices"]["sharding"], summary["choices"]["precision"]))
-        assert len(read_jsonl(run / "metrics.jsonl")) == 3
-    assert seen == {("full", "bf16"), ("grad_op", "bf16")}
+        assert [r["step"] for r in read_jsonl(summary["dir"] / "metrics.jsonl")] == [1, 2, 3]
 
 
-def test_offload_and_fp16_train(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    result = run_cli(
-        "sharding=full", "offload=true", "precision=fp16", *SMALL_VIT, "train.steps=4",
-        "train.log_every=2", f"hydra.run.dir={out}", cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr
-    summary = read_json(out / "summary.json")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_offload_trains_in_mixed_precision(grid, precision: str) -> None:
+    summary = grid[1][("full", "true", precision)]
     assert summary["status"] == "ok" and summary["world_size"] == 2
-    assert all(r["loss"] == r["loss"] for r in read_jsonl(out / "metrics.jsonl")), "NaN loss"
-    assert json.loads((out / "summary.json").read_text())["choices"]["precision"] == "fp16"
+    losses = [r["loss"] for r in read_jsonl(summary["dir"] / "metrics.jsonl")]
+    assert all(loss == loss for loss in losses), f"NaN loss: {losses}"
+
+
+def test_a_grid_sweep_runs_its_valid_runs_and_shows_the_invalid_one_as_refused(grid) -> None:
+    """sharding=ddp with offload=true is refused (DDP keeps a full replica); the other runs of
+    the grid still train, and each refused one is a row of its own with its reason."""
+    result, summaries, _ = grid
+    refused_lines = [line for line in result.stderr.splitlines() if line.startswith("fsdp_exp: refused ")]
+    assert len(refused_lines) == 2, result.stderr[-3000:]
+    assert all("offload=true: sharding=ddp keeps a full replica on every rank" in line for line in refused_lines)
+    assert "fsdp_exp: 2 of 8 runs refused by their check" in result.stderr
+    for precision in ("bf16", "fp16"):
+        refused = summaries[("ddp", "true", precision)]
+        assert refused["status"] == "refused" and "sharding=ddp keeps a full replica" in refused["error"]
 
 
 # Hydra's submitit launcher plugin, on this machine; one rank per run keeps it small.
@@ -119,20 +143,6 @@ def test_a_sweep_runs_every_combination_in_hydras_order() -> None:
                                                       ["train.batch_size=24"]]
     with pytest.raises(ConfigError, match=r"^train.lr=interval\(0,1\): a range sweep needs a sweeper plugin"):
         runs("train.lr=interval(0,1)")
-
-
-def test_a_grid_sweep_runs_its_valid_runs_and_shows_the_invalid_one_as_refused(tmp_path: Path) -> None:
-    """sharding=ddp with offload=true is refused (DDP keeps a full replica); the other run of
-    the grid still trains, and the refused one is a row of its own with its reason."""
-    result = run_cli("-m", *SMALL_VIT, "sharding=ddp", "offload=false,true", "train.steps=2", "train.log_every=1",
-                     "hydra.sweep.dir=sweep", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    refused_line = next(line for line in result.stderr.splitlines() if "refused offload=true" in line.lower())
-    assert "offload=true: sharding=ddp keeps a full replica on every rank" in refused_line
-    summaries = {read_json(p)["choices"].get("sharding", "") + "/" + str(read_json(p).get("status")): read_json(p)
-                 for p in (tmp_path / "sweep").glob("*/summary.json")}
-    assert sorted(summaries) == ["ddp/ok", "ddp/refused"]
-    assert "sharding=ddp keeps a full replica" in summaries["ddp/refused"]["error"]
 
 
 def test_a_sweep_whose_every_run_is_refused_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import SMALL_VIT, read_jsonl, run_cli
+from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
 
 STEPS = 6
 COMMON = [
@@ -32,18 +32,36 @@ COMMON = [
 TOLERANCE = 1e-5
 
 
-def train(tmp: Path, name: str, *overrides: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    out = tmp / name
-    result = run_cli(*COMMON, *overrides, f"hydra.run.dir={out}", cwd=tmp)
-    assert result.returncode == 0, result.stderr
+def read_run(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, STEPS + 1))
     return losses, load_file(out / "model.safetensors")
 
 
+def train(tmp: Path, name: str, *overrides: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    out = tmp / name
+    result = run_cli(*COMMON, *overrides, f"hydra.run.dir={out}", cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    return read_run(out)
+
+
+# One command's -m sweep trains the reference and the plain sharding options, one run each.
+SWEPT = ("none", "full", "grad_op", "ddp")
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):
-    return train(tmp_path_factory.mktemp("ref"), "none", "sharding=none")
+def swept(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    tmp = tmp_path_factory.mktemp("sweep")
+    result = run_cli("-m", *COMMON, f"sharding={','.join(SWEPT)}", f"hydra.sweep.dir={tmp / 'sweep'}", cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    runs = {read_json(run / "summary.json")["choices"]["sharding"]: run for run in (tmp / "sweep").glob("[0-9]")}
+    assert sorted(runs) == sorted(SWEPT)
+    return {name: read_run(run) for name, run in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(swept):
+    return swept["none"]
 
 
 SETUPS = {
@@ -65,9 +83,9 @@ FAST = {"full", "grad_op", "hybrid_2x1", "ddp", "meta_init"}
 
 
 @pytest.mark.parametrize("setup", [s if s in FAST else pytest.param(s, marks=pytest.mark.slow) for s in SETUPS])
-def test_two_ranks_match_one_unsharded_process(reference, setup: str, tmp_path: Path) -> None:
+def test_two_ranks_match_one_unsharded_process(reference, swept, setup: str, tmp_path: Path) -> None:
     ref_losses, ref_weights = reference
-    losses, weights = train(tmp_path, setup, *SETUPS[setup])
+    losses, weights = swept[setup] if setup in swept else train(tmp_path, setup, *SETUPS[setup])
 
     assert ref_losses[-1] < ref_losses[0], "the reference run must actually learn"
     for step, (ref, got) in enumerate(zip(ref_losses, losses), start=1):
@@ -76,7 +94,6 @@ def test_two_ranks_match_one_unsharded_process(reference, setup: str, tmp_path: 
     for name, ref in ref_weights.items():
         diff = ((weights[name] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         assert diff < TOLERANCE, f"{name}: relative difference {diff:.2e}"
-
 
 
 @pytest.mark.slow

@@ -59,7 +59,7 @@ def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
     """`python -m fsdp_exp ARGS` run by its own `main()` in this process, for a command the
     check must refuse before anything starts: its exit code and what it printed, without the
     seconds a fresh interpreter spends importing torch. Every refusal takes the same way out
-    of `main()` (one line, exit 2); tests/test_config.py runs it in a fresh process too, rank
+    of `main()` (one line, exit 2); tests/test_checks.py runs it in a fresh process too, rank
     server included. `missing`: packages whose import fails meanwhile, as when they are not
     installed (Python's own way: None in sys.modules). Hydra's, logging's, the signals' and
     the process's state are put back."""

@@ -267,23 +267,56 @@ def comparison_rows(runs: list[Run]) -> list[dict]:
 def row(run: Run, setup: str) -> dict:
     s = run.summary
     task = (s.get("choices") or {}).get("task") or s.get("task") or "train"
-    max_batch = s.get("max_batch_size") if task == "max_batch" else None
-    limit = s.get("limit_gb") if task == "max_batch" else lookup(run.config, "memory.limit_gb")
+    limit = s.get("limit_gb") if task in SEARCHES else lookup(run.config, "memory.limit_gb")
     return {
-        "setup": setup, "task": task, "status": s["status"], "max_batch_size": max_batch,
+        "setup": setup, "task": task, "status": s["status"],
         **{k: s.get(k) for k in ("fastest_batch_size", "near_fastest_batch_size", "smallest_batch_needs_gb",
                                  "resolution")},
-        "batch_size": max_batch if task == "max_batch" else train_batch_size(run),
         "samples_per_s": s.get("samples_per_s"), "warmup_only": s.get("warmup_only"), "limit_gb": None if limit is MISSING else limit,
         "peak_under_limit_gb": s.get("peak_under_limit_gb"), "peak_mem_gb": s.get("peak_mem_gb"),
         "estimated_peak_gb": s.get("estimated_peak_gb"),  # the run's own (memory.estimate)
         "estimate_error": s["estimate_ratio"] - 1 if s.get("estimate_ratio") else None,
         "world_size": s.get("world_size"), "mfu": s.get("mfu"),
         **{k: s.get(k) for k in ("final_loss", "eval_loss", "eval_accuracy")},
-        "note": (failure_reason(s) if s["status"] != "ok"
-                 else none_fits(s) if task == "max_batch" and max_batch == 0 else None),
+        "note": failure_reason(s) if s["status"] != "ok" else None,
+        **task_figures(task, s, run),
         "run_dir": run.source, "error": s.get("error"), "overrides": " ".join(run.overrides),
     }
+
+
+# The tasks whose summary holds the memory limit they searched or estimated under.
+SEARCHES = ("max_batch", "tune", "estimate")
+
+
+def task_figures(task: str, s: dict, run: Run) -> dict:
+    """The batch a row's figures are for, and its largest batch, in each task's own terms:
+    a search's answer; a tune's winner (its batch, the largest it fits, its peak); an
+    estimate's batch and the largest it puts under the limit (its peak is estimated, so it
+    goes in the estimate's column); a run's configured batch."""
+    if task == "max_batch":
+        max_batch = s.get("max_batch_size")
+        return {"max_batch_size": max_batch, "batch_size": max_batch,
+                **({"note": none_fits(s)} if max_batch == 0 and s["status"] == "ok" else {})}
+    if task == "tune":
+        peak_key = "peak_under_limit_gb" if s.get("limit_gb") is not None else "peak_mem_gb"
+        return {"max_batch_size": s.get("max_batch_size"), "batch_size": s.get("batch_size"),
+                peak_key: s.get("peak_gb"), **({"note": tune_note(s)} if s["status"] == "ok" else {})}
+    if task == "estimate":
+        return {"max_batch_size": s.get("largest_batch_fitting"), "batch_size": s.get("batch_size"),
+                "estimated_peak_gb": s.get("peak_mem_gb"), "peak_mem_gb": None,
+                **({"note": "estimated, not measured"} if s["status"] == "ok" else {})}
+    return {"max_batch_size": None, "batch_size": train_batch_size(run)}
+
+
+def tune_note(s: dict) -> str:
+    if not s.get("winner"):
+        return "no setup trained under the limit"
+    confirmed = s.get("confirmed")
+    if not confirmed:
+        return f"winner {s['winner']}, NOT CONFIRMED: its command line was never run"
+    if confirmed.get("status") != "ok":
+        return f"winner {s['winner']}, NOT CONFIRMED: its command line did not train ({confirmed.get('status')})"
+    return f"winner {s['winner']}"
 
 
 def failure_reason(summary: dict) -> str:

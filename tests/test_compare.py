@@ -152,6 +152,56 @@ def test_max_batch_runs_show_their_max_batch(tmp_path: Path) -> None:
     assert "| peak memory (GB) | memory.limit_gb | peak under the limit (GB) |" in md
 
 
+def tune_summary(confirmed: dict | None, **changes) -> dict:
+    """As task=tune's report writes it (fsdp_exp.tasks.tune.report)."""
+    return {"status": "ok", "task": "tune", "winner": "sharding=full offload=true",
+            "command": "python -m fsdp_exp task=train sharding=full offload=true train.batch_size=180",
+            "batch_size": 180, "max_batch_size": 195, "grad_accum": 1, "step_s": None, "samples_per_s": 65.5,
+            "tokens_per_s": None, "peak_gb": 0.7712, "speed_noise": 0.05, "confirmed": confirmed, "as_fast": [],
+            "limit_gb": 0.8, "world_size": 2, "setups": 12, "settled": {"measured": 4}, "probes": 20,
+            "probes_reused": 0, "stopped_by_budget": confirmed is None, **changes,
+            "overrides": ["task=tune", "memory.limit_gb=0.8"], "choices": {"model": "vit", "task": "tune"}}
+
+
+def test_a_tune_row_is_its_winner_with_its_batch_max_batch_and_peak_and_says_when_it_is_unconfirmed(
+        tmp_path: Path) -> None:
+    make_run(tmp_path / "runs" / "0", tune_summary({"status": "ok", "samples_per_s": 63.0}), batch_size=32)
+    make_run(tmp_path / "runs" / "1", tune_summary(None), batch_size=32)
+    code, rows, md = compare(tmp_path / "runs", out=tmp_path / "out")
+    assert code == 0
+    # train.batch_size=32 in the config is not the tune's answer: the winner's 180 is
+    assert [(r["batch_size"], r["max_batch_size"], r["peak_under_limit_gb"], r["samples_per_s"]) for r in rows] == [
+        ("180", "195", "0.7712", "65.5")] * 2
+    assert rows[0]["note"] == "winner sharding=full offload=true"
+    assert rows[1]["note"] == "winner sharding=full offload=true, NOT CONFIRMED: its command line was never run"
+    assert "| 195 | 180 | 65.5 |" in md and "0.771" in md
+
+
+ESTIMATE = {"status": "ok", "task": "estimate", "peak_mem_gb": 0.0469, "predicted_peak_gb": 0.4705, "batch_size": 32,
+            "world_size": 2, "device": "cpu", "limit_gb": None, "largest_batch_fitting": None,
+            "predicted_max_batch": None, "host_gb": 1.4997, "ranks_per_node": 2, "host_limit_gb": None, "wall_s": 5.3}
+
+
+def test_an_estimate_sweep_shows_the_batch_its_peak_is_for_and_draws_the_peaks(tmp_path: Path) -> None:
+    """As `-m task=estimate sharding=full,ddp` writes it: the batch each peak is for, the
+    largest batch under the limit, and the estimated peaks drawn, where no run has samples/s."""
+    for num, (sharding, peak, largest) in enumerate([("full", 0.0469, 610), ("ddp", 0.0971, 250)]):
+        make_run(tmp_path / "runs" / str(num), ESTIMATE | {"peak_mem_gb": peak, "limit_gb": 0.6,
+                                                            "largest_batch_fitting": largest,
+                                                            "overrides": ["task=estimate", f"sharding={sharding}"],
+                                                            "choices": {"task": "estimate", "sharding": sharding}})
+    code, rows, md = compare(tmp_path / "runs", out=tmp_path / "out")
+    assert code == 0
+    assert [(r["setup"], r["batch_size"], r["max_batch_size"], r["estimated_peak_gb"], r["peak_mem_gb"], r["limit_gb"])
+            for r in rows] == [("sharding=full", "32", "610", "0.0469", "", "0.6"),
+                               ("sharding=ddp", "32", "250", "0.0971", "", "0.6")]
+    assert all(r["note"] == "estimated, not measured" for r in rows)
+    drawn = plot_comparison([{"setup": r["setup"], "task": "estimate", "status": "ok",
+                              "max_batch_size": int(r["max_batch_size"]), "estimated_peak_gb": float(r["estimated_peak_gb"])}
+                             for r in rows], tmp_path / "chart.png")
+    assert drawn == ["610", "250", "0.047", "0.097"]  # the largest batches, then the peaks
+
+
 def test_none_fits_is_a_row_with_what_batch_one_needs(tmp_path: Path) -> None:
     make_run(tmp_path / "runs" / "0", max_batch_summary("full", 212))
     make_run(tmp_path / "runs" / "1", max_batch_summary(

@@ -121,8 +121,8 @@ def rows() -> list[Row]:
     return [
         Row("sharding=ddp", ["sharding=ddp"], "bounded", "below the best", 300, samples_per_s=250.0, peak_gb=0.58,
             bound_samples_per_s=270.0, probes=1),
-        Row("sharding=full", ["sharding=full"], "measured", "fastest of 3 probes", 200, samples_per_s=300.0,
-            peak_gb=0.59, headroom_gb=0.01, probes=3),
+        Row("sharding=full", ["sharding=full"], "measured", "fastest of 3 probes", 200, max_batch_size=212,
+            samples_per_s=300.0, peak_gb=0.59, headroom_gb=0.01, probes=3),
         Row("sharding=grad_op", ["sharding=grad_op"], "measured", "fastest of 4 probes", 250, samples_per_s=290.0,
             peak_gb=0.57, headroom_gb=0.03, probes=4),
         Row("sharding=ddp offload=true", ["sharding=ddp", "offload=true"], "refused", "offload=true: sharding=ddp ..."),
@@ -141,6 +141,7 @@ def test_the_record_names_the_winner_its_command_line_and_what_is_as_fast():
                          limit_gb=0.6, budget="none", stopped=False, probes_run=8, probes_reused=0,
                          tokens_per_sample=0, wall_s=100.0)
     assert record["winner"] == "sharding=full" and record["batch_size"] == 200
+    assert record["max_batch_size"] == 212  # the winner's: compare shows it beside the batch
     # what the user types: the search path quoted for the shell
     assert record["command"] == ("python -m fsdp_exp model=cnn 'hydra.searchpath=[file://./conf]' sharding=full "
                                  "train.batch_size=200")

@@ -135,21 +135,37 @@ LABEL_LINES = 2
 LABEL_ALL_POINTS_UP_TO = 12
 
 
+def peak_of(row: dict) -> float | None:
+    """A row's peak memory: as the limit counts it where there was one, else measured, else
+    estimated."""
+    for key in ("peak_under_limit_gb", "peak_mem_gb", "estimated_peak_gb"):
+        if row.get(key) is not None:
+            return row[key]
+    return None
+
+
 def plot_comparison(rows: list[dict], path: Path, max_bars: int = MAX_BARS) -> list[str]:
     """One bar per run: its max batch size when any run searched for one, else samples/s;
-    samples/s beside it when both exist. Runs that did not finish ok are hatched grey. Past
-    `max_bars` runs, the fastest (by samples/s, else max batch) are drawn, fastest first, with
-    a note of how many were left out. Returns the texts drawn on the bars, then that note."""
+    samples/s beside it when both exist; where no run measured samples/s (a sweep of
+    task=estimate), each run's peak memory instead. Runs that did not finish ok are hatched
+    grey. Past `max_bars` runs, the fastest (by samples/s, else max batch) are drawn, fastest
+    first, with a note of how many were left out. Returns the texts drawn on the bars, then
+    that note."""
     plt = _pyplot()
     panels = []
     if any(r.get("max_batch_size") is not None for r in rows):
         panels.append(("max_batch_size", "max batch size (per rank)", "{:,.0f}"))
     if any(r.get("samples_per_s") is not None for r in rows):
         panels.append(("samples_per_s", "samples/s", "{:,.1f}"))
+    elif any(peak_of(r) is not None for r in rows):
+        rows = [r | {"peak_gb": peak_of(r)} for r in rows]
+        estimated = all(r.get("task") == "estimate" for r in rows)
+        panels.append(("peak_gb", "peak memory per rank (GB" + (", estimated)" if estimated else ")"), "{:.3f}"))
     if not panels:  # every run failed: still show which ones, by status
         panels.append(("samples_per_s", "samples/s", "{:,.1f}"))
     total = len(rows)
-    rows, left_out = _fastest(rows, panels[-1][0], max_bars)
+    ranked_by = next((key for key, *_ in reversed(panels) if key != "peak_gb"), panels[-1][0])  # not by memory
+    rows, left_out = _fastest(rows, ranked_by, max_bars)
 
     labels = [_short_label(r.get("setup") or "(defaults)") for r in rows]
     height = 1.5 + 0.35 * sum(label.count("\n") + 1.5 for label in labels)

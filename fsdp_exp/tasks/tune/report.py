@@ -49,6 +49,7 @@ def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb
         "winner": best.setup if best else None,
         "command": command_line(prefix, best) if best else None,
         "batch_size": best.batch_size if best else None,
+        "max_batch_size": best.max_batch_size if best else None,  # the largest the winner fits
         "grad_accum": best.grad_accum if best else None,
         "step_s": best.step_s if best else None,  # with task.global_batch: the time of one optimizer step
         "samples_per_s": best.samples_per_s if best else None,
@@ -127,7 +128,7 @@ def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) ->
     drawn = plot(record, png)
     log_to_wandb(exp, context, run_dir, record, png if drawn else None)
     log.info("%s\n%s\n  the record: %s", text, answer_line(record), run_dir / RECORD)  # the command line ends its own
-    keys = ("winner", "command", "batch_size", "grad_accum", "step_s", "samples_per_s", "tokens_per_s", "peak_gb",
+    keys = ("winner", "command", "batch_size", "max_batch_size", "grad_accum", "step_s", "samples_per_s", "tokens_per_s", "peak_gb",
             "speed_noise", "confirmed", "as_fast", "limit_gb",
             "world_size", "setups", "settled", "probes", "probes_reused", "stopped_by_budget")
     return {"task": "tune", **{k: record[k] for k in keys}}

@@ -8,12 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_exp.cli import compose_checked
 from fsdp_exp.config import as_dict
+from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, can_win, ranked, speed_bound, table, winner
-from fsdp_exp.tasks.tune.report import answer_line, command_line, plot, tune_record
+from fsdp_exp.tasks.tune.report import answer_line, command_line, plot, report, rows_of, tune_record
 from fsdp_exp.tasks.tune.settings import Budget, default_space, parse_budget
 from fsdp_exp.tasks.tune.space import flatten, setups
+from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.tune.tuner import step_spread
 from tests.conftest import read_json, refused_here, run_cli
 
@@ -186,6 +189,26 @@ def test_the_winner_run_again_sets_the_noise_band():
                          probes_reused=0, tokens_per_sample=0, wall_s=1.0,
                          confirmed={"status": "oom", "samples_per_s": None, "peak_gb": None, "reason": "out of memory"})
     assert "run again at batch 200 it did not train (oom: out of memory)" in answer_line(failed)
+    assert (record["winner_confirmed"], failed["winner_confirmed"]) == (True, False)
+
+
+def test_a_winner_whose_command_line_was_never_run_is_called_unconfirmed_everywhere(tmp_path):
+    """The budget ran out before the winner was run again: the answer line, tune.md's table and
+    tune.json say so in words a reader cannot miss."""
+    record = tune_record(rows(), prefix=[], world_size=2, limit_gb=0.6, budget="4m", stopped=True, probes_run=9,
+                         probes_reused=0, tokens_per_sample=0, wall_s=240.0, confirmed=None)
+    assert record["winner"] == "sharding=full" and record["winner_confirmed"] is False
+    line = answer_line(record)
+    assert "NOT CONFIRMED: its command line was never run (task.budget ran out first)" in line
+    assert "NOT CONFIRMED" in table(rows_of(record), tokens=False, confirmed=False).split("sharding=full")[0]
+    report_md = tmp_path / "tune.md"
+    exp = prepare(compose_checked(["task=tune", "memory.limit_gb=0.6", "wandb.mode=disabled"]), 0).exp
+    summary = report(exp, RunContext(), tmp_path, record)
+    assert summary["winner_confirmed"] is False
+    assert "| 1 (winner, NOT CONFIRMED) | sharding=full |" in report_md.read_text()
+    none = tune_record([rows()[-1]], prefix=[], world_size=2, limit_gb=0.6, budget="none", stopped=False,
+                       probes_run=1, probes_reused=0, tokens_per_sample=0, wall_s=1.0)
+    assert none["winner_confirmed"] is None and "NOT CONFIRMED" not in answer_line(none)
 
 
 def test_a_winner_with_accumulation_runs_with_it():

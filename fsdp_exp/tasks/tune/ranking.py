@@ -75,8 +75,10 @@ def ties(rows: list[Row], best: Row, noise: float = SPEED_NOISE) -> list[Row]:
             and best.samples_per_s and r.samples_per_s >= best.samples_per_s * (1 - noise)]
 
 
-def table(rows: list[Row], tokens: bool) -> str:
-    """The ranked rows as a markdown table."""
+def table(rows: list[Row], tokens: bool, confirmed: bool = True) -> str:
+    """The ranked rows as a markdown table; the winner's row says so, and says when its
+    command line was not confirmed by a run of it (`confirmed`)."""
+    marker = " (winner)" if confirmed else " (winner, NOT CONFIRMED)"
     mfu = any(r.mfu is not None for r in rows)  # where the device's peak FLOP/s is known
     step = any(r.step_s is not None for r in rows)  # task.global_batch
     head = ["#", "setup", "batch", *(["step s"] if step else []), "samples/s", *(["tokens/s"] if tokens else []),
@@ -84,7 +86,7 @@ def table(rows: list[Row], tokens: bool) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(ranked(rows), 1):
         batch = "" if r.batch_size is None else f"{r.batch_size}" + (f" x {r.grad_accum}" if r.grad_accum > 1 else "")
-        cells = [str(i) + (" (winner)" if r.winner else ""), r.setup, batch, *([fmt(r.step_s, ".3f")] if step else []),
+        cells = [str(i) + (marker if r.winner else ""), r.setup, batch, *([fmt(r.step_s, ".3f")] if step else []),
                  fmt(r.samples_per_s, ",.1f"),
                  *([fmt(r.tokens_per_s, ",.0f")] if tokens else []), *([fmt(r.mfu, ".1%")] if mfu else []),
                  fmt(r.peak_gb, ".3f"),

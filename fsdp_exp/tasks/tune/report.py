@@ -58,6 +58,8 @@ def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb
         "as_fast": [r.setup for r in ties(rows, best, noise)] if best else [],  # within the speed noise of the winner
         "speed_noise": noise,  # samples/s moves by this share between runs: the answer's noise band
         "confirmed": confirmed,
+        # False: the winner's command line was never run, or did not train (answer_line says which)
+        "winner_confirmed": bool(confirmed and confirmed["status"] == "ok") if best else None,
         "limit_gb": limit_gb,
         "world_size": world_size,
         "setups": len(rows),
@@ -93,10 +95,12 @@ def answer_line(record: dict) -> str:
 
 
 def run_again(record: dict) -> str:
-    """What the winner did when run again (empty when it was not)."""
+    """What the winner did when run again, or that it was not: a winner nobody ran as its
+    command line prints it is said to be one, in words a reader cannot miss."""
     confirmed = record.get("confirmed")
     if not confirmed:
-        return ""
+        why = "task.budget ran out first" if record.get("stopped_by_budget") else "the tune ended first"
+        return f"; NOT CONFIRMED: its command line was never run ({why}), so it may not train as printed"
     if confirmed["status"] == "ok":
         return (f"; its command line, run again: {confirmed['samples_per_s']:,.1f} samples/s "
                 f"(noise band {record['speed_noise']:.0%})")
@@ -122,14 +126,14 @@ def plot(record: dict, path: Path) -> list[str]:
 def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) -> dict:
     """tune.md, tune.png, wandb and the log; the summary's figures."""
     tokens = bool(record["tokens_per_sample"])
-    text = table(rows_of(record), tokens)
+    text = table(rows_of(record), tokens, confirmed=record["winner_confirmed"] is not False)
     (run_dir / "tune.md").write_text(f"{text}\n\n{answer_line(record)}\n")
     png = run_dir / "tune.png"
     drawn = plot(record, png)
     log_to_wandb(exp, context, run_dir, record, png if drawn else None)
     log.info("%s\n%s\n  the record: %s", text, answer_line(record), run_dir / RECORD)  # the command line ends its own
     keys = ("winner", "command", "batch_size", "max_batch_size", "grad_accum", "step_s", "samples_per_s", "tokens_per_s", "peak_gb",
-            "speed_noise", "confirmed", "as_fast", "limit_gb",
+            "speed_noise", "confirmed", "winner_confirmed", "as_fast", "limit_gb",
             "world_size", "setups", "settled", "probes", "probes_reused", "stopped_by_budget")
     return {"task": "tune", **{k: record[k] for k in keys}}
 

@@ -65,24 +65,21 @@ def test_an_installed_wheel_runs_from_any_directory_with_user_configs(tmp_path: 
                            cwd=empty, env={**os.environ, **env}, capture_output=True, text=True, check=True)
     assert where.stdout.split() == [str(site / "fsdp_exp" / "cli.py"), str(site / "fsdp_exp" / "conf")]
 
+    # One -m sweep through the installed sweeper, with the user's options: it checks both runs
+    # (one refused), then trains the other.
     searchpath = f"hydra.searchpath=[file://{user_folder},pkg://my_configs.conf]"
-    result = run_cli("train.steps=2", "wandb.mode=disabled", searchpath, "sharding=keep_unsharded",
-                     "model=two_layer_vit", "hydra.run.dir=run", cwd=empty, extra_env=env)
-    assert result.returncode == 0, result.stderr
-    summary = read_json(empty / "run" / "summary.json")
+    sweep = run_cli("-m", "train.steps=2,0", "wandb.mode=disabled", searchpath, "sharding=keep_unsharded",
+                    "model=two_layer_vit", "hydra.sweep.dir=sweep", cwd=empty, extra_env=env)
+    assert sweep.returncode == 0, sweep.stderr
+    assert "fsdp_exp: refused train.steps=0: train.steps=0: must be at least 1; the sweep runs the other 1" in sweep.stderr
+    assert read_json(empty / "sweep" / "1" / "summary.json")["status"] == "refused"
+    run = empty / "sweep" / "0"
+    summary = read_json(run / "summary.json")
     assert summary["status"] == "ok" and summary["steps"] == 2, summary
     assert summary["choices"]["sharding"] == "keep_unsharded" and summary["choices"]["model"] == "two_layer_vit"
     # The installed package says its version; no repository around it is fsdp_exp's.
     assert summary["environment"]["fsdp_exp"] == "0.1.0" and summary["environment"]["git_commit"] is None
-    assert "num_layers: 2" in (empty / "run" / ".hydra" / "config.yaml").read_text()
-
-    # A sweep: the installed sweeper checks both runs (one refused), then the other runs.
-    sweep = run_cli("-m", "train.steps=1,0", "wandb.mode=disabled", "model.num_layers=1",
-                    "hydra.sweep.dir=sweep", cwd=empty, extra_env=env)
-    assert sweep.returncode == 0, sweep.stderr
-    assert "fsdp_exp: refused train.steps=0: train.steps=0: must be at least 1; the sweep runs the other 1" in sweep.stderr
-    assert read_json(empty / "sweep" / "0" / "summary.json")["status"] == "ok"
-    assert read_json(empty / "sweep" / "1" / "summary.json")["status"] == "refused"
+    assert "num_layers: 2" in (run / ".hydra" / "config.yaml").read_text()
 
     script = run_cli("--cfg", "job", "sharding=grad_op", cwd=empty, extra_env=env, module=(str(site / "bin" / "fsdp-exp"),))
     assert script.returncode == 0, script.stderr

@@ -17,16 +17,17 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from fsdp_exp.cli import compose_checked
+from fsdp_exp.compare import main as compare
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.estimate.beside import ESTIMATE_FILE, EstimateBeside, at_idle_priority, checked
 from tests.conftest import REPO, SMALL_VIT, read_json, run_cli
 from tests.test_estimate import STACK
 
-COMPARE = ("-m", "fsdp_exp.compare")
 RUN = [*SMALL_VIT, "device=cpu", "train.steps=3", "train.log_every=1", "metrics.warmup_steps=1"]
 
 
-def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(tmp_path: Path) -> None:
+def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A sweep of one run with its estimate and one without: the first's summary holds
     task=estimate's peak for its setup (the same figure `task=estimate` prints) and its ratio
     to the peak measured, in the log line, the summary table and wandb; the second traced
@@ -64,9 +65,8 @@ def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(t
     assert not (sweep / "1" / ESTIMATE_FILE).exists()
     assert not {k for k in plain if k.startswith("estimate")}, plain
 
-    table = run_cli(str(sweep), cwd=tmp_path, module=COMPARE)
-    assert table.returncode == 0, table.stderr
-    head, _, *rows = [line for line in table.stdout.splitlines() if line.startswith("|")]
+    assert compare([str(sweep), "--out", str(tmp_path / "compared")]) == 0
+    head, _, *rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     columns = [c.strip() for c in head.strip("|").split("|")]
     cells = [dict(zip(columns, (c.strip() for c in row.strip("|").split("|")))) for row in rows]
     assert [(c["estimated (GB)"], c["estimate error"]) for c in cells] == [

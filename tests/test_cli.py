@@ -66,7 +66,8 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Completed
 
 def test_a_sweep_runs_every_combination_in_a_directory_of_its_own(grid) -> None:
     _, summaries, sweep = grid
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")) == [str(n) for n in range(8)]
+    runs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert runs == [str(n) for n in range(8)]
     assert sorted(summaries) == sorted((s, o, p) for s in ("full", "ddp") for o in ("false", "true")
                                        for p in ("bf16", "fp16"))
     for (sharding, offload, _), summary in summaries.items():
@@ -208,7 +209,8 @@ if __name__ == "__main__":  # as python -m fsdp_exp does it
     sys.argv = ["fsdp_exp", *sys.argv[1:]]
     run_main, cli.main = cli.main, main
     atexit.register(imported)  # command() ends the process at once, after atexit's hooks
-    threading.Thread(target=lambda: (main_ended.wait(), time.sleep(0.3), print("a thread still running: waited for"))).start()
+    late = lambda: (main_ended.wait(), time.sleep(0.3), print("a thread still running: waited for"))  # noqa: E731
+    threading.Thread(target=late).start()
     cli.command()
 """
 

@@ -132,8 +132,8 @@ def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) ->
     drawn = plot(record, png)
     log_to_wandb(exp, context, run_dir, record, png if drawn else None)
     log.info("%s\n%s\n  the record: %s", text, answer_line(record), run_dir / RECORD)  # the command line ends its own
-    keys = ("winner", "command", "batch_size", "max_batch_size", "grad_accum", "step_s", "samples_per_s", "tokens_per_s", "peak_gb",
-            "speed_noise", "confirmed", "winner_confirmed", "as_fast", "limit_gb",
+    keys = ("winner", "command", "batch_size", "max_batch_size", "grad_accum", "step_s", "samples_per_s",
+            "tokens_per_s", "peak_gb", "speed_noise", "confirmed", "winner_confirmed", "as_fast", "limit_gb",
             "world_size", "setups", "settled", "probes", "probes_reused", "stopped_by_budget")
     return {"task": "tune", **{k: record[k] for k in keys}}
 

@@ -33,9 +33,9 @@ TOLERANCE = 1e-5
 
 
 def read_run(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, STEPS + 1))
-    return losses, load_file(out / "model.safetensors")
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return [r["loss"] for r in records], load_file(out / "model.safetensors")
 
 
 def train(tmp: Path, name: str, *overrides: str) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -361,7 +361,8 @@ def same_training(reference: RunResult, run: RunResult, tolerance: float) -> tup
 
 
 def answer_trains(search: RunResult, run: RunResult, limit_gb: float) -> tuple[bool, str]:
-    """task=max_batch found a size bounded by memory (oom or noise), and training at it fits under the limit."""
+    """task=max_batch found a size bounded by memory (oom, noise, or a verification run that ran out of it),
+    and training at it fits under the limit."""
     problem = not_ok(search, "task=max_batch")
     if problem:
         return False, problem
@@ -373,7 +374,7 @@ def answer_trains(search: RunResult, run: RunResult, limit_gb: float) -> tuple[b
         return False, problem
     fits, detail = under_limit(run, limit_gb)
     # bounded by memory: the next size ran out of it, or fit only inside the noise band
-    return fits and bounded_by in ("oom", "noise"), f"max batch {size} (bounded by {bounded_by}); trained at it: {detail}"
+    return fits and bounded_by in ("oom", "noise", "verification"), f"max batch {size} (bounded by {bounded_by}); trained at it: {detail}"
 
 
 def out_of_memory(run: RunResult) -> tuple[bool, str]:

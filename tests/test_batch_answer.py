@@ -13,6 +13,7 @@ from fsdp_exp.tasks.max_batch.answer import (
     probe_to_place_fastest,
 )
 from fsdp_exp.tasks.max_batch.probe import Probe
+from fsdp_exp.tasks.max_batch.verify import step_down
 
 LIMIT = 0.6
 MB = 1 / 1024
@@ -69,14 +70,18 @@ def record(**changes) -> dict:
             "bounded_by": "oom", "noise_band_gb": 0.6 * MB, "noise_band_samples": 3.04, "peak_under_limit_gb": 0.5991,
             "recommended_batch_size": 352, "margin": 0.1, "fastest_batch_size": 624,
             "fastest_samples_per_s": 1536.6, "near_fastest_batch_size": 428, "smallest_batch_needs_gb": None,
-            "probe_count": 7, "probe_wall_s": 91.0} | changes
+            "probe_count": 7, "probe_wall_s": 91.0, "searched_max_batch_size": 652, "verify_wall_s": 40.0,
+            "verification": {"steps": 50, "status": "completed", "ran_out_of_memory_at": [],
+                             "runs": [{"batch_size": 652, "status": "ok", "reason": None}]}} | changes
 
 
 def test_the_answer_line_names_the_counted_peak_the_noise_band_and_the_fastest_batch():
     line = answer_line(record(), LIMIT)
     assert line == ("max batch: 652 per rank on 2 rank(s) (656 ran out of memory under memory.limit_gb=0.6); "
+                    "verified: a 50-step run of the command at 652 completed; "
                     "peak 0.599 GB as the limit counts it, noise band 0.6 MB (3.0 samples); recommended 352 (10% margin); "
-                    "fastest 624 (1,536.6 samples/s), within 5% of it from 428; 7 probes, 91 s of probing")
+                    "fastest 624 (1,536.6 samples/s), within 5% of it from 428; 7 probes, 91 s of probing, "
+                    "40 s verifying")
     assert "(656 fit with less than the 0.6 MB that runs of this setup vary by to spare under memory.limit_gb=0.6)" \
         in answer_line(record(bounded_by="noise"), LIMIT)
 
@@ -84,7 +89,39 @@ def test_the_answer_line_names_the_counted_peak_the_noise_band_and_the_fastest_b
 def test_the_answer_line_when_none_fits():
     none = record(max_batch_size=0, resolution=1, smallest_batch_needs_gb=3.6512, fastest_batch_size=None)
     assert answer_line(none, 3.0) == ("max batch: none fits under memory.limit_gb=3: batch 1 needs 3.65 GB per rank; "
-                                      "7 probes, 91 s of probing")
+                                      "7 probes, 91 s of probing, 40 s verifying")
+
+
+def test_an_answer_that_a_run_of_the_command_did_not_hold_says_where_it_stepped_down_from():
+    stepped = record(max_batch_size=592, bounded_by="verification", verification={
+        "steps": 50, "status": "stepped down", "ran_out_of_memory_at": [652, 620],
+        "runs": [{"batch_size": 652, "status": "oom"}, {"batch_size": 620, "status": "oom"},
+                 {"batch_size": 592, "status": "ok"}]})
+    assert answer_line(stepped, LIMIT).startswith(
+        "max batch: 592 per rank on 2 rank(s) (the probes found 652, but a 50-step run of the command ran out of "
+        "memory at 652, 620 under memory.limit_gb=0.6); verified: a 50-step run of the command at 592 completed; ")
+    none = record(max_batch_size=0, verification={"steps": 50, "status": "none completed",
+                                                  "ran_out_of_memory_at": [652, 100, 4], "runs": []})
+    assert answer_line(none, LIMIT).startswith("max batch: none verified under memory.limit_gb=0.6: the probes found "
+                                               "652, but a 50-step run of the command ran out of memory at 652, 100, 4")
+    unverified = answer_line(record(verification={"steps": 0, "status": "not run", "runs": []}), LIMIT)
+    assert "; NOT VERIFIED (task.verify_steps=0): a run's memory can grow past a probe's first steps" in unverified
+    assert "verifying" not in unverified
+    failed = record(verification={"steps": 50, "status": "failed", "ran_out_of_memory_at": [],
+                                  "runs": [{"batch_size": 652, "status": "failed", "reason": "disk full"}]})
+    assert "; NOT VERIFIED: the 50-step run of the command at 652 failed, not for lack of memory (disk full); " in \
+        answer_line(failed, LIMIT)
+
+
+def test_each_step_down_is_twice_the_last_on_the_resolutions_grid_and_stops_at_the_smallest_size():
+    assert step_down(652, 1, 4, 4) == 616  # 5% less: 619.4, on the grid of 4
+    assert step_down(616, 2, 4, 4) == 552  # 10% less
+    assert step_down(552, 3, 4, 4) == 440  # 20%
+    assert step_down(5, 1, 1, 1) == 4  # at least one resolution down
+    assert step_down(440, 5, 4, 4) == 84  # 80%
+    assert step_down(84, 6, 4, 4) is None  # 100%: below the smallest size the search read
+    assert step_down(12, 1, 4, 12) is None
+
 
 
 def test_a_probe_that_failed_otherwise_above_the_boundary_is_named_with_its_reason_not_memory():
@@ -101,7 +138,8 @@ def test_an_answer_bounded_by_the_data_says_so_and_how_much_memory_was_left():
     line = answer_line(record(max_batch_size=256, bounded_by="data", data_share_per_rank=256, limit_gb=1.5,
                               peak_under_limit_gb=0.7), 1.5)
     assert line.startswith("max batch: 256 per rank on 2 rank(s), bounded by the data (256 samples a rank); "
-                           "0.8 GB of 1.5 left; peak 0.700 GB as the limit counts it")
+                           "0.8 GB of 1.5 left; verified: a 50-step run of the command at 256 completed; "
+                           "peak 0.700 GB as the limit counts it")
     assert "failed" not in line and "memory.limit_gb" not in line
 
 

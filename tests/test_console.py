@@ -44,7 +44,7 @@ def test_a_search_shows_its_fsdp_units_once_and_each_probe_in_one_line(tmp_path:
     assert not [line for line in console if "[rank0]" in line]  # a probe's own lines are in its log
     for probe in probes:
         log = (run_dir / probe["dir"] / "rank0.log").read_text()
-        assert "FSDP units:" in log and "step 3/3" in log
+        assert "FSDP units:" in log and "the peak settled at step 5: " in log and "step 5/20" in log
 
 
 @pytest.mark.slow

@@ -378,7 +378,9 @@ def test_on_a_gpu_a_probe_that_trained_fits_though_its_reserved_peak_is_at_the_c
     assert record["memory_model"]["slope_gb_per_sample"] == pytest.approx(0.01)
     assert record["alloc_retries"] > 0  # said in the answer line
     assert record["peak_under_limit_gb"] == pytest.approx(CappedGpu.CAP_GB - 0.003)  # reserved: what the cap limits
-    assert len(gpu.batches) <= 13, gpu.batches  # bisection near the end: the allocated line runs past the OOM
+    assert len(record["probes"]) <= 13, gpu.batches  # bisection near the end: the allocated line runs past the OOM
+    # then the answer, run for the run's length as its command line runs it
+    assert gpu.batches[-1] == CappedGpu.BOUNDARY and record["verification"]["status"] == "completed"
 
 
 # ---- the data bounds the answer ----------------------------------------------------------------
@@ -470,7 +472,8 @@ def test_a_probes_warmup_covers_the_step_that_compiles(compile: bool, steps_per_
     from fsdp_exp.driver.plan import prepare
     from fsdp_exp.tasks.max_batch.probe import probe_config
 
-    exp = prepare(compose_checked(["task=max_batch", LIMIT, f"train.compile={compile}".lower()]), 0).exp
+    exp = prepare(compose_checked(["task=max_batch", LIMIT, f"train.compile={compile}".lower(),
+                                   "wandb.mode=disabled"]), 0).exp
     probe = probe_config(exp, batch_size=4, steps=steps_per_probe, world_size=2)
     assert (probe.metrics.warmup_steps, probe.train.steps, probe.train.log_every) == (warmup, steps, steps)
 

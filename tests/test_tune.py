@@ -79,6 +79,34 @@ def test_a_budget_in_probes_or_minutes(text, budget):
 def test_a_budget_that_is_neither_is_refused_in_one_line(text):
     with pytest.raises(ConfigError, match=r"task.budget=.*a number of probes \(40\) or minutes \(30m\)"):
         parse_budget(text)
+    with pytest.raises(ConfigError, match="task.budget=1: at least 2 probes: the last is kept for running the winner"):
+        parse_budget(1)
+
+
+def test_the_budget_keeps_room_for_the_winners_confirmation_from_the_start(tmp_path):
+    """One probe, and the time of the winner's slowest probe with its steps scaled to the
+    run's length (50 steps): the search stops when what is left would not hold it."""
+    from fsdp_exp.tasks.max_batch.probe import Probe
+
+    tune = tuner(tmp_path, "task.space.sharding=[full,grad_op]", "task.space.train.activation_checkpointing=[false]",
+                 "task.space.offload=[false]", "task.budget=5m")
+    tune.entries = [tune.prepare(s) for s in setups(tune.settings.space, tune.command, tune.nproc, 1,
+                                                    as_dict(tune.exp))]
+    assert tune.confirmation_needs() == (1, 0.0) and not tune.spent()  # no winner yet: nothing to time
+    full = tune.entries[0]
+    full.search.probes += [Probe(100, "ok", samples_per_s=250.0, wall_s=20.0, startup_s=8.0),
+                           Probe(100, "ok", samples_per_s=240.0, wall_s=26.0, startup_s=8.0)]
+    tune.update(full)
+    full.row.status = "measured"
+    # the slower probe: 8 s to start, 18 s for 3 steps: 8 + 18 * 50 / 3 = 308 s, over the 5 minutes
+    assert tune.confirmation_needs() == (1, pytest.approx(308.0))
+    assert tune.spent() and tune.stopped
+    roomy = tuner(tmp_path, "task.space.sharding=[full]", "task.budget=6m")
+    roomy.entries = [full]
+    assert not roomy.spent()
+    counted = tuner(tmp_path, "task.space.sharding=[full]", "task.budget=3")
+    counted.entries, counted.probes_run = [full], 2
+    assert counted.spent()  # the third probe is the confirmation's
 
 
 def test_the_budget_is_spent_by_probes_or_by_time():
@@ -301,7 +329,7 @@ def test_a_budget_spent_before_a_search_ends_answers_with_the_best_probe_so_far(
     from fsdp_exp.tasks.max_batch.probe import Probe
 
     tune = tuner(tmp_path, "task.space.sharding=[full,grad_op]", "task.space.train.activation_checkpointing=[false]",
-                 "task.space.offload=[false]", "task.budget=1")
+                 "task.space.offload=[false]", "task.budget=2")
     probed, unprobed = tune.entries = [tune.prepare(s) for s in setups(tune.settings.space, tune.command,
                                                                         tune.nproc, 1, as_dict(tune.exp))]
     probed.search.probes.append(Probe(100, "ok", samples_per_s=250.0, peak_under_limit_gb=0.55))
@@ -310,7 +338,7 @@ def test_a_budget_spent_before_a_search_ends_answers_with_the_best_probe_so_far(
     record = read_json(tmp_path / "tune.json")
     rows = {r["setup"]: r for r in record["rows"]}
     assert rows["sharding=full"]["status"] == "measured" and rows["sharding=full"]["batch_size"] == 100
-    assert rows["sharding=full"]["how"] == ("fastest of 1 probe(s) so far; the budget (task.budget=1 probes) "
+    assert rows["sharding=full"]["how"] == ("fastest of 1 probe(s) so far; the budget (task.budget=2 probes) "
                                             "ran out first, before its search ended")
     assert record["winner"] == "sharding=full"
     assert rows["sharding=grad_op"]["status"] == "not reached"
@@ -393,15 +421,17 @@ def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_li
 @pytest.mark.timeout(1200)
 def test_a_budget_stops_the_tune_and_a_second_run_goes_on_from_its_probes(tmp_path):
     out = tmp_path / "tune"
-    first = run_cli(*SMALL_TUNE, "task.space.sharding=[full,grad_op]", "task.budget=1", f"hydra.run.dir={out}",
+    first = run_cli(*SMALL_TUNE, "task.space.sharding=[full,grad_op]", "task.budget=2", f"hydra.run.dir={out}",
                     cwd=tmp_path, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
     stopped = read_json(out / "tune.json")
-    assert stopped["stopped_by_budget"] and stopped["probes"] == 1
-    assert "the budget (task.budget=1 probes) is spent" in first.stdout + first.stderr
-    assert any(r["how"] == "the budget (task.budget=1 probes) ran out first" for r in stopped["rows"])
+    # one probe of the search, and the one the budget kept for running the winner's command line
+    assert stopped["stopped_by_budget"] and stopped["probes"] == 2
+    assert "the budget (task.budget=2 probes) is spent" in first.stdout + first.stderr
+    assert any(r["how"] == "the budget (task.budget=2 probes) ran out first" for r in stopped["rows"])
     probed = [r for r in stopped["rows"] if r["probes"]]
-    assert len(probed) == 1 and probed[0]["samples_per_s"] > 0
+    assert len(probed) == 1 and probed[0]["samples_per_s"] > 0 and probed[0]["probes"] == 2
+    assert (out / probed[0]["dir"] / "confirm").is_dir()  # its command line, run for the run's 50 steps
     again = run_cli(*SMALL_TUNE, "task.space.sharding=[full,grad_op]", f"hydra.run.dir={out}", cwd=tmp_path,
                     timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -31,10 +31,7 @@ class TrainData:
     def dataset(self) -> Dataset:
         raise NotImplementedError
 
-    def enough_for(self, samples: int) -> TrainData:
-        """This data with at least `samples` samples, where it is generated (task=max_batch's
-        probes); data read from files is what it is."""
-        return self
+    generated = False  # made from a seed on each rank, not read from files
 
     def share_per_rank(self, world_size: int) -> int | None:
         """The samples each of `world_size` ranks reads an epoch (as `batches` splits them: no
@@ -67,11 +64,10 @@ class GeneratedData(TrainData):
 
     num_samples: int
 
-    def enough_for(self, samples: int) -> TrainData:
-        return replace(self, num_samples=max(self.num_samples, samples))  # type: ignore[type-var]
+    generated = True
 
     def share_per_rank(self, world_size: int) -> int | None:
-        return None
+        return self.num_samples // world_size
 
 
 @dataclass

@@ -42,6 +42,7 @@ from fsdp_exp.models.contract import check_logits
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
+from fsdp_exp.memory import PeakSettled
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
@@ -233,6 +234,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
         sinks=sinks,
         hooks=hooks,
         first_micro_batch=first,
+        stop_early=PeakSettled(**context.settle, device=ranks.device, is_main=ranks.is_main) if context.settle else None,
     )
     context.startup["built"] = time.time()
     return Built(trainer, checkpoint, wandb, jsonl, progress, figures)

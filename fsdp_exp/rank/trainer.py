@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -96,6 +96,7 @@ class Trainer:
         phase_peaks: bool = True,
         first_micro_batch: FirstMicroBatch | None = None,
         memory: PeakMemory | None = None,
+        stop_early: Callable[[int], bool] | None = None,
     ):
         """`batches` yields micro-batches of `batch_size // grad_accum` samples; one step
         takes `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
@@ -106,7 +107,9 @@ class Trainer:
         steps are warm-up again); `start_loss`: the loss the checkpoint saved at it.
         `phase_peaks`: each phase's peak memory as well as the window's (metrics.phase_peaks).
         `first_micro_batch`: what the first micro-batch also does (counts FLOPs, checks the
-        logits). `memory`: the memory figures, by default this rank's MemoryMonitor."""
+        logits). `memory`: the memory figures, by default this rank's MemoryMonitor.
+        `stop_early(step)`: called by every rank after each step; True ends training there
+        (a probe whose peak has settled, fsdp_exp.memory.PeakSettled)."""
         self.model = model
         self.optimizer = optimizer
         self.batches = batches
@@ -130,6 +133,7 @@ class Trainer:
         self.first_micro_batch = first_micro_batch
         self.memory: PeakMemory = memory if memory is not None else MemoryMonitor(ranks.device, phase_peaks)
         self.host_data_wait_s = 0.0
+        self.stop_early = stop_early
 
     def loss_of(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy over classes (images) or over every position's next token (LMs)."""
@@ -204,7 +208,8 @@ class Trainer:
                 hook.after_step(step)
             if self.checkpoint is not None:
                 self.checkpoint.after_step(step, last=step == self.steps, loss=loss)
-            logged = step % self.log_every == 0 or step == self.steps
+            stop = self.stop_early is not None and self.stop_early(step)
+            logged = step % self.log_every == 0 or step == self.steps or stop
             if logged or step == warmup_end:  # a window never straddles warm-up
                 record, per_rank = self._record(step, loss, window, warmup_end)
                 for key, values in per_rank.items():
@@ -217,6 +222,9 @@ class Trainer:
                 window = _Window(first_step=step + 1, start=time.perf_counter(),
                                  host_data_wait_s=self.host_data_wait_s)
                 self.memory.start_window()
+            if stop:
+                self.steps = step
+                break
         if self.checkpoint is not None:
             self.checkpoint.close()
         steady = totals["steady"] if totals["steady"].steps else totals["all"]

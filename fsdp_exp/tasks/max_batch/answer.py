@@ -27,16 +27,18 @@ SPACING = 2.0  # the fastest batch is placed to within this factor, with one mor
 MB = 2**20 / 2**30
 
 
-def noise_band_gb(probes: Sequence[Probe], limit_gb: float) -> float:
+def noise_band_gb(probes: Sequence[Probe], limit_gb: float, rank0_alike: bool = True) -> float:
     """How far the counted peak of one setup at one batch size moves between runs, seen in
     the probes already run: the spread between the ranks of one probe (ranks of one setup
     hold the same, bar the noise), between probes of the same size, and between what ranks
     held when their limit was set (CPU), which moves the room left under it. At least
-    NOISE_FLOOR of the limit."""
+    NOISE_FLOOR of the limit. `rank0_alike`: False where rank 0 alone holds more (wandb's
+    run, under the CPU limit), which is no noise: rank 0 is then left out of the ranks' spreads."""
     spreads = [NOISE_FLOOR * limit_gb]
     ok = [p for p in probes if p.status == "ok"]
+    first = 0 if rank0_alike else 1
     for p in ok:
-        peaks = p.judged_peak_gb_per_rank()
+        peaks = p.judged_peak_gb_per_rank()[first:]
         if len(peaks) > 1:
             spreads.append(max(peaks) - min(peaks))
     by_size: dict[int, list[float]] = {}
@@ -45,7 +47,7 @@ def noise_band_gb(probes: Sequence[Probe], limit_gb: float) -> float:
         if peak is not None:
             by_size.setdefault(p.batch_size, []).append(peak)
     spreads += [max(peaks) - min(peaks) for peaks in by_size.values()]
-    held = [h for p in probes for h in (p.held_before_limit_gb_per_rank or [])]
+    held = [h for p in probes for h in (p.held_before_limit_gb_per_rank or [])[first:]]
     if held:
         spreads.append(max(held) - min(held))
     return max(spreads)
@@ -107,8 +109,15 @@ def answer_line(record: dict, limit_gb: float | None) -> str:
     under = f"memory.limit_gb={limit_gb:g}" if limit_gb else f"the device's {record['limit_gb']:.0f} GB"
     count = record["probe_count"]
     cost = f"{count} probe{'s' if count != 1 else ''}, {record['probe_wall_s']:.0f} s of probing"
+    check = record.get("verification") or {}
+    if check.get("runs"):
+        cost += f", {record['verify_wall_s']:.0f} s verifying"
     size, ranks, step = record["max_batch_size"], record["world_size"], record["resolution"]
     small = too_small_words(record)
+    if not size and check.get("status") == "none completed":
+        return "; ".join([f"max batch: none verified under {under}: the probes found {record['searched_max_batch_size']}"
+                          f", but a {check['steps']}-step run of the command ran out of memory at "
+                          f"{sizes_words(check['ran_out_of_memory_at'])}, down to the smallest size tried", cost])
     if not size:
         return "; ".join([f"max batch: none fits under {under}: {needs(record)}", *small, cost])
     noise = f"{record['noise_band_gb'] / MB:.1f} MB"
@@ -118,6 +127,10 @@ def answer_line(record: dict, limit_gb: float | None) -> str:
         left = record["limit_gb"] - record["peak_under_limit_gb"]
         head = (f"max batch: {size} per rank on {ranks} rank(s), bounded by the data "
                 f"({record['data_share_per_rank']} samples a rank); {left:.1f} GB of {record['limit_gb']:g} left")
+    elif record["bounded_by"] == "verification":
+        head = (f"max batch: {size} per rank on {ranks} rank(s) (the probes found {record['searched_max_batch_size']}, "
+                f"but a {check['steps']}-step run of the command ran out of memory at "
+                f"{sizes_words(check['ran_out_of_memory_at'])} under {under})")
     else:
         why = {"search_up_to": f"fits at task.search_up_to={record['search_up_to']} under {under}",
                "oom": f"{size + step} ran out of memory under {under}",
@@ -126,7 +139,8 @@ def answer_line(record: dict, limit_gb: float | None) -> str:
                }.get(record["bounded_by"], f"{size + step} did not train, not for lack of memory: "
                                            f"{failure(record, size + step)}")
         head = f"max batch: {size} per rank on {ranks} rank(s) ({why})"
-    parts = [head, f"peak {record['peak_under_limit_gb']:.3f} GB as the limit counts it, noise band {band}"]
+    parts = [head, verified_words(record), f"peak {record['peak_under_limit_gb']:.3f} GB as the limit counts it, "
+             f"noise band {band}"]
     if record.get("alloc_retries"):
         parts.append(f"at {size} the allocator freed its cache to allocate {record['alloc_retries']:.0f} time(s), "
                      "which slows a step")
@@ -135,6 +149,23 @@ def answer_line(record: dict, limit_gb: float | None) -> str:
         parts.append(f"fastest {record['fastest_batch_size']} ({record['fastest_samples_per_s']:,.1f} samples/s), "
                      f"within {NEAR_FASTEST:.0%} of it from {record['near_fastest_batch_size']}")
     return "; ".join([*parts, *small, cost])
+
+
+def verified_words(record: dict) -> str:
+    """Whether a run of the command at the answer completed (fsdp_exp.tasks.max_batch.verify)."""
+    check, size = record.get("verification") or {}, record["max_batch_size"]
+    status = check.get("status", "not run")
+    if status in ("completed", "stepped down"):
+        return f"verified: a {check['steps']}-step run of the command at {size} completed"
+    if status == "failed":
+        return (f"NOT VERIFIED: the {check['steps']}-step run of the command at {size} failed, not for lack of memory "
+                f"({check['runs'][-1]['reason']})")
+    return ("NOT VERIFIED (task.verify_steps=0): a run's memory can grow past a probe's first steps; "
+            "verify with task.verify_steps=<the run's steps>")
+
+
+def sizes_words(sizes: list[int]) -> str:
+    return ", ".join(str(s) for s in sizes)
 
 
 def failure(record: dict, size: int) -> str:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
+import uuid
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 
 from fsdp_exp.blocks import warmup_steps_to_skip
 from fsdp_exp.checkpoint import NoCheckpoint
-from fsdp_exp.config import Experiment, as_dict
+from fsdp_exp.config import Device, Experiment, as_dict
 from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.metrics.sinks import WandbMode, write_summary
 from fsdp_exp.profile import NoProfile
@@ -54,6 +56,7 @@ class Probe:
     dir: str = ""
     killed: bool = False  # stopped by a signal from outside, not by its own error
     timed_out: bool = False  # ran past task.probe_timeout (a larger batch would not train sooner)
+    steps: int | None = None  # the steps it trained: a probe trains on until its peak settles
 
     def limited_peak_gb(self) -> float | None:
         """The peak that the memory limit caps: reserved memory on GPU, the limit's own
@@ -109,25 +112,62 @@ class Probe:
 
 
 def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
-                 limit_gb: Any = "same", as_run: bool = False) -> Experiment:
-    """The run's config, trimmed to a probe: `steps` steps at `batch_size`, the first of
-    them warm-up (with train.compile the first two, and then at least 3 steps, so that the
-    probe's samples/s times training, not the compiler), no profile, export or wandb run of
-    its own. Generated data is made one global batch long, so that its samples take no
-    memory of note, unless `as_run` (a probe of the run as its command line runs it: its own
-    data, and a record of each step in metrics.jsonl)."""
+                 limit_gb: Any = "same", up_to_steps: int = 0) -> Experiment:
+    """The run's config, trimmed to a probe: `steps` steps at `batch_size` (or, to let its peak
+    settle, up to `up_to_steps`: `settle`), the first of them warm-up (with train.compile the
+    first two, and then at least 3 steps, so that the probe's samples/s times training, not
+    the compiler), no profile or export.
+    - On CPU, wandb logs as the run would, offline, in a run of its own, a record every step:
+      rank 0 holds what wandb's first log takes while it trains on, as the run's rank 0 does
+      under the limit (about 90 MB, docs/max_batch.md). Disabled where the run's is, and on
+      GPU, whose cap counts the caching allocator alone, which wandb does not touch.
+    - A checkpoint, where the run has one, is saved after `steps` steps, and the steps after
+      it train beside what the save holds (async staging), as the run's do.
+    - The data is the run's, read as the run reads it (the search stays within each rank's share)."""
     warmup = warmup_steps_to_skip(cfg.train.compile)
     steps = max(steps, warmup + 1)
+    logs = probes_log_wandb(cfg)
+    wandb = replace(cfg.wandb, mode=WandbMode.offline if logs else WandbMode.disabled, id=None, group=None)
+    wandb.job_type = "probe"
+    total = max(steps, up_to_steps)
+    checkpoint = cfg.checkpoint if isinstance(cfg.checkpoint, NoCheckpoint) else \
+        replace(cfg.checkpoint, dir=None, every=steps)
     return replace(
         cfg,
-        train=replace(cfg.train, batch_size=batch_size, steps=steps, log_every=1 if as_run else steps),
+        train=replace(cfg.train, batch_size=batch_size, steps=total,
+                      log_every=1 if logs else total),
         metrics=replace(cfg.metrics, warmup_steps=warmup),
         profile=NoProfile(),
-        checkpoint=NoCheckpoint(),
-        wandb=replace(cfg.wandb, mode=WandbMode.disabled),
+        checkpoint=checkpoint,
+        wandb=wandb,
         memory=cfg.memory if limit_gb == "same" else replace(cfg.memory, limit_gb=limit_gb),
-        data=cfg.data if as_run else cfg.data.enough_for(batch_size * world_size),  # generated: one global batch
     )
+
+
+def settle(cfg: Experiment, steps: int, tolerance_gb: float) -> dict:
+    """A probe's rule for when its peak has settled (fsdp_exp.memory.PeakSettled): checked
+    from its `steps`-th step, every (steps less warm-up) steps after, until two checks agree
+    within `tolerance_gb` (the search's noise band)."""
+    warmup = warmup_steps_to_skip(cfg.train.compile)
+    steps = max(steps, warmup + 1)
+    return {"tolerance_gb": tolerance_gb, "first_check": steps, "window": max(1, steps - warmup)}
+
+
+def probes_log_wandb(cfg: Experiment) -> bool:
+    """Whether a probe of this run logs to wandb (`probe_config`): on CPU, where the run does."""
+    return cfg.wandb.mode != WandbMode.disabled and cfg.device == Device.cpu
+
+
+def command_config(cfg: Experiment, batch_size: int, steps: int, job_type: str) -> Experiment:
+    """The run as its command line runs it with `train.batch_size=<batch_size>`: its own data,
+    sinks, checkpoints, evaluation and export, for `steps` steps, in a run directory of its
+    own (checkpoint.dir is left to it, so no checkpoint of the user's is touched); wandb in
+    the run's own mode, as a new run of `job_type`."""
+    wandb = replace(cfg.wandb, id=None if cfg.wandb.mode == WandbMode.disabled else uuid.uuid4().hex[:16])
+    wandb.job_type = job_type
+    checkpoint = replace(cfg.checkpoint, dir=None) if getattr(cfg.checkpoint, "dir", None) else cfg.checkpoint
+    return replace(cfg, train=replace(cfg.train, batch_size=batch_size, steps=steps), wandb=wandb,
+                   checkpoint=checkpoint)
 
 
 def probe_rank(cfg: Experiment, run_dir: Path, context: RunContext) -> dict:
@@ -138,10 +178,9 @@ def probe_rank(cfg: Experiment, run_dir: Path, context: RunContext) -> dict:
 def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
     """Probes made under the same fingerprint can be reused: same setup but the batch."""
 
-    probe = as_dict(probe_config(cfg, 1, steps, world_size))
-    probe["wandb"] = None  # tags and mode differ between runs; they change no probe
+    probe = as_dict(probe_config(cfg, 1, steps, world_size, up_to_steps=getattr(cfg.task, "settle_steps", 0)))
+    probe["wandb"] = probe["wandb"]["mode"]  # held in rank 0's memory; tags and ids change no probe
     probe["task"] = None  # the search's own settings
-    probe["data"].pop("num_samples", None)  # follows the batch
     text = json.dumps({"cfg": probe, "world_size": world_size}, sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
@@ -154,13 +193,23 @@ def startup_s(figures: dict, launched: float) -> float | None:
 
 
 def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launcher, world_size: int,
-              steps: int, timeout_s: float, limit_gb: Any = "same", as_run: bool = False) -> Probe:
+              steps: int, timeout_s: float, limit_gb: Any = "same", as_command: str | None = None,
+              settle_gb: float | None = None) -> Probe:
     """Train `steps` steps at `batch_size` on fresh ranks; the outcome, never an exception
-    for a rank's failure (KeyboardInterrupt still stops the search)."""
+    for a rank's failure (KeyboardInterrupt still stops the search). `as_command`: the run as
+    its command line runs it (`command_config`), as a wandb run of this job type; else a
+    probe, which with `settle_gb` trains on, up to task.settle_steps, until its peak settles
+    within it. The checkpoints either saves are removed when it ends: they are no one's."""
     probe_dir.mkdir(parents=True, exist_ok=True)
-    run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb, as_run)
-    start = time.perf_counter()
     context = RunContext(startup={"launched": time.time()})
+    if as_command is not None:
+        run_cfg = command_config(cfg, batch_size, steps, as_command)
+    elif settle_gb is not None:
+        run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb, cfg.task.settle_steps)
+        context.settle = settle(cfg, steps, settle_gb)
+    else:
+        run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb)
+    start = time.perf_counter()
     try:
         figures = launcher.launch(partial(probe_rank, context=context), run_cfg, probe_dir, world_size,
                                   time_limit_s=timeout_s)
@@ -178,6 +227,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
             samples_per_s=figures["samples_per_s"],
             mfu=figures.get("mfu"),
             startup_s=startup_s(figures, context.startup["launched"]),
+            steps=figures.get("steps"),
         )
         summary = {"status": "ok", **figures}
     except RunFailed as err:
@@ -188,5 +238,6 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
         summary = {"status": status, "error": reason}
     probe.wall_s = time.perf_counter() - start
     probe.dir = f"{probe_dir.parent.name}/{probe_dir.name}"
+    shutil.rmtree(probe_dir / "checkpoints", ignore_errors=True)
     write_summary(probe_dir, {**summary, "batch_size": batch_size, "wall_s": probe.wall_s})
     return probe

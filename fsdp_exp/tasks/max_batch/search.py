@@ -51,7 +51,8 @@ from fsdp_exp.tasks.max_batch.policy import (
     recommended_size,
     too_small,
 )
-from fsdp_exp.tasks.max_batch.probe import Probe, fingerprint, probe_config, run_probe
+from fsdp_exp.tasks.max_batch.probe import Probe, fingerprint, probe_config, probes_log_wandb, run_probe
+from fsdp_exp.tasks.max_batch.verify import Verification, step_down
 
 
 log = logging.getLogger("fsdp_exp")
@@ -66,6 +67,7 @@ class MaxBatchSearch:
     launcher: Launcher
     nproc: int
     context: RunContext = field(default_factory=RunContext)  # the search's; the probes have their own
+    own_wandb_run: bool = True  # the search logs its answer to a wandb run (not a tune's setup: the tune does)
 
     def __post_init__(self) -> None:
         settings = self.cfg.task
@@ -78,17 +80,17 @@ class MaxBatchSearch:
         self.need: Probe | None = None  # the smallest batch under all this device gives a rank, when none fits
         self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.max_batch.prior), once traced
         self.reused = 0
+        self.verification = Verification(settings.steps_to_verify(self.cfg.train.steps))
         self.units_told = False
         self.placed = False  # the probe that places the fastest batch has been spent (or was not needed)
         self.start = time.perf_counter()
         self.data_share = self.data_share_per_rank()
 
     def data_share_per_rank(self) -> int | None:
-        """The samples each rank reads an epoch, when the data is a fixed set that this
-        machine can read: no batch above it can train, so the search stops there. None for
-        generated data (a probe makes as much as its batch needs) and on a cluster, whose
-        data files are the cluster's."""
-        if not self.launcher.runs_here:
+        """The samples each rank reads an epoch (data.num_samples for generated data): no
+        batch above it can train, so the search stops there. None for files on a cluster,
+        which are the cluster's."""
+        if not self.launcher.runs_here and not self.cfg.data.generated:
             return None
         share = self.cfg.data.share_per_rank(self.nproc)
         if share is not None and share < self.cfg.task.resolution:
@@ -107,7 +109,8 @@ class MaxBatchSearch:
         return BatchSearch(self.limit_gb, settings.resolution, self.up_to(), self.noise_gb(), prior(self.estimated))
 
     def noise_gb(self) -> float:
-        return noise_band_gb([p for p in self.probes if not p.killed], self.limit_gb)
+        return noise_band_gb([p for p in self.probes if not p.killed], self.limit_gb,
+                             rank0_alike=not probes_log_wandb(self.cfg))
 
     def outcomes(self) -> list[Outcome]:
         """The probes as the search reads them (it counts one that trained inside the noise
@@ -188,17 +191,56 @@ class MaxBatchSearch:
         return True
 
     def finish(self) -> dict:
-        """The answer: max_batch.json, its plot, wandb and the log line; the summary's figures."""
+        """The answer, verified: max_batch.json, its plot, wandb and the log line; the summary's figures."""
         boundary = self.boundary()
         if not boundary:
             self.measure_need()
-        record = self.save(boundary)
+        record = self.save(self.verify(boundary))
         self.report(record)
         return summary_figures(record)
 
+    def verify(self, boundary: int) -> int:
+        """The size at which a run of the command completed `verification.steps` steps: the
+        boundary, or, where that run ran out of memory, the next size down that completed
+        (fsdp_exp.tasks.max_batch.verify). The boundary, unverified, without verification
+        (task.verify_steps=0) or where a run failed for another reason; 0 where none completed."""
+        check = self.verification
+        if not boundary or not check.steps:
+            return boundary
+        size: int | None = boundary
+        while size is not None:
+            run = next((r for r in check.runs if r.batch_size == size), None) or self.verify_run(size)
+            if run.status == "ok":
+                return size
+            if run.status != "oom":
+                log.warning("the run at batch %d failed, not for lack of memory, so the answer is not verified: %s",
+                            size, run.reason)
+                return boundary
+            size = step_down(size, len(check.ran_out()), self.cfg.task.resolution, self.searched_from())
+            if size is not None:
+                log.info("a %d-step run of the command ran out of memory at batch %d; stepping down to %d",
+                         check.steps, run.batch_size, size)
+        return 0
+
+    def verify_run(self, size: int) -> Probe:
+        """The command at `size`, run as it runs, for the verification's steps."""
+        check = self.verification
+        run_dir = self.run_dir / "verify" / f"{len(check.runs) + 1:02d}_b{size}"
+        log.info("verifying batch %d: %d steps of the command as it runs (its data, wandb, checkpoints, evaluation)",
+                 size, check.steps)
+        timeout_s = self.timeout_s * max(1.0, check.steps / self.steps)
+        run = run_probe(self.cfg, size, run_dir, self.launcher, self.nproc, check.steps, timeout_s,
+                        as_command="verify")
+        run.dir = f"verify/{run_dir.name}"
+        log.info("verify %d: %s", len(check.runs) + 1, run.line())
+        check.runs.append(run)
+        self.save(None)
+        return run
+
     def probe(self, size: int, limit_gb: Any = "same", for_fastest: bool = False) -> Probe:
         probe_dir = self.run_dir / "probes" / f"{len(self.probe_dirs()) + 1:02d}_b{size}"
-        probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb)
+        probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb,
+                          settle_gb=self.noise_gb())
         probe.for_fastest = for_fastest
         probe.set_estimate(self.estimated_peak_gb(size))
         self.tell_units(probe_dir)
@@ -269,6 +311,7 @@ class MaxBatchSearch:
         if self.limit_gb is None:  # the device's memory then, should its probes not say it
             self.limit_gb = earlier.get("limit_gb")
         self.estimated = earlier.get("estimate") if self.cfg.task.estimate else None
+        self.verification = Verification.from_json(earlier.get("verification"), self.verification.steps)
         if earlier.get("smallest_batch_need_probe"):
             self.need = Probe.from_json(earlier["smallest_batch_need_probe"])
         if probes:
@@ -306,7 +349,8 @@ class MaxBatchSearch:
         return max((p for p in peaks if p is not None), default=None)
 
     def save(self, boundary: int | None) -> dict:
-        """max_batch.json, rewritten whole after every probe, so no probe is ever lost."""
+        """max_batch.json, rewritten whole after every probe, so no probe is ever lost;
+        `boundary`: the answer, once verified."""
         settings = self.cfg.task
         noise = self.noise_gb()
         outcomes = self.outcomes()
@@ -320,10 +364,13 @@ class MaxBatchSearch:
         measure = "peak_under_limit_gb" if any(p.peak_under_limit_gb is not None for p in self.probes) \
             else "peak_mem_gb"
         _, hi = self.search().bracket(outcomes)
-        at_max = next((p for p in reversed(self.probes) if boundary and p.batch_size == boundary
-                       and p.status == "ok"), None)
+        verified = self.verification.completed()
+        at_max = verified if verified is not None and verified.batch_size == boundary else \
+            next((p for p in reversed(self.probes) if boundary and p.batch_size == boundary and p.status == "ok"), None)
+        searched = self.boundary() if boundary is not None else None
         past = {p.status for p in self.probes if p.batch_size == hi and not p.killed}
-        fastest_size, fastest_speed, near_fastest = fastest(self.probes, boundary) if boundary else (None,) * 3
+        timed = [*self.probes, *([verified] if verified is not None else [])]  # the verification's 50 steps too
+        fastest_size, fastest_speed, near_fastest = fastest(timed, boundary) if boundary else (None,) * 3
         record = {
             "setup": setup_line(self.context),
             "device": self.cfg.device.value,
@@ -332,9 +379,11 @@ class MaxBatchSearch:
             "limit_gb": self.limit_gb,
             **{k: getattr(settings, k) for k in ("resolution", "margin", "search_up_to", "steps_per_probe")},
             "max_batch_size": boundary,
+            "searched_max_batch_size": searched,  # the probes' boundary, before the verification
+            "verification": self.verification.to_json(),
             "recommended_batch_size": boundary and recommended_size(
                 model, self.limit_gb, max(settings.margin, noise / self.limit_gb), boundary, settings.resolution),
-            "bounded_by": None if boundary is None else (
+            "bounded_by": None if boundary is None else "verification" if searched and boundary < searched else (
                 ("data" if self.up_to() < settings.search_up_to else "search_up_to") if not past
                 else "oom" if "oom" in past else "failed" if "failed" in past else "noise"),
             "data_share_per_rank": self.data_share,
@@ -363,6 +412,7 @@ class MaxBatchSearch:
             "wall_s": time.perf_counter() - self.start,  # this run's, after any reused probes
             "probe_wall_s": sum(p.wall_s for p in self.probes) + (self.need.wall_s if self.need else 0.0),
             "estimate_wall_s": (self.estimated or {}).get("wall_s"),
+            "verify_wall_s": self.verification.wall_s(),
             "fingerprint": self.fingerprint,
         }
         write_json(self.run_dir / RECORD, record)
@@ -372,7 +422,8 @@ class MaxBatchSearch:
         """max_batch.png, wandb, and the answer in one line."""
         png = self.run_dir / "max_batch.png"
         plot_max_batch(record, png)
-        log_to_wandb(self.cfg, self.context, self.run_dir, record, png)
+        if self.own_wandb_run:
+            log_to_wandb(self.cfg, self.context, self.run_dir, record, png)
         log.info("%s", answer_line(record, self.cfg.memory.limit_gb) + f" -> {self.run_dir / RECORD}")
 
 
@@ -380,8 +431,9 @@ def summary_figures(record: dict) -> dict:
     keys = ("max_batch_size", "recommended_batch_size", "bounded_by", "resolution", "limit_gb", "peak_under_limit_gb",
             "noise_band_gb", "noise_band_samples", "smallest_batch_needs_gb", "searched_from", "data_share_per_rank",
             "fastest_batch_size", "fastest_samples_per_s", "near_fastest_batch_size", "samples_per_s", "peak_mem_gb",
-            "peak_mem_gb_per_rank", "world_size")
-    return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"]}
+            "peak_mem_gb_per_rank", "world_size", "searched_max_batch_size")
+    return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"],
+            "verification": record["verification"]["status"]}
 
 
 def log_to_wandb(cfg: Experiment, context: RunContext, run_dir: Path, record: dict, png: Path) -> None:

@@ -41,6 +41,7 @@ class Row:
     probes: int = 0
     dir: str = ""
     winner: bool = False
+    confirmed: bool | None = None  # its printed command line, run for the run's length: completed, or not; None: not run
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -65,7 +66,8 @@ def ranked(rows: list[Row]) -> list[Row]:
 
 
 def winner(rows: list[Row]) -> Row | None:
-    measured = [r for r in rows if r.status == "measured" and r.samples_per_s]
+    """The fastest measured setup whose command line, when it was run, completed."""
+    measured = [r for r in rows if r.status == "measured" and r.samples_per_s and r.confirmed is not False]
     return max(measured, key=lambda r: r.samples_per_s or 0.0, default=None)
 
 

@@ -23,12 +23,17 @@ log = logging.getLogger("fsdp_exp")
 RECORD = "tune.json"
 
 
-def command_line(prefix: list[str], row: Row) -> str:
-    """The command that trains the setup at its batch, as the user would type it."""
+def command_words(prefix: list[str], row: Row) -> list[str]:
+    """The overrides of the command that trains the setup at its batch."""
     words = [*prefix, *row.overrides, f"train.batch_size={row.batch_size}"]
     if row.grad_accum > 1:
         words.append(f"train.grad_accum={row.grad_accum}")
-    return " ".join(["python -m fsdp_exp", *(shlex.quote(w) for w in words)])
+    return words
+
+
+def command_line(prefix: list[str], row: Row) -> str:
+    """The command that trains the setup at its batch, as the user would type it."""
+    return " ".join(["python -m fsdp_exp", *(shlex.quote(w) for w in command_words(prefix, row))])
 
 
 def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb: float | None, budget: str,

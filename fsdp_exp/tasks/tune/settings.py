@@ -44,6 +44,9 @@ def parse_budget(text: Any) -> Budget:
             or float(match.group(1)) <= 0:
         raise ConfigError(f"task.budget={text}: a number of probes (40) or minutes (30m); null: no budget")
     number, unit = match.groups()
+    if unit in (None, "probe", "probes") and int(number) < 2:
+        raise ConfigError(f"task.budget={text}: at least 2 probes: the last is kept for running the winner's "
+                          "command line")
     return Budget(probes=int(number)) if unit in (None, "probe", "probes") else Budget(minutes=float(number))
 
 

@@ -38,7 +38,7 @@ from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.run_context import RunContext
-from fsdp_exp.tasks.tune.report import RECORD, report, tune_record
+from fsdp_exp.tasks.tune.report import RECORD, command_words, report, tune_record
 from fsdp_exp.tasks.max_batch.answer import speeds
 from fsdp_exp.tasks.max_batch.policy import PRIOR_ERROR
 from fsdp_exp.tasks.max_batch.prior import prior
@@ -46,7 +46,7 @@ from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
 from fsdp_exp.tasks.max_batch.settings import SearchSettings
 from fsdp_exp.tasks.tune.accumulation import fastest_splits
-from fsdp_exp.tasks.tune.ranking import Row, can_win, speed_bound, winner
+from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, can_win, speed_bound, ties, winner
 from fsdp_exp.tasks.tune.space import Setup, setups
 
 if TYPE_CHECKING:
@@ -57,7 +57,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("fsdp_exp")
 
 EXTRA_PROBES = "extra_probes.json"
-CONFIRM_STEPS = 10  # the winner run again: steps, the first warm-up
+REMATCH_STEPS = 10  # a setup within the noise of the winner run again: steps, the first warm-up
+REMATCHES = 2  # rounds of those runs, in turns (the second in the opposite order)
 SPLITS_TRIED = 3  # splits of task.global_batch probed before a setup is said not to reach it
 # The estimate is at most about 1% above a run's peak (bench/estimate_accuracy.py): a setup
 # whose smallest batch it puts this far over the limit is pruned without a probe.
@@ -90,7 +91,8 @@ class Tuner:
         self.speaking: Entry | None = None  # the setup whose search logged last
         self.parallel = max(1, launcher.max_parallel)  # setups in flight at once (launcher=slurm, ray)
         self.in_flight: SideBySide | None = None
-        self.confirmed: dict | None = None  # the winner run again (confirm)
+        self.confirmed: dict | None = None  # the winner's command line, run (confirm)
+        self.confirming = False  # the confirmation the budget kept room for has started
         self.lock = threading.RLock()  # side by side, the setups' threads share the counts and tune.json
 
     # --- the three steps ---
@@ -109,6 +111,7 @@ class Tuner:
             self.launcher.connect(self.nproc, self.parallel)
         self.side_by_side(self.live(), self.first_speed, self.parallel, self.runs())
         self.search_those_that_can_win()
+        self.rematch()
         self.confirm()
         return self.finish()
 
@@ -123,7 +126,8 @@ class Tuner:
             return entry
         plan = entry.plan
         entry.search = MaxBatchSearch(plan.exp, self.run_dir / entry.row.dir, plan.launcher, plan.nproc,
-                                      RunContext(environment={"overrides": [*self.command, *setup.overrides]}))
+                                      RunContext(environment={"overrides": [*self.command, *setup.overrides]}),
+                                      own_wandb_run=False)
         entry.search.start_or_resume()
         return entry
 
@@ -235,12 +239,27 @@ class Tuner:
         return ran
 
     def spent(self) -> bool:
-        """Whether the budget is spent (said once)."""
+        """Whether the budget is spent (said once), keeping room for the winner's confirmation
+        until it starts."""
         with self.lock:
-            if not self.stopped and self.budget.spent(self.probes_run, time.perf_counter() - self.start):
-                log.info("task=tune: the budget (task.budget=%s) is spent; the answer is the best so far", self.budget)
+            probes, seconds = (0, 0.0) if self.confirming else self.confirmation_needs()
+            if not self.stopped and self.budget.spent(self.probes_run + probes,
+                                                      time.perf_counter() - self.start + seconds):
+                log.info("task=tune: the budget (task.budget=%s) is spent, less what confirming the winner needs; "
+                         "the answer is the best so far", self.budget)
                 self.stopped = True
             return self.stopped
+
+    def confirmation_needs(self) -> tuple[int, float]:
+        """What the winner's confirmation will take from the budget: one probe, and the time of
+        the slowest probe so far at the winner's batch, its steps scaled to the run's length."""
+        best = winner([e.row for e in self.entries])
+        entry = next((e for e in self.entries if e.row is best), None)
+        probes = [p for p in self.trained(entry) if p.batch_size == best.batch_size] if entry and best else []
+        steps = self.settings.steps_to_verify(self.exp.train.steps)
+        seconds = [(p.startup_s or 0.0) + (p.wall_s - (p.startup_s or 0.0)) * steps / self.settings.steps_per_probe
+                   for p in probes]
+        return 1, max(seconds, default=0.0)
 
     def announce(self, entry: Entry) -> None:
         """One at a time, the setup whose probes the next lines are (side by side, each line says it)."""
@@ -368,17 +387,25 @@ class Tuner:
         assert search is not None and plan is not None
         path = search.run_dir / EXTRA_PROBES
         recorded = json.loads(path.read_text()) if path.is_file() else []
-        key = {"kind": kind, "batch_size": micro, "grad_accum": accum, "fingerprint": search.fingerprint}
+        steps = self.settings.steps_to_verify(self.exp.train.steps) if kind == "confirm" \
+            else REMATCH_STEPS if kind.startswith("rematch") else search.steps
+        key = {"kind": kind, "batch_size": micro, "grad_accum": accum, "steps": steps,
+               "fingerprint": search.fingerprint}
         earlier = next((r for r in recorded if {k: r.get(k) for k in key} == key), None)
         if earlier is not None:
             probe = Probe.from_json(earlier["probe"])
         else:
             self.announce(entry)
-            exp = replace(plan.exp, train=replace(plan.exp.train, grad_accum=accum))
-            as_run = kind == "confirm"  # as its command line runs it: its own data, long enough to time
-            probe = run_probe(exp, micro, search.run_dir / kind / f"b{micro}x{accum}", plan.launcher, plan.nproc,
-                              max(search.steps, CONFIRM_STEPS) if as_run else search.steps, search.timeout_s,
-                              as_run=as_run)
+            where = search.run_dir / kind / f"b{micro}x{accum}"
+            timeout_s = search.timeout_s * max(1.0, steps / search.steps)
+            if kind == "confirm":  # the command line as printed, for the run's length
+                printed = check_run(compose_config(command_words(self.prefix(), entry.row)))
+                probe = run_probe(printed.exp, printed.exp.train.batch_size, where, printed.launcher, printed.nproc,
+                                  steps, timeout_s, as_command="confirm")
+            else:
+                exp = replace(plan.exp, train=replace(plan.exp.train, grad_accum=accum))
+                probe = run_probe(exp, micro, where, plan.launcher, plan.nproc, steps, timeout_s,
+                                  settle_gb=None if kind.startswith("rematch") else search.noise_gb())
             log.info("%s, train.grad_accum=%d: %s", kind, accum, probe.line())
             write_json(path, [*recorded, {**key, "probe": probe.to_json()}])
         with self.lock:
@@ -388,21 +415,61 @@ class Tuner:
             self.save()
         return probe
 
-    def confirm(self) -> None:
-        """The winner once more, in fresh ranks at its batch, as its command line runs it (its
-        own data, CONFIRM_STEPS steps): that it fits again, and how far its speed is from the
-        search's short probes (the noise band its answer carries)."""
+    def rematch(self) -> None:
+        """The setups within the speed noise of the winner, run again in turns (REMATCHES
+        rounds, the second in the opposite order, so that no setup always runs first), before
+        one of them is called the winner: each one's speed is then the mean of its runs."""
         best = winner([e.row for e in self.entries])
-        if best is None or best.batch_size is None or self.spent():
+        if best is None:
             return
-        entry = next(e for e in self.entries if e.row is best)
-        probe = self.extra_probe(entry, "confirm", best.batch_size, best.grad_accum)
-        assert entry.search is not None
-        self.confirmed = {"status": probe.status, "samples_per_s": probe.samples_per_s,
-                          "peak_gb": probe.limited_peak_gb(), "reason": probe.reason,
-                          "step_spread": step_spread(entry.search.run_dir / probe.dir / "metrics.jsonl")
-                          if probe.status == "ok" else None}
+        close = [best, *ties([e.row for e in self.entries], best)]
+        entries = [e for e in self.entries if any(e.row is r for r in close) and e.row.batch_size]
+        if len(entries) < 2:
+            return
+        log.info("task=tune: %s within %.0f%% of each other; running each again, in turns",
+                 " and ".join(e.setup.name for e in entries), SPEED_NOISE * 100)
+        speeds = {id(e): [e.row.samples_per_s] for e in entries}
+        for round_ in range(REMATCHES):
+            for entry in entries if round_ % 2 == 0 else entries[::-1]:
+                if self.spent():
+                    break
+                probe = self.extra_probe(entry, f"rematch{round_ + 1}", entry.row.batch_size, entry.row.grad_accum)
+                if probe.status == "ok" and probe.samples_per_s:
+                    speeds[id(entry)].append(probe.samples_per_s)
+        for entry in entries:
+            runs = speeds[id(entry)]
+            entry.row.samples_per_s = statistics.mean(runs)
+            entry.row.how += f"; samples/s the mean of {len(runs)} runs, in turns with the setups as fast"
         self.save()
+
+    def confirm(self) -> None:
+        """The winner's command line, exactly as printed, run for the run's length
+        (task.verify_steps: train.steps, at least 50), in fresh ranks: that it trains as
+        printed, and how far its speed is from the search's short probes (the noise band its
+        answer carries). Should it fail, the next setup is the winner and is confirmed, while
+        the budget lasts; the first confirmation has the room the budget kept for it."""
+        while (best := winner([e.row for e in self.entries])) is not None and best.batch_size is not None:
+            if self.confirming and self.spent():
+                return
+            self.confirming = True
+            entry = next(e for e in self.entries if e.row is best)
+            probe = self.extra_probe(entry, "confirm", best.batch_size, best.grad_accum)
+            assert entry.search is not None
+            self.confirmed = {"status": probe.status, "samples_per_s": probe.samples_per_s,
+                              "peak_gb": probe.limited_peak_gb(), "reason": probe.reason,
+                              "steps": self.settings.steps_to_verify(self.exp.train.steps),
+                              "step_spread": step_spread(entry.search.run_dir / probe.dir / "metrics.jsonl")
+                              if probe.status == "ok" else None}
+            best.confirmed = probe.status == "ok"
+            if best.confirmed:
+                self.save()
+                return
+            best.how += (f"; its command line at batch {best.batch_size} did not complete "
+                         f"{self.confirmed['steps']} steps ({probe.status}: {probe.reason})")
+            log.warning("task=tune: the winner's command line did not complete (%s: %s); confirming the next setup",
+                        probe.status, probe.reason)
+            self.confirmed = None
+            self.save()
 
     def settle(self, entry: Entry, status: str, how: str) -> None:
         with self.lock:
@@ -421,10 +488,17 @@ class Tuner:
 
     def setup_overrides(self, setup: Setup) -> list[str]:
         """The command line of one setup's search: the tune's, its own options, and the tune's
-        search settings as task=max_batch's; no wandb run of its own."""
-        search = [f"task.{f.name}={value_text(getattr(self.settings, f.name))}" for f in fields(SearchSettings)]
-        return [*self.command, *setup.overrides, "task=max_batch", *search, "wandb.mode=disabled",
+        search settings as task=max_batch's. wandb as the tune's: its probes log as the run
+        would (fsdp_exp.tasks.max_batch.probe), its search to no run of its own."""
+        search = [f"task.{f.name}={value_text(getattr(self.settings, f.name))}" for f in fields(SearchSettings)
+                  if f.name != "verify_steps"]
+        # The tune confirms its winner itself (confirm), at the batch it hands over.
+        return [*self.command, *setup.overrides, "task=max_batch", *search, "task.verify_steps=0",
                 *search_path_overrides()]
+
+    def prefix(self) -> list[str]:
+        """The printed command line's words before the setup's own."""
+        return [*self.command, *search_path_overrides()]
 
     def finish(self) -> dict:
         for entry in self.entries:
@@ -441,7 +515,7 @@ class Tuner:
         """tune.json, rewritten whole after every probe, so no probe is ever lost."""
         limits = {e.search.limit_gb for e in self.entries if e.search is not None and e.search.limit_gb is not None}
         record = tune_record(
-            [e.row for e in self.entries], prefix=[*self.command, *search_path_overrides()], world_size=self.nproc,
+            [e.row for e in self.entries], prefix=self.prefix(), world_size=self.nproc,
             limit_gb=self.exp.memory.limit_gb or (max(limits) if limits else None), budget=str(self.budget),
             stopped=self.stopped, probes_run=self.probes_run,
             probes_reused=sum(e.search.reused for e in self.entries if e.search is not None),

@@ -1,0 +1,92 @@
+"""task=max_batch verifies its answer: the size the probes found is run as the command runs
+it, for task.verify_steps steps, and steps down when that run runs out of memory. On 2 real
+gloo ranks, with a model whose memory keeps growing after a probe's steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tests.conftest import REPO, read_json, run_cli
+
+KEPT_PER_SAMPLE = 4096  # floats kept per sample of every training forward: 16 KB
+
+
+class GrowingNet(nn.Module):
+    """A model that keeps a history it never frees (as a metric that appends every batch's
+    outputs does): its memory grows with every step, past any short probe's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            self.kept.append(torch.ones(images.shape[0], KEPT_PER_SAMPLE))
+        return self.body(images)
+
+
+GROWING = ["model=custom", f"model._target_={__name__}.GrowingNet", "model.blocks=[torch.nn.Linear]",
+           "sharding=full", "wandb.mode=disabled", "memory.limit_gb=0.6"]
+
+
+def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_that_does(tmp_path: Path) -> None:
+    """Probes stop at 5 steps (task.settle_steps): the peak of this model never settles. A
+    10-step run holds twice their history, so the size they found runs out of memory, and the
+    answer steps down, 5% then twice as far each time, to a size whose run completes."""
+    out = tmp_path / "search"
+    result = run_cli("task=max_batch", *GROWING, "task.estimate=false", "task.resolution=64", "task.settle_steps=5",
+                     "task.verify_steps=10", f"hydra.run.dir={out}", cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(out / "max_batch.json")
+    check = record["verification"]
+    # the probes trained past task.steps_per_probe, up to task.settle_steps: their peak kept growing
+    assert {p["steps"] for p in record["probes"] if p["status"] == "ok"} == {5}
+    searched, answer = record["searched_max_batch_size"], record["max_batch_size"]
+    runs = check["runs"]
+    assert runs[0]["batch_size"] == searched and runs[0]["status"] == "oom"
+    assert check["status"] == "stepped down" and runs[-1]["status"] == "ok" and runs[-1]["batch_size"] == answer
+    assert [r["status"] for r in runs[:-1]] == ["oom"] * (len(runs) - 1) and check["ran_out_of_memory_at"] == [
+        r["batch_size"] for r in runs[:-1]]
+    assert 0 < answer < searched and answer % 64 == 0 and record["bounded_by"] == "verification"
+    # each step down is on the grid and larger than the last (5% of the size, then 10%, 20% ...)
+    sizes = [r["batch_size"] for r in runs]
+    assert all(b < a for a, b in zip(sizes, sizes[1:]))
+    # the run that completed is the command's own: 10 steps, a record at each train.log_every and the last
+    done = out / runs[-1]["dir"]
+    assert read_json(done / "summary.json")["steps"] == 10 and runs[-1]["steps"] == 10
+    assert (done / "metrics.jsonl").read_text().count('"step": 10,') == 1
+    # its figures are the answer's, and the answer line says what happened
+    assert record["peak_under_limit_gb"] == runs[-1]["peak_under_limit_gb"] <= 0.6
+    line = next(x for x in (result.stdout + result.stderr).splitlines() if "max batch: " in x)
+    assert (f"max batch: {answer} per rank on 2 rank(s) (the probes found {searched}, but a 10-step run of the command "
+            f"ran out of memory at {', '.join(str(s) for s in check['ran_out_of_memory_at'])} under "
+            f"memory.limit_gb=0.6); verified: a 10-step run of the command at {answer} completed") in line
+    assert read_json(out / "summary.json")["verification"] == "stepped down"
+
+
+def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tmp_path: Path) -> None:
+    """With wandb on, rank 0 holds wandb's run under the CPU limit (about 90 MB here), so a
+    probe logs offline too, a record every step, while it trains on. What rank 0 alone holds
+    is no noise: the noise band leaves it out."""
+    out = tmp_path / "search"
+    result = run_cli("task=max_batch", "memory.limit_gb=0.6", "model.num_layers=2", "wandb.mode=offline",
+                     "task.search_up_to=8", "task.resolution=4", "task.estimate=false", "task.verify_steps=4",
+                     f"hydra.run.dir={out}", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(out / "max_batch.json")
+    trained = [p for p in record["probes"] if p["status"] == "ok"]
+    assert trained and record["verification"]["status"] == "completed"
+    for probe in trained:
+        assert list((out / probe["dir"] / "wandb").glob("offline-run-*/run-*.wandb")), probe["dir"]
+        steps = [line for line in (out / probe["dir"] / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+        assert len(steps) == probe["steps"] >= 5  # a record at every step
+        held = probe["held_before_limit_gb_per_rank"]
+        assert held[0] - held[1] > 0.01  # rank 0 holds wandb's run (more than 10 MB) ...
+    assert record["noise_band_gb"] < 0.005  # ... which the noise band does not take for noise
+    (verified,) = record["verification"]["runs"]
+    assert list((out / verified["dir"] / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # and the search's own run, with its answer

@@ -239,9 +239,14 @@ def test_a_winner_whose_command_line_was_never_run_is_called_unconfirmed_everywh
     assert none["winner_confirmed"] is None and "NOT CONFIRMED" not in answer_line(none)
 
 
-def test_a_winner_with_accumulation_runs_with_it():
+def test_a_winner_with_accumulation_runs_its_micro_batch_as_printed():
+    """The row's batch is the micro-batch; train.batch_size is a step's batch on each rank,
+    which the trainer splits into train.grad_accum micro-batches (fsdp_exp.rank.build)."""
     row = Row("sharding=full", ["sharding=full"], "measured", batch_size=16, grad_accum=4)
-    assert command_line([], row).endswith("sharding=full train.batch_size=16 train.grad_accum=4")
+    line = command_line(["memory.limit_gb=1"], row)
+    assert line.endswith("sharding=full train.batch_size=64 train.grad_accum=4")
+    train = prepare(compose_checked(line.split()[3:]), 0).exp.train
+    assert train.batch_size // train.grad_accum == 16
 
 
 def test_the_chart_stars_the_winner_and_draws_the_limit(tmp_path):
@@ -397,17 +402,20 @@ def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_li
     assert run_it == f"  run it: {record['command']}"
     # the two setups' estimates were traced side by side: each line names its setup
     assert all(f"{name}: estimate: batch 1 " in result.stdout + result.stderr for name in rows)
-    # one wandb run for the tune, with the rows as a table; the setups' probes log none of their own
+    # one wandb run for the tune, with the rows as a table; the setups' searches log none of their own,
+    # while on CPU each probe logs offline as the run would (rank 0 holds it under the limit)
     (table,) = (out / "wandb").glob("offline-run-*/files/media/table/setups_*.table.json")
-    assert record["winner"] in table.read_text() and not list((out / "setups").glob("**/wandb"))
+    assert record["winner"] in table.read_text() and not list((out / "setups").glob("*/wandb"))
+    assert list((out / "setups").glob("*/probes/*/wandb/offline-run-*"))
     # The answer holds: its command line, as printed, trains under the limit.
     words = [w for w in record["command"].split()[3:] if w != "wandb.mode=offline"] + ["wandb.mode=disabled"]
     run = run_cli(*words, "train.steps=12", "train.log_every=4", f"hydra.run.dir={tmp_path / 'winner'}", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = read_json(tmp_path / "winner" / "summary.json")
     assert summary["status"] == "ok" and summary["peak_under_limit_gb"] <= 0.6
-    # ... run again by the tune itself, in fresh ranks: the noise band it reports
+    # ... run by the tune itself as printed, for the run's 50 steps, in fresh ranks: the noise band it reports
     assert record["confirmed"]["status"] == "ok" and record["speed_noise"] >= 0.05
+    assert record["confirmed"]["steps"] == 50 and best["confirmed"] is True
     assert 0 < record["confirmed"]["step_spread"] <= record["speed_noise"]  # a record each of its steps
     assert abs(record["confirmed"]["samples_per_s"] / best["samples_per_s"] - 1) <= record["speed_noise"] + 1e-9
     # the command's own speed is the one the answer gives for it (its command line run again, as
@@ -503,7 +511,9 @@ def test_with_a_global_batch_each_setup_reaches_it_by_accumulation_and_is_ranked
         assert row["step_s"] == pytest.approx(1024 / row["samples_per_s"])
         assert (out / row["dir"] / "extra_probes.json").is_file()
     best = measured[0]
-    assert record["command"].endswith(f"train.batch_size={best['batch_size']} train.grad_accum={best['grad_accum']}")
+    # train.batch_size is a step's batch on each rank: grad_accum micro-batches of the row's batch
+    assert record["command"].endswith(f"train.batch_size={best['batch_size'] * best['grad_accum']} "
+                                      f"train.grad_accum={best['grad_accum']}")
     assert "| step s |" in (out / "tune.md").read_text()
     assert f"at batch {best['batch_size']} x {best['grad_accum']} (train.grad_accum) per rank, " \
            f"{best['step_s']:.3f} s a step" in result.stdout + result.stderr

@@ -24,8 +24,10 @@ RECORD = "tune.json"
 
 
 def command_words(prefix: list[str], row: Row) -> list[str]:
-    """The overrides of the command that trains the setup at its batch."""
-    words = [*prefix, *row.overrides, f"train.batch_size={row.batch_size}"]
+    """The overrides of the command that trains the setup at its batch: train.batch_size is a
+    step's batch on each rank, `grad_accum` micro-batches of the row's batch."""
+    assert row.batch_size is not None
+    words = [*prefix, *row.overrides, f"train.batch_size={row.batch_size * row.grad_accum}"]
     if row.grad_accum > 1:
         words.append(f"train.grad_accum={row.grad_accum}")
     return words

@@ -364,7 +364,7 @@ class Tuner:
             probe = self.extra_probe(entry, "split", micro, accum)
             if probe.status == "ok" and probe.samples_per_s:
                 self.fill(entry.row, probe, search.limit_gb)
-                entry.row.grad_accum = accum
+                entry.row.batch_size, entry.row.grad_accum = micro, accum
                 entry.row.step_s = global_batch / probe.samples_per_s
                 self.settle(entry, "measured", f"{how}; task.global_batch={global_batch} as {micro} x {accum} "
                             f"on {plan.nproc} rank(s)")
@@ -403,8 +403,9 @@ class Tuner:
                 probe = run_probe(printed.exp, printed.exp.train.batch_size, where, printed.launcher, printed.nproc,
                                   steps, timeout_s, as_command="confirm")
             else:
+                # train.batch_size is a step's batch on each rank: `accum` micro-batches of `micro`
                 exp = replace(plan.exp, train=replace(plan.exp.train, grad_accum=accum))
-                probe = run_probe(exp, micro, where, plan.launcher, plan.nproc, steps, timeout_s,
+                probe = run_probe(exp, micro * accum, where, plan.launcher, plan.nproc, steps, timeout_s,
                                   settle_gb=None if kind.startswith("rematch") else search.noise_gb())
             log.info("%s, train.grad_accum=%d: %s", kind, accum, probe.line())
             write_json(path, [*recorded, {**key, "probe": probe.to_json()}])

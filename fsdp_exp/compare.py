@@ -295,8 +295,10 @@ def task_figures(task: str, s: dict, run: Run) -> dict:
     goes in the estimate's column); a run's configured batch."""
     if task == "max_batch":
         max_batch = s.get("max_batch_size")
+        note = verification_note(s) if s.get("verification") not in (None, "completed") else \
+            none_fits(s) if max_batch == 0 else None
         return {"max_batch_size": max_batch, "batch_size": max_batch,
-                **({"note": none_fits(s)} if max_batch == 0 and s["status"] == "ok" else {})}
+                **({"note": note} if note and s["status"] == "ok" else {})}
     if task == "tune":
         peak_key = "peak_under_limit_gb" if s.get("limit_gb") is not None else "peak_mem_gb"
         return {"max_batch_size": s.get("max_batch_size"), "batch_size": s.get("batch_size"),
@@ -306,6 +308,17 @@ def task_figures(task: str, s: dict, run: Run) -> dict:
                 "estimated_peak_gb": s.get("peak_mem_gb"), "peak_mem_gb": None,
                 **({"note": "estimated, not measured"} if s["status"] == "ok" else {})}
     return {"max_batch_size": None, "batch_size": train_batch_size(run)}
+
+
+def verification_note(s: dict) -> str:
+    """What the run of the command at the search's answer said (fsdp_exp.tasks.max_batch.verify)."""
+    status, found = s.get("verification"), s.get("searched_max_batch_size")
+    if status == "stepped down":
+        return f"stepped down from {found}: a run of the command there ran out of memory"
+    if status == "none completed":
+        return f"none verified: the probes found {found}, and no run of the command completed"
+    return "NOT VERIFIED: " + ("its run failed, not for lack of memory" if status == "failed"
+                               else "task.verify_steps=0")
 
 
 def tune_note(s: dict) -> str:

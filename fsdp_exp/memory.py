@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,12 +191,13 @@ class PeakSettled:
     window: int
     device: torch.device
     is_main: bool = False  # rank 0, which says when it settled
+    measure: Callable[[torch.device], float | None] = judged_peak_gb  # this rank's peak so far
     last_gb: float | None = None
 
     def __call__(self, step: int) -> bool:
         if step < self.first_check or (step - self.first_check) % self.window:
             return False
-        mine = judged_peak_gb(self.device)
+        mine = self.measure(self.device)
         if mine is None:
             return False
         peak = max(distributed.gather(mine, self.device))

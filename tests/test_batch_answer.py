@@ -156,6 +156,13 @@ def test_sizes_too_small_to_train_are_named_as_such_not_as_out_of_memory():
                            "batch 1 did not train, not for lack of memory")
 
 
+def test_where_no_size_keeps_the_margin_free_the_line_says_so_instead_of_recommending_the_smallest():
+    line = answer_line(record(recommended_batch_size=4, recommended_keeps_margin=False, searched_from=4), LIMIT)
+    assert "; no size keeps 10% of the limit free (batch 4 already takes more), so none is recommended" in line
+    assert "recommended 4" not in line
+    assert "recommended 352 (10% margin)" in answer_line(record(recommended_keeps_margin=True), LIMIT)
+
+
 def test_allocator_retries_at_the_answer_are_said():
     line = answer_line(record(alloc_retries=3.0), LIMIT)
     assert "; at 652 the allocator freed its cache to allocate 3 time(s), which slows a step;" in line

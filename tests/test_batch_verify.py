@@ -39,12 +39,17 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
     answer steps down, 5% then twice as far each time, to a size whose run completes."""
     out = tmp_path / "search"
     result = run_cli("task=max_batch", *GROWING, "task.estimate=false", "task.resolution=64", "task.settle_steps=5",
-                     "task.verify_steps=10", f"hydra.run.dir={out}", cwd=REPO, timeout=600)
+                     "task.verify_steps=10", "checkpoint=dcp", f"hydra.run.dir={out}", cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     record = read_json(out / "max_batch.json")
     check = record["verification"]
     # the probes trained past task.steps_per_probe, up to task.settle_steps: their peak kept growing
     assert {p["steps"] for p in record["probes"] if p["status"] == "ok"} == {5}
+    # each saved a checkpoint after task.steps_per_probe steps, as the run saves (checkpoint=dcp), then trained
+    # on; what they saved is no one's, and is gone
+    for probe in [p for p in record["probes"] if p["status"] == "ok"]:
+        assert read_json(out / probe["dir"] / "summary.json")["checkpoint_saves"] == 2  # at step 3, and the last
+    assert not list(out.glob("*/*/checkpoints"))
     searched, answer = record["searched_max_batch_size"], record["max_batch_size"]
     runs = check["runs"]
     assert runs[0]["batch_size"] == searched and runs[0]["status"] == "oom"
@@ -58,6 +63,7 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
     # the run that completed is the command's own: 10 steps, a record at each train.log_every and the last
     done = out / runs[-1]["dir"]
     assert read_json(done / "summary.json")["steps"] == 10 and runs[-1]["steps"] == 10
+    assert read_json(done / "summary.json")["checkpoint_saves"] == 1  # checkpoint.every=100: the last step
     assert (done / "metrics.jsonl").read_text().count('"step": 10,') == 1
     # its figures are the answer's, and the answer line says what happened
     assert record["peak_under_limit_gb"] == runs[-1]["peak_under_limit_gb"] <= 0.6
@@ -90,3 +96,36 @@ def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tm
     (verified,) = record["verification"]["runs"]
     assert list((out / verified["dir"] / "wandb").glob("offline-run-*/run-*.wandb"))
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # and the search's own run, with its answer
+
+
+def test_a_probes_peak_has_settled_when_two_checks_a_window_apart_agree_within_the_noise_band() -> None:
+    from fsdp_exp.memory import PeakSettled
+
+    peaks = iter([0.500, 0.520, 0.5205, 0.530])  # the peak so far, at each check
+    settled = PeakSettled(tolerance_gb=0.001, first_check=3, window=2, device=torch.device("cpu"),
+                          measure=lambda device: next(peaks))
+    # checked at steps 3, 5, 7 and 9 only; at 5 it grew 20 MB, at 7 half a MB: settled
+    assert [step for step in range(1, 8) if settled(step)] == [7]
+    assert not settled(9)  # 10 MB more: not settled (a probe stops at the first that is)
+    unmeasured = PeakSettled(tolerance_gb=0.001, first_check=3, window=2, device=torch.device("cpu"),
+                             measure=lambda device: None)
+    assert not any(unmeasured(step) for step in range(1, 20))  # no count of the peak here: it runs its steps
+
+
+def test_a_probe_saves_a_checkpoint_where_the_run_does_and_trains_on_beside_it() -> None:
+    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.driver.plan import prepare
+    from fsdp_exp.tasks.max_batch.probe import command_config, probe_config
+
+    exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "checkpoint=dcp_async",
+                                   "checkpoint.dir=/tmp/theirs", "wandb.mode=offline"]), 0).exp
+    probe = probe_config(exp, batch_size=8, steps=3, world_size=2, up_to_steps=20)
+    assert (probe.checkpoint.every, probe.checkpoint.dir, probe.checkpoint.mode) == (3, None, exp.checkpoint.mode)
+    assert probe.train.steps == 20 and probe.train.log_every == 1 and probe.wandb.mode.value == "offline"
+    assert probe.wandb.id is None and probe.wandb.job_type == "probe"
+    # the verification: the command as it runs, at the answer, never in the user's checkpoint.dir
+    run = command_config(exp, batch_size=8, steps=50, job_type="verify")
+    assert (run.checkpoint.every, run.checkpoint.dir, run.train.log_every) == (exp.checkpoint.every, None, 10)
+    assert run.wandb.mode == exp.wandb.mode and run.wandb.id != exp.wandb.id and run.wandb.job_type == "verify"
+    none = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0).exp
+    assert type(probe_config(none, 8, 3, 2).checkpoint).__name__ == "NoCheckpoint"

@@ -152,6 +152,20 @@ def test_max_batch_runs_show_their_max_batch(tmp_path: Path) -> None:
     assert "| peak memory (GB) | memory.limit_gb | peak under the limit (GB) |" in md
 
 
+def test_a_max_batch_row_says_when_its_answer_stepped_down_or_was_not_verified(tmp_path: Path) -> None:
+    make_run(tmp_path / "runs" / "0", max_batch_summary("full", 212, verification="completed",
+                                                        searched_max_batch_size=212))
+    make_run(tmp_path / "runs" / "1", max_batch_summary("ddp", 184, verification="stepped down",
+                                                        searched_max_batch_size=196))
+    make_run(tmp_path / "runs" / "2", max_batch_summary("grad_op", 200, verification="not run",
+                                                        searched_max_batch_size=200))
+    _, rows, _ = compare(tmp_path / "runs", out=tmp_path / "out")
+    notes = {r["setup"]: (r["max_batch_size"], r["note"]) for r in rows}
+    assert notes == {"sharding=full": ("212", ""),
+                     "sharding=ddp": ("184", "stepped down from 196: a run of the command there ran out of memory"),
+                     "sharding=grad_op": ("200", "NOT VERIFIED: task.verify_steps=0")}
+
+
 def tune_summary(confirmed: dict | None, **changes) -> dict:
     """As task=tune's report writes it (fsdp_exp.tasks.tune.report)."""
     return {"status": "ok", "task": "tune", "winner": "sharding=full offload=true",

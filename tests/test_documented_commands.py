@@ -158,8 +158,31 @@ def test_every_documented_command_runs_as_written(workdir: Path) -> None:
         short += TUNE_SHORT if task == "tune" else []
         replaced = {s.partition("=")[0] for s in short}
         args = [a for a in command.args if a.partition("=")[0] not in replaced]
-        done = run_cli(*args, *short, cwd=folder, timeout=900,
-                       extra_env={"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])})
+        env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
+        done = run_cli(*args, *short, cwd=folder, timeout=900, extra_env=env)
         if done.returncode != 0:
             failed.append(f"{command.id}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+            continue
+        answer = answer_as_printed(task, [*args, *short], done.stdout + done.stderr)
+        if answer is not None:  # the search's answer, pasted and run
+            ran = run_cli(*answer, cwd=folder, timeout=900, extra_env=env)
+            if ran.returncode != 0:
+                failed.append(f"{command.id}, its answer {' '.join(answer)}: exit {ran.returncode}: "
+                              f"{ran.stderr.strip().splitlines()[-1:]}")
     assert not failed, "\n".join(failed)
+
+
+def answer_as_printed(task: str, args: list[str], output: str) -> list[str] | None:
+    """What a reader runs next: task=tune's `run it:` line as printed; task=max_batch's max batch
+    in the command without its task keys, for the 50 steps its verification ran. None for a
+    sweep (an answer per run) and other tasks."""
+    if any(a in ("-m", "--multirun") for a in args):
+        return None
+    if task == "tune":
+        (line,) = [x for x in output.splitlines() if x.startswith("  run it: ")]
+        return shlex.split(line.removeprefix("  run it: "))[3:]
+    if task == "max_batch":
+        size = int(re.search(r"max batch: (\d+) per rank", output).group(1))
+        kept = [a for a in args if a.partition("=")[0] not in ("task", "train.steps") and not a.startswith("task.")]
+        return [*kept, f"train.batch_size={size}", "train.steps=50"]
+    return None

@@ -144,7 +144,11 @@ def answer_line(record: dict, limit_gb: float | None) -> str:
     if record.get("alloc_retries"):
         parts.append(f"at {size} the allocator freed its cache to allocate {record['alloc_retries']:.0f} time(s), "
                      "which slows a step")
-    parts.append(f"recommended {record['recommended_batch_size']} ({record['margin']:.0%} margin)")
+    if record.get("recommended_keeps_margin", True):
+        parts.append(f"recommended {record['recommended_batch_size']} ({record['margin']:.0%} margin)")
+    else:
+        parts.append(f"no size keeps {record['margin']:.0%} of the limit free (batch {record['searched_from']} "
+                     f"already takes more), so none is recommended below the max")
     if record["fastest_batch_size"]:
         parts.append(f"fastest {record['fastest_batch_size']} ({record['fastest_samples_per_s']:,.1f} samples/s), "
                      f"within {NEAR_FASTEST:.0%} of it from {record['near_fastest_batch_size']}")

@@ -226,7 +226,7 @@ class MaxBatchSearch:
         """The command at `size`, run as it runs, for the verification's steps."""
         check = self.verification
         run_dir = self.run_dir / "verify" / f"{len(check.runs) + 1:02d}_b{size}"
-        log.info("verifying batch %d: %d steps of the command as it runs (its data, wandb, checkpoints, evaluation)",
+        log.info("verifying batch %d: %d steps of the command as it runs (its data, wandb and checkpoints)",
                  size, check.steps)
         timeout_s = self.timeout_s * max(1.0, check.steps / self.steps)
         run = run_probe(self.cfg, size, run_dir, self.launcher, self.nproc, check.steps, timeout_s,
@@ -371,6 +371,8 @@ class MaxBatchSearch:
         past = {p.status for p in self.probes if p.batch_size == hi and not p.killed}
         timed = [*self.probes, *([verified] if verified is not None else [])]  # the verification's 50 steps too
         fastest_size, fastest_speed, near_fastest = fastest(timed, boundary) if boundary else (None,) * 3
+        margin = max(settings.margin, noise / self.limit_gb)
+        recommended = boundary and recommended_size(model, self.limit_gb, margin, boundary, settings.resolution)
         record = {
             "setup": setup_line(self.context),
             "device": self.cfg.device.value,
@@ -381,8 +383,10 @@ class MaxBatchSearch:
             "max_batch_size": boundary,
             "searched_max_batch_size": searched,  # the probes' boundary, before the verification
             "verification": self.verification.to_json(),
-            "recommended_batch_size": boundary and recommended_size(
-                model, self.limit_gb, max(settings.margin, noise / self.limit_gb), boundary, settings.resolution),
+            "recommended_batch_size": recommended,
+            # whether the line keeps the margin free at it (not where even the smallest size holds more)
+            "recommended_keeps_margin": bool(recommended) and (
+                model is None or model.peak_gb(recommended) <= (1 - margin) * self.limit_gb + 1e-9),
             "bounded_by": None if boundary is None else "verification" if searched and boundary < searched else (
                 ("data" if self.up_to() < settings.search_up_to else "search_up_to") if not past
                 else "oom" if "oom" in past else "failed" if "failed" in past else "noise"),

@@ -8,21 +8,17 @@ under the limit, so an allocation past it fails for real. Either failure is an O
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import re
 import resource
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.rank import distributed
 
 GB = 2**30
-log = logging.getLogger("fsdp_exp")
 
 # CPU under a limit: (anonymous resident, data segment) bytes when the limit was set.
 _cpu_baseline: tuple[int, int] | None = None
@@ -168,45 +164,6 @@ def under_limit_figures(limit_gb: float | None, device_type: str, run: dict,
     if held:
         figures["held_before_limit_gb_per_rank"] = held
     return figures
-
-
-def judged_peak_gb(device: torch.device) -> float | None:
-    """This rank's peak as task=max_batch judges it: on CPU as the limit counts it (None
-    without a limit), on GPU the allocated peak (Probe.judged_peak_gb)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / GB
-    return peak_under_limit_gb()
-
-
-@dataclass
-class PeakSettled:
-    """Whether a probe's peak has settled: checked every `window` steps from `first_check`,
-    it has when the largest peak over the ranks (judged_peak_gb) grew by at most `tolerance_gb`
-    over the last window. A run's memory can keep growing after its first steps (the
-    allocator's history, wandb's buffers, a checkpoint's staging), so a probe trains on
-    until two successive windows agree. Collective: every rank calls it at every step."""
-
-    tolerance_gb: float
-    first_check: int
-    window: int
-    device: torch.device
-    is_main: bool = False  # rank 0, which says when it settled
-    measure: Callable[[torch.device], float | None] = judged_peak_gb  # this rank's peak so far
-    last_gb: float | None = None
-
-    def __call__(self, step: int) -> bool:
-        if step < self.first_check or (step - self.first_check) % self.window:
-            return False
-        mine = self.measure(self.device)
-        if mine is None:
-            return False
-        peak = max(distributed.gather(mine, self.device))
-        settled = self.last_gb is not None and peak - self.last_gb <= self.tolerance_gb
-        if settled and self.is_main:
-            log.info("the peak settled at step %d: %.4f GB, within %.4f GB of its %.4f GB %d step(s) before",
-                     step, peak, self.tolerance_gb, self.last_gb, self.window)
-        self.last_gb = peak
-        return settled
 
 
 def held_before_limit_gb() -> float | None:

@@ -99,17 +99,21 @@ def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tm
 
 
 def test_a_probes_peak_has_settled_when_two_checks_a_window_apart_agree_within_the_noise_band() -> None:
-    from fsdp_exp.memory import PeakSettled
+    from fsdp_exp.rank.settle import PeakSettled
 
     peaks = iter([0.500, 0.520, 0.5205, 0.530])  # the peak so far, at each check
     settled = PeakSettled(tolerance_gb=0.001, first_check=3, window=2, device=torch.device("cpu"),
-                          measure=lambda device: next(peaks))
+                          measure=lambda device, window: next(peaks))
     # checked at steps 3, 5, 7 and 9 only; at 5 it grew 20 MB, at 7 half a MB: settled
-    assert [step for step in range(1, 8) if settled(step)] == [7]
-    assert not settled(9)  # 10 MB more: not settled (a probe stops at the first that is)
+    assert [step for step in range(1, 8) if settled(step, lambda: None)] == [7]
+    assert not settled(9, lambda: None)  # 10 MB more: not settled (a probe stops at the first that is)
     unmeasured = PeakSettled(tolerance_gb=0.001, first_check=3, window=2, device=torch.device("cpu"),
-                             measure=lambda device: None)
-    assert not any(unmeasured(step) for step in range(1, 20))  # no count of the peak here: it runs its steps
+                             measure=lambda device, window: None)
+    assert not any(unmeasured(step, lambda: None) for step in range(1, 20))  # no count here: it runs its steps
+    # On a GPU the trainer's window peaks are reset each window: the largest seen so far counts
+    windows = iter([0.60, 0.40, 0.6004])
+    gpu = PeakSettled(tolerance_gb=0.001, first_check=3, window=2, device=torch.device("cuda"))
+    assert [gpu(step, lambda: next(windows)) for step in (3, 5, 7)] == [False, True, True]
 
 
 def test_a_probe_saves_a_checkpoint_where_the_run_does_and_trains_on_beside_it() -> None:
@@ -129,3 +133,32 @@ def test_a_probe_saves_a_checkpoint_where_the_run_does_and_trains_on_beside_it()
     assert run.wandb.mode == exp.wandb.mode and run.wandb.id != exp.wandb.id and run.wandb.job_type == "verify"
     none = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0).exp
     assert type(probe_config(none, 8, 3, 2).checkpoint).__name__ == "NoCheckpoint"
+
+
+class VariantNet(nn.Module):
+    """Setups of one model for task=tune's tests (+task.space.model.variant=[...]):
+    `fast_growing` keeps 12 MB every training step (a history it never frees), so a 5-step
+    probe fits where a 10-step run does not; `slow_steady` does extra work and keeps nothing;
+    `steady` and `steady_too` are the same model under two names."""
+
+    def __init__(self, variant: str = "steady") -> None:
+        super().__init__()
+        self.variant = variant
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.variant == "fast_growing" and self.training and torch.is_grad_enabled():
+            self.kept.append(torch.ones(3 * 2**20))  # 12 MB
+        if self.variant == "slow_steady":
+            work = torch.ones(256, 256)
+            for _ in range(40):
+                work = torch.tanh(work @ work / 256)
+            images = images + 0 * work.mean()
+        return self.body(images)
+
+
+VARIANTS = ["task=tune", "model=custom", f"model._target_={__name__}.VariantNet", "model.blocks=[torch.nn.Linear]",
+            "memory.limit_gb=0.6", "wandb.mode=disabled", "task.space.sharding=[full]",
+            "task.space.train.activation_checkpointing=[false]", "task.space.offload=[false]", "task.estimate=false",
+            "task.resolution=64", "task.search_up_to=512", "task.settle_steps=5", "task.verify_steps=10"]

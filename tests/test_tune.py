@@ -18,7 +18,7 @@ from fsdp_exp.tasks.tune.settings import Budget, default_space, parse_budget
 from fsdp_exp.tasks.tune.space import flatten, setups
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.tune.tuner import step_spread
-from tests.conftest import read_json, refused_here, run_cli
+from tests.conftest import REPO, read_json, refused_here, run_cli
 
 # --- the space ---
 
@@ -547,3 +547,55 @@ def test_on_a_cluster_launcher_setups_run_side_by_side(tmp_path, launcher):
     # each setup's lines carry its name, and its driver lines are in its own folder's log
     assert "sharding=grad_op: started in" in result.stdout
     assert "sharding=full: " in (dirs[0] / "fsdp_exp.log").read_text() + (dirs[1] / "fsdp_exp.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_winner_whose_command_line_does_not_complete_hands_over_to_the_next_which_is_run_as_printed(tmp_path):
+    """The faster setup keeps 12 MB a step: its 5-step probes fit, its 10-step command line
+    runs out of memory. The tune says so in its row and confirms the next setup instead."""
+    from tests.test_batch_verify import VARIANTS
+
+    out = tmp_path / "tune"
+    result = run_cli(*VARIANTS, "+task.space.model.variant=[fast_growing,slow_steady]", f"hydra.run.dir={out}",
+                     cwd=REPO, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(out / "tune.json")
+    rows = {r["setup"]: r for r in record["rows"]}
+    fast, slow = rows["+model.variant=fast_growing"], rows["+model.variant=slow_steady"]
+    assert fast["status"] == slow["status"] == "measured" and fast["samples_per_s"] > slow["samples_per_s"]
+    assert fast["confirmed"] is False and "did not complete 10 steps (oom: " in fast["how"] and not fast["winner"]
+    assert slow["confirmed"] is True and slow["winner"] and record["winner"] == "+model.variant=slow_steady"
+    assert record["confirmed"]["status"] == "ok" and record["confirmed"]["steps"] == 10 and record["winner_confirmed"]
+    output = result.stdout + result.stderr
+    assert "the winner's command line did not complete (oom: " in output and "NOT CONFIRMED" not in output
+    # the line it printed is the one it ran: 10 steps of it, in the winner's confirm/ folder
+    (confirm,) = (out / slow["dir"] / "confirm").iterdir()
+    ran = read_json(confirm / "summary.json")
+    assert (ran["steps"], ran["global_batch_size"]) == (10, 2 * slow["batch_size"])
+    assert f"train.batch_size={slow['batch_size']}" in record["command"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_setups_within_the_noise_of_the_winner_are_run_again_in_turns_before_one_is_called_the_winner(tmp_path):
+    from tests.test_batch_verify import VARIANTS
+
+    out = tmp_path / "tune"
+    result = run_cli(*VARIANTS, "+task.space.model.variant=[steady,steady_too]", f"hydra.run.dir={out}",
+                     cwd=REPO, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(out / "tune.json")
+    rows = [r for r in record["rows"] if r["status"] == "measured"]
+    assert len(rows) == 2 and "running each again, in turns" in result.stdout + result.stderr
+    started = {}
+    for row in rows:
+        assert "samples/s the mean of 3 runs, in turns with the setups as fast" in row["how"], row["how"]
+        for n in (1, 2):
+            (done,) = (out / row["dir"] / f"rematch{n}").iterdir()
+            started[(row["setup"], n)] = read_json(done / "summary.json")["startup"]["rank_started"]
+    first, second = (r["setup"] for r in rows)
+    # the first round in one order, the second in the other
+    order = sorted(started, key=started.__getitem__)
+    assert order in ([(first, 1), (second, 1), (second, 2), (first, 2)],
+                     [(second, 1), (first, 1), (first, 2), (second, 2)]), order

@@ -42,7 +42,7 @@ from fsdp_exp.models.contract import check_logits
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
-from fsdp_exp.memory import PeakSettled
+from fsdp_exp.rank.settle import PeakSettled
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap

@@ -96,7 +96,7 @@ class Trainer:
         phase_peaks: bool = True,
         first_micro_batch: FirstMicroBatch | None = None,
         memory: PeakMemory | None = None,
-        stop_early: Callable[[int], bool] | None = None,
+        stop_early: Callable[[int, Callable[[], float | None]], bool] | None = None,
     ):
         """`batches` yields micro-batches of `batch_size // grad_accum` samples; one step
         takes `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
@@ -108,8 +108,9 @@ class Trainer:
         `phase_peaks`: each phase's peak memory as well as the window's (metrics.phase_peaks).
         `first_micro_batch`: what the first micro-batch also does (counts FLOPs, checks the
         logits). `memory`: the memory figures, by default this rank's MemoryMonitor.
-        `stop_early(step)`: called by every rank after each step; True ends training there
-        (a probe whose peak has settled, fsdp_exp.memory.PeakSettled)."""
+        `stop_early(step, window_peak_gb)`: called by every rank after each step, with what
+        reads the window's peak so far; True ends training there (a probe whose peak has
+        settled, fsdp_exp.rank.settle.PeakSettled)."""
         self.model = model
         self.optimizer = optimizer
         self.batches = batches
@@ -208,7 +209,8 @@ class Trainer:
                 hook.after_step(step)
             if self.checkpoint is not None:
                 self.checkpoint.after_step(step, last=step == self.steps, loss=loss)
-            stop = self.stop_early is not None and self.stop_early(step)
+            stop = self.stop_early is not None and self.stop_early(
+                step, lambda: self.memory.window_peaks().get("peak_mem_gb"))
             logged = step % self.log_every == 0 or step == self.steps or stop
             if logged or step == warmup_end:  # a window never straddles warm-up
                 record, per_rank = self._record(step, loss, window, warmup_end)

@@ -145,7 +145,7 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
 
 
 def settle(cfg: Experiment, steps: int, tolerance_gb: float) -> dict:
-    """A probe's rule for when its peak has settled (fsdp_exp.memory.PeakSettled): checked
+    """A probe's rule for when its peak has settled (fsdp_exp.rank.settle.PeakSettled): checked
     from its `steps`-th step, every (steps less warm-up) steps after, until two checks agree
     within `tolerance_gb` (the search's noise band)."""
     warmup = warmup_steps_to_skip(cfg.train.compile)

@@ -131,9 +131,9 @@ def runs(setup: Setup, workdir: Path) -> dict[str, Overrides]:
         "resnet_meta_offload": [*common, *RESNET, "model.init_device=meta"],
         "max_batch": [*memory_gpt, f"memory.limit_gb={setup.limit_gb:g}", "task=max_batch"],
         "at_max_batch": lambda done: at_max_batch(done["max_batch"], memory_gpt, setup.limit_gb),
-        # one probe (batch 1) of task=max_batch with train.compile=true
+        # one probe (batch 1) of task=max_batch with train.compile=true (its answer is not run again)
         "compiled_probe": [*memory_gpt, "task=max_batch", f"memory.limit_gb={setup.limit_gb:g}", "train.compile=true",
-                           "task.search_up_to=1", "task.estimate=false"],
+                           "task.search_up_to=1", "task.estimate=false", "task.verify_steps=0"],
     }
 
 

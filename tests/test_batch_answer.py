@@ -118,8 +118,8 @@ def test_each_step_down_is_twice_the_last_on_the_resolutions_grid_and_stops_at_t
     assert step_down(616, 2, 4, 4) == 552  # 10% less
     assert step_down(552, 3, 4, 4) == 440  # 20%
     assert step_down(5, 1, 1, 1) == 4  # at least one resolution down
-    assert step_down(440, 5, 4, 4) == 84  # 80%
-    assert step_down(84, 6, 4, 4) is None  # 100%: below the smallest size the search read
+    assert step_down(440, 5, 4, 4) == 88  # 80%: 88 exactly, not a grid step below it
+    assert step_down(88, 6, 4, 4) is None  # 100%: below the smallest size the search read
     assert step_down(12, 1, 4, 12) is None
 
 

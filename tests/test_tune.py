@@ -17,7 +17,7 @@ from fsdp_exp.tasks.tune.report import answer_line, command_line, plot, report, 
 from fsdp_exp.tasks.tune.settings import Budget, default_space, parse_budget
 from fsdp_exp.tasks.tune.space import flatten, setups
 from fsdp_exp.run_context import RunContext
-from fsdp_exp.tasks.tune.tuner import step_spread
+from fsdp_exp.tasks.tune.confirm import step_spread
 from tests.conftest import REPO, read_json, refused_here, run_cli
 
 # --- the space ---
@@ -239,6 +239,26 @@ def test_a_winner_whose_command_line_was_never_run_is_called_unconfirmed_everywh
     assert none["winner_confirmed"] is None and "NOT CONFIRMED" not in answer_line(none)
 
 
+def test_a_command_line_that_ran_out_of_memory_steps_down_to_a_size_its_probes_put_a_speed_on(tmp_path):
+    from fsdp_exp.tasks.max_batch.probe import Probe
+    from fsdp_exp.tasks.tune.confirm import smaller
+
+    tune = tuner(tmp_path, "task.space.sharding=[full]", "task.space.train.activation_checkpointing=[false]",
+                 "task.space.offload=[false]", "task.resolution=4")
+    (entry,) = tune.entries = [tune.prepare(s) for s in setups(tune.settings.space, tune.command, tune.nproc, 1,
+                                                               as_dict(tune.exp))]
+    entry.search.probes += [Probe(4, "ok", samples_per_s=100.0), Probe(100, "ok", samples_per_s=300.0),
+                            Probe(200, "ok", samples_per_s=400.0)]
+    entry.row.batch_size = 200
+    # 5% down, on the grid of 4: 188, its speed straight between the probes at 100 and 200
+    assert smaller(entry, 1, 4) == (188, pytest.approx(388.0))
+    assert smaller(entry, 5, 4) == (40, pytest.approx(100.0 + 200.0 * 36 / 96))  # 80% down
+    entry.row.batch_size = 4
+    assert smaller(entry, 1, 4) is None  # below the smallest size the search read
+    entry.row.batch_size, entry.row.grad_accum = 200, 2
+    assert smaller(entry, 1, 4) is None  # task.global_batch fixes the step's batch: the next setup instead
+
+
 def test_a_winner_with_accumulation_runs_its_micro_batch_as_printed():
     """The row's batch is the micro-batch; train.batch_size is a step's batch on each rank,
     which the trainer splits into train.grad_accum micro-batches (fsdp_exp.rank.build)."""
@@ -385,10 +405,17 @@ def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_li
     assert set(rows) == {"sharding=full", "sharding=ddp"} and record["winner"] in rows
     best = rows[record["winner"]]
     assert best["status"] == "measured" and best["winner"] and best["headroom_gb"] >= 0
-    # the winner's batch is its own search's fastest, recorded where its row says
+    # the winner's batch is its own search's fastest, recorded where its row says, or, where its
+    # command line ran out of memory within the run's 50 steps there, the size it stepped down to
     searched = read_json(out / best["dir"] / "max_batch.json")
-    assert best["batch_size"] == searched["fastest_batch_size"] and best["max_batch_size"] == searched["max_batch_size"]
-    assert best["samples_per_s"] == pytest.approx(searched["fastest_samples_per_s"])
+    assert best["max_batch_size"] == searched["max_batch_size"]
+    if "stepped down to" in best["how"]:
+        assert best["batch_size"] < searched["fastest_batch_size"]
+        assert best["how"].endswith(f"stepped down to {best['batch_size']}")
+        assert best["samples_per_s"] == pytest.approx(record["confirmed"]["samples_per_s"])  # the run's own
+    else:
+        assert best["batch_size"] == searched["fastest_batch_size"]
+        assert best["samples_per_s"] == pytest.approx(searched["fastest_samples_per_s"])
     other = next(r for r in rows.values() if not r["winner"])
     assert other["status"] in ("measured", "bounded"), other
     if other["status"] == "bounded":  # spared its search: one probe, and a bound under the winner's speed

@@ -23,7 +23,7 @@ def step_down(size: int, failures: int, resolution: int, smallest: int) -> int |
     STEP_DOWN of it less, twice as much each time, on the resolution's grid; None below
     `smallest` (the smallest size the search read)."""
     share = min(STEP_DOWN * 2 ** (failures - 1), 1.0)
-    smaller = min(math.floor(size * (1 - share) / resolution) * resolution, size - resolution)
+    smaller = min(math.floor(size * (1 - share) / resolution + 1e-9) * resolution, size - resolution)
     return smaller if smaller >= smallest else None
 
 

@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -46,7 +45,8 @@ from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
 from fsdp_exp.tasks.max_batch.settings import SearchSettings
 from fsdp_exp.tasks.tune.accumulation import fastest_splits
-from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, can_win, speed_bound, ties, winner
+from fsdp_exp.tasks.tune.confirm import Confirming
+from fsdp_exp.tasks.tune.ranking import Row, can_win, speed_bound
 from fsdp_exp.tasks.tune.space import Setup, setups
 
 if TYPE_CHECKING:
@@ -58,7 +58,6 @@ log = logging.getLogger("fsdp_exp")
 
 EXTRA_PROBES = "extra_probes.json"
 REMATCH_STEPS = 10  # a setup within the noise of the winner run again: steps, the first warm-up
-REMATCHES = 2  # rounds of those runs, in turns (the second in the opposite order)
 SPLITS_TRIED = 3  # splits of task.global_batch probed before a setup is said not to reach it
 # The estimate is at most about 1% above a run's peak (bench/estimate_accuracy.py): a setup
 # whose smallest batch it puts this far over the limit is pruned without a probe.
@@ -78,7 +77,7 @@ class Entry:
     extra_probes: int = 0  # beside its search: task.global_batch's splits, the winner's confirmation
 
 
-class Tuner:
+class Tuner(Confirming):
     def __init__(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int):
         self.exp, self.context, self.run_dir, self.launcher, self.nproc = exp, context, Path(run_dir), launcher, nproc
         self.settings = exp.task
@@ -250,17 +249,6 @@ class Tuner:
                 self.stopped = True
             return self.stopped
 
-    def confirmation_needs(self) -> tuple[int, float]:
-        """What the winner's confirmation will take from the budget: one probe, and the time of
-        the slowest probe so far at the winner's batch, its steps scaled to the run's length."""
-        best = winner([e.row for e in self.entries])
-        entry = next((e for e in self.entries if e.row is best), None)
-        probes = [p for p in self.trained(entry) if p.batch_size == best.batch_size] if entry and best else []
-        steps = self.settings.steps_to_verify(self.exp.train.steps)
-        seconds = [(p.startup_s or 0.0) + (p.wall_s - (p.startup_s or 0.0)) * steps / self.settings.steps_per_probe
-                   for p in probes]
-        return 1, max(seconds, default=0.0)
-
     def announce(self, entry: Entry) -> None:
         """One at a time, the setup whose probes the next lines are (side by side, each line says it)."""
         if self.parallel <= 1 and self.speaking is not entry:
@@ -416,62 +404,6 @@ class Tuner:
             self.save()
         return probe
 
-    def rematch(self) -> None:
-        """The setups within the speed noise of the winner, run again in turns (REMATCHES
-        rounds, the second in the opposite order, so that no setup always runs first), before
-        one of them is called the winner: each one's speed is then the mean of its runs."""
-        best = winner([e.row for e in self.entries])
-        if best is None:
-            return
-        close = [best, *ties([e.row for e in self.entries], best)]
-        entries = [e for e in self.entries if any(e.row is r for r in close) and e.row.batch_size]
-        if len(entries) < 2:
-            return
-        log.info("task=tune: %s within %.0f%% of each other; running each again, in turns",
-                 " and ".join(e.setup.name for e in entries), SPEED_NOISE * 100)
-        speeds = {id(e): [e.row.samples_per_s] for e in entries}
-        for round_ in range(REMATCHES):
-            for entry in entries if round_ % 2 == 0 else entries[::-1]:
-                if self.spent():
-                    break
-                probe = self.extra_probe(entry, f"rematch{round_ + 1}", entry.row.batch_size, entry.row.grad_accum)
-                if probe.status == "ok" and probe.samples_per_s:
-                    speeds[id(entry)].append(probe.samples_per_s)
-        for entry in entries:
-            runs = speeds[id(entry)]
-            entry.row.samples_per_s = statistics.mean(runs)
-            entry.row.how += f"; samples/s the mean of {len(runs)} runs, in turns with the setups as fast"
-        self.save()
-
-    def confirm(self) -> None:
-        """The winner's command line, exactly as printed, run for the run's length
-        (task.verify_steps: train.steps, at least 50), in fresh ranks: that it trains as
-        printed, and how far its speed is from the search's short probes (the noise band its
-        answer carries). Should it fail, the next setup is the winner and is confirmed, while
-        the budget lasts; the first confirmation has the room the budget kept for it."""
-        while (best := winner([e.row for e in self.entries])) is not None and best.batch_size is not None:
-            if self.confirming and self.spent():
-                return
-            self.confirming = True
-            entry = next(e for e in self.entries if e.row is best)
-            probe = self.extra_probe(entry, "confirm", best.batch_size, best.grad_accum)
-            assert entry.search is not None
-            self.confirmed = {"status": probe.status, "samples_per_s": probe.samples_per_s,
-                              "peak_gb": probe.limited_peak_gb(), "reason": probe.reason,
-                              "steps": self.settings.steps_to_verify(self.exp.train.steps),
-                              "step_spread": step_spread(entry.search.run_dir / probe.dir / "metrics.jsonl")
-                              if probe.status == "ok" else None}
-            best.confirmed = probe.status == "ok"
-            if best.confirmed:
-                self.save()
-                return
-            best.how += (f"; its command line at batch {best.batch_size} did not complete "
-                         f"{self.confirmed['steps']} steps ({probe.status}: {probe.reason})")
-            log.warning("task=tune: the winner's command line did not complete (%s: %s); confirming the next setup",
-                        probe.status, probe.reason)
-            self.confirmed = None
-            self.save()
-
     def settle(self, entry: Entry, status: str, how: str) -> None:
         with self.lock:
             entry.row.status, entry.row.how, entry.done = status, how, True
@@ -543,20 +475,3 @@ def search_path_overrides() -> list[str]:
     if not HydraConfig.initialized():
         return []
     return [o for o in HydraConfig.get().overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath"]
-
-
-def step_spread(metrics: Path) -> float | None:
-    """How far a run's timed steps' samples/s stray from their median (half their range over
-    it), from its metrics.jsonl with a record each step; None with fewer than 3 timed steps."""
-    if not metrics.is_file():
-        return None
-    records = []
-    for line in metrics.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short (a run killed while writing) says nothing
-            continue
-    speeds = [r["samples_per_s"] for r in records if not r.get("warmup") and r.get("samples_per_s")]
-    if len(speeds) < 3:
-        return None
-    return (max(speeds) - min(speeds)) / 2 / statistics.median(speeds)

@@ -1,0 +1,144 @@
+"""The end of task=tune (`Confirming`, a part of fsdp_exp.tasks.tune.tuner.Tuner): before a
+setup is called the winner, the setups as fast as it are run again in turns (`rematch`), and
+then its command line, exactly as printed, runs for the run's length (`confirm`). A command
+line that does not complete steps its batch down, as task=max_batch's verification does, or
+hands over to the next setup. The budget keeps room for the first confirmation from the
+start (`confirmation_needs`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from fsdp_exp.tasks.max_batch.answer import speeds
+from fsdp_exp.tasks.max_batch.verify import step_down
+from fsdp_exp.tasks.tune.accumulation import speed_at
+from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, ties, winner
+
+log = logging.getLogger("fsdp_exp")
+
+REMATCHES = 2  # rounds of the near-ties' runs, in turns (the second in the opposite order)
+
+
+class Confirming:
+    """What a tune does once its searches are done; its attributes are the Tuner's."""
+
+    entries: list
+    settings: Any
+    exp: Any
+    confirming: bool
+    confirmed: dict | None
+
+    def confirmation_needs(self) -> tuple[int, float]:
+        """What the winner's confirmation will take from the budget: one probe, and the time of
+        the slowest probe so far at the winner's batch, its steps scaled to the run's length."""
+        best = winner([e.row for e in self.entries])
+        entry = next((e for e in self.entries if e.row is best), None)
+        probes = [p for p in self.trained(entry) if p.batch_size == best.batch_size] if entry and best else []
+        steps = self.settings.steps_to_verify(self.exp.train.steps)
+        seconds = [(p.startup_s or 0.0) + (p.wall_s - (p.startup_s or 0.0)) * steps / self.settings.steps_per_probe
+                   for p in probes]
+        return 1, max(seconds, default=0.0)
+
+    def rematch(self) -> None:
+        """The setups within the speed noise of the winner, run again in turns (REMATCHES
+        rounds, the second in the opposite order, so that no setup always runs first), before
+        one of them is called the winner: each one's speed is then the mean of its runs."""
+        best = winner([e.row for e in self.entries])
+        if best is None:
+            return
+        close = [best, *ties([e.row for e in self.entries], best)]
+        entries = [e for e in self.entries if any(e.row is r for r in close) and e.row.batch_size]
+        if len(entries) < 2:
+            return
+        log.info("task=tune: %s within %.0f%% of each other; running each again, in turns",
+                 " and ".join(e.setup.name for e in entries), SPEED_NOISE * 100)
+        runs = {id(e): [e.row.samples_per_s] for e in entries}
+        for round_ in range(REMATCHES):
+            for entry in entries if round_ % 2 == 0 else entries[::-1]:
+                if self.spent():
+                    break
+                probe = self.extra_probe(entry, f"rematch{round_ + 1}", entry.row.batch_size, entry.row.grad_accum)
+                if probe.status == "ok" and probe.samples_per_s:
+                    runs[id(entry)].append(probe.samples_per_s)
+        for entry in entries:
+            entry.row.samples_per_s = statistics.mean(runs[id(entry)])
+            entry.row.how += f"; samples/s the mean of {len(runs[id(entry)])} runs, in turns with the setups as fast"
+        self.save()
+
+    def confirm(self) -> None:
+        """The winner's command line, exactly as printed, run for the run's length
+        (task.verify_steps: train.steps, at least 50), in fresh ranks: that it trains as
+        printed, and how far its speed is from the search's short probes (the noise band its
+        answer carries). Should it run out of memory, its batch steps down (`smaller`) and the
+        winner is chosen again; should it fail otherwise, or have nowhere to step down to, the
+        next setup is the winner. While the budget lasts: the first confirmation has the room the
+        budget kept for it."""
+        failures: dict[str, int] = {}
+        steps = self.settings.steps_to_verify(self.exp.train.steps)
+        while (best := winner([e.row for e in self.entries])) is not None and best.batch_size is not None:
+            if self.confirming and self.spent():
+                return
+            self.confirming = True
+            entry = next(e for e in self.entries if e.row is best)
+            assert entry.search is not None
+            probe = self.extra_probe(entry, "confirm", best.batch_size, best.grad_accum)
+            self.confirmed = {"status": probe.status, "samples_per_s": probe.samples_per_s,
+                              "peak_gb": probe.limited_peak_gb(), "reason": probe.reason, "steps": steps,
+                              "step_spread": step_spread(entry.search.run_dir / probe.dir / "metrics.jsonl")
+                              if probe.status == "ok" else None}
+            if probe.status == "ok":
+                best.confirmed = True
+                if failures.get(best.setup):  # at a size no probe timed: the run's own figures
+                    self.fill(best, probe, entry.search.limit_gb)
+                self.save()
+                return
+            failures[best.setup] = failures.get(best.setup, 0) + 1
+            said = f"; its command line at batch {best.batch_size} did not complete {steps} steps ({probe.status}: " \
+                   f"{probe.reason})"
+            down = smaller(entry, failures[best.setup], self.settings.resolution) if probe.status == "oom" else None
+            if down is None:
+                best.confirmed, best.how = False, best.how + said
+                log.warning("task=tune: the winner's command line did not complete (%s: %s); confirming the next setup",
+                            probe.status, probe.reason)
+            else:
+                best.how += f"{said}; stepped down to {down[0]}"
+                best.batch_size, best.samples_per_s, best.peak_gb, best.headroom_gb = down[0], down[1], None, None
+                log.warning("task=tune: the winner's command line ran out of memory at batch %d within %d steps; "
+                            "stepping down to %d", probe.batch_size, steps, down[0])
+            self.confirmed = None
+            self.save()
+
+
+def smaller(entry: Any, failures: int, resolution: int) -> tuple[int, float] | None:
+    """The batch a setup's command line steps down to after `failures` runs of it ran out of
+    memory (fsdp_exp.tasks.max_batch.verify.step_down), and its speed as the setup's probes
+    put it there; None with accumulation (task.global_batch fixes the step's batch), or
+    below the smallest size its search read."""
+    row, search = entry.row, entry.search
+    assert search is not None and row.batch_size is not None
+    if row.grad_accum > 1:
+        return None
+    size = step_down(row.batch_size, failures, resolution, search.searched_from())
+    timed = speeds(search.probes, row.batch_size)  # speed, not memory: the probes above the new size count
+    return None if size is None or not timed else (size, speed_at(timed, size))
+
+
+def step_spread(metrics: Path) -> float | None:
+    """How far a run's timed steps' samples/s stray from their median (half their range over
+    it), from its metrics.jsonl with a record each step; None with fewer than 3 timed steps."""
+    if not metrics.is_file():
+        return None
+    records = []
+    for line in metrics.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short (a run killed while writing) says nothing
+            continue
+    speeds = [r["samples_per_s"] for r in records if not r.get("warmup") and r.get("samples_per_s")]
+    if len(speeds) < 3:
+        return None
+    return (max(speeds) - min(speeds)) / 2 / statistics.median(speeds)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fsdp_exp.config import Experiment, as_dict
+from fsdp_exp.config import Experiment
 from fsdp_exp.estimate.curve import PeakCurve
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import Launcher, RunFailed
@@ -28,7 +28,6 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
     write_device_record,
 )
-from fsdp_exp.metrics.plots import plot_max_batch
 from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.rank.worker import rank_log_path
 from fsdp_exp.run_context import RunContext
@@ -36,7 +35,6 @@ from fsdp_exp.sharding.wrap import units_line
 from fsdp_exp.tasks import setup_line
 from fsdp_exp.tasks.max_batch.answer import (
     SPACING,
-    answer_line,
     fastest,
     fits_with_room,
     margin_gb,
@@ -52,12 +50,12 @@ from fsdp_exp.tasks.max_batch.policy import (
     too_small,
 )
 from fsdp_exp.tasks.max_batch.probe import Probe, fingerprint, probe_config, probes_log_wandb, run_probe
+from fsdp_exp.tasks.max_batch.report import RECORD, report, summary_figures
 from fsdp_exp.tasks.max_batch.verify import Verification, step_down
 
 
 log = logging.getLogger("fsdp_exp")
 
-RECORD = "max_batch.json"
 
 
 @dataclass
@@ -196,7 +194,7 @@ class MaxBatchSearch:
         if not boundary:
             self.measure_need()
         record = self.save(self.verify(boundary))
-        self.report(record)
+        report(self.cfg, self.context, self.run_dir, record, self.own_wandb_run)
         return summary_figures(record)
 
     def verify(self, boundary: int) -> int:
@@ -421,34 +419,3 @@ class MaxBatchSearch:
         }
         write_json(self.run_dir / RECORD, record)
         return record
-
-    def report(self, record: dict) -> None:
-        """max_batch.png, wandb, and the answer in one line."""
-        png = self.run_dir / "max_batch.png"
-        plot_max_batch(record, png)
-        if self.own_wandb_run:
-            log_to_wandb(self.cfg, self.context, self.run_dir, record, png)
-        log.info("%s", answer_line(record, self.cfg.memory.limit_gb) + f" -> {self.run_dir / RECORD}")
-
-
-def summary_figures(record: dict) -> dict:
-    keys = ("max_batch_size", "recommended_batch_size", "bounded_by", "resolution", "limit_gb", "peak_under_limit_gb",
-            "noise_band_gb", "noise_band_samples", "smallest_batch_needs_gb", "searched_from", "data_share_per_rank",
-            "fastest_batch_size", "fastest_samples_per_s", "near_fastest_batch_size", "samples_per_s", "peak_mem_gb",
-            "peak_mem_gb_per_rank", "world_size", "searched_max_batch_size")
-    return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"],
-            "verification": record["verification"]["status"]}
-
-
-def log_to_wandb(cfg: Experiment, context: RunContext, run_dir: Path, record: dict, png: Path) -> None:
-    """The probes as a wandb table, the plot as an image, the answer in the run summary."""
-    sink = cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)
-    if sink.run is None:
-        return
-    import wandb
-
-    columns = ["batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",
-               "estimated_peak_gb", "estimate_ratio", "peak_mem_gb", "samples_per_s", "alloc_retries", "wall_s", "reason"]
-    table = wandb.Table(columns=columns, data=[[p[c] for c in columns] for p in record["probes"]])
-    sink.run.log({"probes": table, "max_batch": wandb.Image(str(png))})
-    sink.finish(summary_figures(record))

@@ -1,0 +1,53 @@
+"""What task=max_batch writes once its answer is known: max_batch.png, the wandb run (the
+probes as a table, the plot, the answer in its summary), the answer in one line, and the
+summary's figures. max_batch.json itself is the search's, rewritten after every probe."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fsdp_exp.config import as_dict
+from fsdp_exp.metrics.plots import plot_max_batch
+from fsdp_exp.tasks.max_batch.answer import answer_line
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import Experiment
+    from fsdp_exp.run_context import RunContext
+
+log = logging.getLogger("fsdp_exp")
+
+RECORD = "max_batch.json"
+
+
+def report(cfg: Experiment, context: RunContext, run_dir: Path, record: dict, own_wandb_run: bool = True) -> None:
+    """max_batch.png, wandb (unless the search is a tune's setup), and the answer in one line."""
+    png = run_dir / "max_batch.png"
+    plot_max_batch(record, png)
+    if own_wandb_run:
+        log_to_wandb(cfg, context, run_dir, record, png)
+    log.info("%s", answer_line(record, cfg.memory.limit_gb) + f" -> {run_dir / RECORD}")
+
+
+def summary_figures(record: dict) -> dict:
+    keys = ("max_batch_size", "recommended_batch_size", "bounded_by", "resolution", "limit_gb", "peak_under_limit_gb",
+            "noise_band_gb", "noise_band_samples", "smallest_batch_needs_gb", "searched_from", "data_share_per_rank",
+            "fastest_batch_size", "fastest_samples_per_s", "near_fastest_batch_size", "samples_per_s", "peak_mem_gb",
+            "peak_mem_gb_per_rank", "world_size", "searched_max_batch_size")
+    return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"],
+            "verification": record["verification"]["status"]}
+
+
+def log_to_wandb(cfg: Experiment, context: RunContext, run_dir: Path, record: dict, png: Path) -> None:
+    """The probes as a wandb table, the plot as an image, the answer in the run summary."""
+    sink = cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)
+    if sink.run is None:
+        return
+    import wandb
+
+    columns = ["batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",
+               "estimated_peak_gb", "estimate_ratio", "peak_mem_gb", "samples_per_s", "alloc_retries", "wall_s", "reason"]
+    table = wandb.Table(columns=columns, data=[[p[c] for c in columns] for p in record["probes"]])
+    sink.run.log({"probes": table, "max_batch": wandb.Image(str(png))})
+    sink.finish(summary_figures(record))

@@ -110,6 +110,7 @@ class Tuner(Confirming):
             self.launcher.connect(self.nproc, self.parallel)
         self.side_by_side(self.live(), self.first_speed, self.parallel, self.runs())
         self.search_those_that_can_win()
+        self.stop_unfinished()
         self.rematch()
         self.confirm()
         return self.finish()
@@ -433,15 +434,21 @@ class Tuner(Confirming):
         """The printed command line's words before the setup's own."""
         return [*self.command, *search_path_overrides()]
 
-    def finish(self) -> dict:
+    def stop_unfinished(self) -> None:
+        """Once the budget is spent, the setups not settled: measured as far as their probes
+        went (the best so far, which can win and is confirmed), or not reached."""
         for entry in self.entries:
             if not entry.done and self.stopped:
                 entry.row.how = f"the budget (task.budget={self.budget}) ran out first"
+                entry.done = True
                 if self.trained(entry):  # the best so far: what its probes measured under the limit
                     self.update(entry)
                     entry.row.status = "measured"
                     entry.row.how = (f"fastest of {entry.row.probes} probe(s) so far; {entry.row.how}, "
                                      "before its search ended")
+
+    def finish(self) -> dict:
+        self.stop_unfinished()
         return report(self.exp, self.context, self.run_dir, self.save())
 
     def save(self) -> dict:

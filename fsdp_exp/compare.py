@@ -295,8 +295,9 @@ def task_figures(task: str, s: dict, run: Run) -> dict:
     goes in the estimate's column); a run's configured batch."""
     if task == "max_batch":
         max_batch = s.get("max_batch_size")
-        note = verification_note(s) if s.get("verification") not in (None, "completed") else \
-            none_fits(s) if max_batch == 0 else None
+        verified = s.get("verification")  # with none fitting, there was nothing to verify
+        note = verification_note(s) if verified not in (None, "completed") and (max_batch or verified == "none completed") \
+            else none_fits(s) if max_batch == 0 else None
         return {"max_batch_size": max_batch, "batch_size": max_batch,
                 **({"note": note} if note and s["status"] == "ok" else {})}
     if task == "tune":

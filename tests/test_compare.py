@@ -159,11 +159,14 @@ def test_a_max_batch_row_says_when_its_answer_stepped_down_or_was_not_verified(t
                                                         searched_max_batch_size=196))
     make_run(tmp_path / "runs" / "2", max_batch_summary("grad_op", 200, verification="not run",
                                                         searched_max_batch_size=200))
+    make_run(tmp_path / "runs" / "3", max_batch_summary("hybrid", 0, verification="not run", searched_max_batch_size=0,
+                                                        smallest_batch_needs_gb=3.6512))
     _, rows, _ = compare(tmp_path / "runs", out=tmp_path / "out")
     notes = {r["setup"]: (r["max_batch_size"], r["note"]) for r in rows}
     assert notes == {"sharding=full": ("212", ""),
                      "sharding=ddp": ("184", "stepped down from 196: a run of the command there ran out of memory"),
-                     "sharding=grad_op": ("200", "NOT VERIFIED: task.verify_steps=0")}
+                     "sharding=grad_op": ("200", "NOT VERIFIED: task.verify_steps=0"),
+                     "sharding=hybrid": ("0", "none fits (batch 1 needs 3.65 GB)")}  # nothing to verify
 
 
 def tune_summary(confirmed: dict | None, **changes) -> dict:

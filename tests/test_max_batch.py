@@ -505,6 +505,7 @@ def test_a_compiled_probe_measures_its_samples_per_s_after_compiling(tmp_path: P
     (probe,) = read_json(run_dir / "max_batch.json")["probes"]
     assert probe["status"] == "ok"
     summary = read_json(run_dir / "probes" / probe_dirs(run_dir)[0] / "summary.json")
-    assert summary["steps"] == 3 and summary["warmup_only"] is False
+    # 2 warm-up steps, then checks of its peak a step apart from step 3: settled at step 4 at the earliest
+    assert summary["steps"] == probe["steps"] and 4 <= summary["steps"] <= 20 and summary["warmup_only"] is False
     assert summary["step_time_s"] < 0.05 * probe["wall_s"], (summary["step_time_s"], probe["wall_s"])
     assert probe["samples_per_s"] == pytest.approx(summary["samples_per_s"])

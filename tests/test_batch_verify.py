@@ -139,9 +139,9 @@ def test_a_probe_saves_a_checkpoint_where_the_run_does_and_trains_on_beside_it()
 class VariantNet(nn.Module):
     """Setups of one model for task=tune's tests (+task.space.model.variant=[...]):
     `fast_growing` keeps 18 MB every training step (a history it never frees), so a 5-step
-    probe (90 MB) fits under 0.6 GB where a 10-step run (180 MB) does not; `slow_steady` waits
-    20 ms a forward and keeps nothing; `steady` and `steady_too` are one model under two names,
-    whose speed the wait sets, so that they run within the noise of each other."""
+    probe (90 MB) fits under 0.6 GB where a 10-step run (180 MB) does not; `steady` and
+    `steady_too` keep nothing and wait 100 ms a forward, which sets their speed: one model
+    under two names, within the noise of each other, and slower than `fast_growing`."""
 
     def __init__(self, variant: str = "steady") -> None:
         super().__init__()
@@ -154,7 +154,7 @@ class VariantNet(nn.Module):
             if self.training and torch.is_grad_enabled():
                 self.kept.append(torch.ones(18 * 2**20 // 4))
         else:
-            time.sleep(0.02)
+            time.sleep(0.1)
         return self.body(images)
 
 

@@ -45,7 +45,9 @@ def test_a_search_shows_its_fsdp_units_once_and_each_probe_in_one_line(tmp_path:
     assert not [line for line in console if "[rank0]" in line]  # a probe's own lines are in its log
     for probe in probes:
         log = (run_dir / probe["dir"] / "rank0.log").read_text()
-        assert "FSDP units:" in log and "the peak settled at step 5: " in log and re.search(r"step +5/20 ", log)
+        settled = re.search(r"the peak settled at step (\d+): ", log)
+        assert "FSDP units:" in log and settled and re.search(rf"step +{settled[1]}/20 ", log)
+        assert int(settled[1]) == probe["steps"] >= 5
 
 
 @pytest.mark.slow

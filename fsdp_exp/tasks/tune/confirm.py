@@ -75,8 +75,9 @@ class Confirming:
         printed, and how far its speed is from the search's short probes (the noise band its
         answer carries). Should it run out of memory, its batch steps down (`smaller`) and the
         winner is chosen again; should it fail otherwise, or have nowhere to step down to, the
-        next setup is the winner. While the budget lasts: the first confirmation has the room the
-        budget kept for it."""
+        next setup is the winner. Either way a setup spared by a bound that can now win is
+        searched first. While the budget lasts: the first confirmation has the room the budget
+        kept for it."""
         failures: dict[str, int] = {}
         steps = self.settings.steps_to_verify(self.exp.train.steps)
         while (best := winner([e.row for e in self.entries])) is not None and best.batch_size is not None:
@@ -111,6 +112,7 @@ class Confirming:
                             "stepping down to %d", probe.batch_size, steps, down[0])
             self.confirmed = None
             self.save()
+            self.reopen_bounded()
 
 
 def smaller(entry: Any, failures: int, resolution: int) -> tuple[int, float] | None:

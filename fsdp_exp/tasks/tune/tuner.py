@@ -417,8 +417,20 @@ class Tuner(Confirming):
         return [e for e in self.entries if not e.done]
 
     def best_speed(self) -> float | None:
-        return max((e.row.samples_per_s for e in self.entries if e.row.status == "measured" and e.row.samples_per_s),
-                   default=None)
+        """The best measured speed of a setup still in the running (not one whose command line failed)."""
+        return max((e.row.samples_per_s for e in self.entries if e.row.status == "measured" and e.row.samples_per_s
+                    and e.row.confirmed is not False), default=None)
+
+    def reopen_bounded(self) -> None:
+        """After the winner's command line failed (and its setup dropped out or stepped down),
+        search the setups spared by a bound that can now beat the best."""
+        best = self.best_speed()
+        again = [e for e in self.entries if e.row.status == "bounded" and can_win(self.bound(e) or math.inf, best)]
+        for entry in again:
+            entry.done, entry.row.status = False, "not reached"
+            log.info("%s: its bound can beat the best now; searching it", entry.setup.name)
+        if again:
+            self.search_those_that_can_win()
 
     def setup_overrides(self, setup: Setup) -> list[str]:
         """The command line of one setup's search: the tune's, its own options, and the tune's

@@ -229,7 +229,6 @@ class MaxBatchSearch:
         timeout_s = self.timeout_s * max(1.0, check.steps / self.steps)
         run = run_probe(self.cfg, size, run_dir, self.launcher, self.nproc, check.steps, timeout_s,
                         as_command="verify")
-        run.dir = f"verify/{run_dir.name}"
         log.info("verify %d: %s", len(check.runs) + 1, run.line())
         check.runs.append(run)
         self.save(None)

@@ -160,7 +160,7 @@ def probes_log_wandb(cfg: Experiment) -> bool:
 
 def command_config(cfg: Experiment, batch_size: int, steps: int, job_type: str) -> Experiment:
     """The run as its command line runs it with `train.batch_size=<batch_size>`: its own data,
-    sinks, checkpoints, evaluation and export, for `steps` steps, in a run directory of its
+    sinks, checkpoints and export, for `steps` steps, in a run directory of its
     own (checkpoint.dir is left to it, so no checkpoint of the user's is touched); wandb in
     the run's own mode, as a new run of `job_type`."""
     wandb = replace(cfg.wandb, id=None if cfg.wandb.mode == WandbMode.disabled else uuid.uuid4().hex[:16])

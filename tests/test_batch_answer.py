@@ -84,6 +84,9 @@ def test_the_answer_line_names_the_counted_peak_the_noise_band_and_the_fastest_b
                     "40 s verifying")
     assert "(656 fit with less than the 0.6 MB that runs of this setup vary by to spare under memory.limit_gb=0.6)" \
         in answer_line(record(bounded_by="noise"), LIMIT)
+    measured = record(length_check={"batch_size": 4, "beyond_probe_gb": 1.5 * MB, "counted_gb": 1.5 * MB})
+    assert ("noise band 0.6 MB (3.0 samples), a 50-step run holds 1.5 MB more than a probe (measured at batch 4, "
+            "counted); recommended") in answer_line(measured, LIMIT)
 
 
 def test_the_answer_line_when_none_fits():

@@ -305,8 +305,11 @@ def test_the_fit_is_least_squares_over_the_probes_where_the_peak_grows():
 
 def test_the_recommended_size_keeps_the_margin_free():
     model = MemoryModel(intercept_gb=1.0, slope_gb_per_sample=0.01, points=3)
-    size = recommended_size(model, limit_gb=3.0, margin=0.1, boundary=199, resolution=1)
+    size = recommended_size(model, under_gb=0.9 * 3.0, margin=0.1, boundary=199, resolution=1)
     assert model.peak_gb(size) <= 0.9 * 3.0 < model.peak_gb(size + 1)
+    # with what a run holds beyond a probe counted (50 MB), a smaller size
+    smaller = recommended_size(model, 0.9 * 3.0 - 0.05, 0.1, 199, 1)
+    assert model.peak_gb(smaller) + 0.05 <= 0.9 * 3.0 < model.peak_gb(smaller + 1) + 0.05
     assert recommended_size(model, 3.0, 0.0, boundary=150, resolution=1) == 150  # never above the boundary
     assert recommended_size(None, 3.0, 0.25, boundary=100, resolution=8) == 72
     assert math.isinf(MemoryModel(1.0, 0.0, 2).largest_batch_under(3.0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -51,6 +52,17 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
     for probe in [p for p in record["probes"] if p["status"] == "ok"]:
         assert read_json(out / probe["dir"] / "summary.json")["checkpoint_saves"] == 2  # at step 3, and the last
     assert not list(out.glob("*/*/checkpoints"))
+    # once, at the first size that trained, a 10-step run of the command measured what a run holds beyond a
+    # probe: 5 more steps' history (5 MB at 64), counted against every probe
+    length = record["length_check"]
+    first = next(p for p in record["probes"] if p["status"] == "ok")
+    assert length["batch_size"] == first["batch_size"] and length["run"]["steps"] == 10
+    history_gb = 5 * first["batch_size"] * KEPT_PER_SAMPLE * 4 / 2**30
+    assert length["beyond_probe_gb"] == pytest.approx(history_gb, rel=0.3)
+    assert record["run_beyond_probe_gb"] == length["counted_gb"] == length["beyond_probe_gb"]
+    for probe in [p for p in record["probes"] if p["status"] == "ok"]:
+        assert probe["margin_gb"] == pytest.approx(0.6 - length["counted_gb"] - probe["peak_under_limit_gb"])
+    # what grows with the batch, the verification catches
     searched, answer = record["searched_max_batch_size"], record["max_batch_size"]
     runs = check["runs"]
     assert runs[0]["batch_size"] == searched and runs[0]["status"] == "oom"
@@ -95,7 +107,11 @@ def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tm
         assert held[0] - held[1] > 0.01  # rank 0 holds wandb's run (more than 10 MB) ...
     assert record["noise_band_gb"] < 0.005  # ... which the noise band does not take for noise
     (verified,) = record["verification"]["runs"]
-    assert list((out / verified["dir"] / "wandb").glob("offline-run-*/run-*.wandb"))
+    length = record["length_check"]["run"]
+    for run in (verified, length):  # the command as it runs: wandb offline, a record at each train.log_every
+        assert list((out / run["dir"] / "wandb").glob("offline-run-*/run-*.wandb")), run["dir"]
+        assert run["steps"] == 4 and (out / run["dir"] / "metrics.jsonl").read_text().count('"step"') == 1
+    assert length["dir"] == f"verify/length_b{trained[0]['batch_size']}"
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # and the search's own run, with its answer
 
 

@@ -140,7 +140,7 @@ def answer_line(record: dict, limit_gb: float | None) -> str:
                                            f"{failure(record, size + step)}")
         head = f"max batch: {size} per rank on {ranks} rank(s) ({why})"
     parts = [head, verified_words(record), f"peak {record['peak_under_limit_gb']:.3f} GB as the limit counts it, "
-             f"noise band {band}"]
+             f"noise band {band}" + length_words(record)]
     if record.get("alloc_retries"):
         parts.append(f"at {size} the allocator freed its cache to allocate {record['alloc_retries']:.0f} time(s), "
                      "which slows a step")
@@ -166,6 +166,15 @@ def verified_words(record: dict) -> str:
                 f"({check['runs'][-1]['reason']})")
     return ("NOT VERIFIED (task.verify_steps=0): a run's memory can grow past a probe's first steps; "
             "verify with task.verify_steps=<the run's steps>")
+
+
+def length_words(record: dict) -> str:
+    """What a run of the command held beyond a probe over its length, as the search counted it."""
+    length = record.get("length_check") or {}
+    if length.get("beyond_probe_gb") is None:
+        return ""
+    return (f", a {record['verification']['steps']}-step run holds {length['counted_gb'] / MB:.1f} MB more than a "
+            f"probe (measured at batch {length['batch_size']}, counted)")
 
 
 def sizes_words(sizes: list[int]) -> str:

@@ -379,11 +379,11 @@ class BatchSearch:
         return min(max(rounding(size / r) * r, lo + r), top - r)
 
 
-def recommended_size(model: MemoryModel | None, limit_gb: float, margin: float, boundary: int, resolution: int) -> int:
-    """The largest size at most `boundary` that the memory model keeps `margin` of the limit
-    below; without a model, `margin` of the boundary."""
+def recommended_size(model: MemoryModel | None, under_gb: float, margin: float, boundary: int, resolution: int) -> int:
+    """The largest size at most `boundary` whose peak the memory model keeps under `under_gb`
+    (the limit less its margin); without a model, `margin` of the boundary."""
     if model is not None and model.slope_gb_per_sample > 0:
-        size = model.largest_batch_under((1 - margin) * limit_gb)
+        size = model.largest_batch_under(under_gb)
     else:
         size = boundary * (1 - margin)
     size = math.floor(size / resolution) * resolution

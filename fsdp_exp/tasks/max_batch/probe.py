@@ -25,7 +25,7 @@ from fsdp_exp.metrics.sinks import WandbMode, write_summary
 from fsdp_exp.profile import NoProfile
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.max_batch.policy import Outcome
-from fsdp_exp.tasks.train import train_rank
+from fsdp_exp.tasks.train import Train, train_rank
 
 
 
@@ -123,7 +123,10 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
       GPU, whose cap counts the caching allocator alone, which wandb does not touch.
     - A checkpoint, where the run has one, is saved after `steps` steps, and the steps after
       it train beside what the save holds (async staging), as the run's do.
-    - The data is the run's, read as the run reads it (the search stays within each rank's share)."""
+    - The data is the run's, read as the run reads it (the search stays within each rank's share).
+    - The task is the run's, `task=train`: the ranks get the config a run's get. The search's
+      own settings in it moved what a rank held before its limit was set, and with it the
+      peak as the limit counts it, by about 0.8 MB (docs/max_batch.md)."""
     warmup = warmup_steps_to_skip(cfg.train.compile)
     steps = max(steps, warmup + 1)
     logs = probes_log_wandb(cfg)
@@ -141,6 +144,7 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
         checkpoint=checkpoint,
         wandb=wandb,
         memory=cfg.memory if limit_gb == "same" else replace(cfg.memory, limit_gb=limit_gb),
+        task=Train(),  # the run's: the search's settings are the driver's, and move a rank's layout (below)
     )
 
 
@@ -167,7 +171,7 @@ def command_config(cfg: Experiment, batch_size: int, steps: int, job_type: str) 
     wandb.job_type = job_type
     checkpoint = replace(cfg.checkpoint, dir=None) if getattr(cfg.checkpoint, "dir", None) else cfg.checkpoint
     return replace(cfg, train=replace(cfg.train, batch_size=batch_size, steps=steps), wandb=wandb,
-                   checkpoint=checkpoint)
+                   checkpoint=checkpoint, task=Train())
 
 
 def probe_rank(cfg: Experiment, run_dir: Path, context: RunContext) -> dict:

@@ -34,7 +34,7 @@ def summary_figures(record: dict) -> dict:
     keys = ("max_batch_size", "recommended_batch_size", "bounded_by", "resolution", "limit_gb", "peak_under_limit_gb",
             "noise_band_gb", "noise_band_samples", "smallest_batch_needs_gb", "searched_from", "data_share_per_rank",
             "fastest_batch_size", "fastest_samples_per_s", "near_fastest_batch_size", "samples_per_s", "peak_mem_gb",
-            "peak_mem_gb_per_rank", "world_size", "searched_max_batch_size")
+            "peak_mem_gb_per_rank", "world_size", "searched_max_batch_size", "run_beyond_probe_gb")
     return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"],
             "verification": record["verification"]["status"]}
 

@@ -34,6 +34,7 @@ from fsdp_exp.run_context import RunContext
 from fsdp_exp.sharding.wrap import units_line
 from fsdp_exp.tasks import setup_line
 from fsdp_exp.tasks.max_batch.answer import (
+    MB,
     SPACING,
     fastest,
     fits_with_room,
@@ -51,7 +52,7 @@ from fsdp_exp.tasks.max_batch.policy import (
 )
 from fsdp_exp.tasks.max_batch.probe import Probe, fingerprint, probe_config, probes_log_wandb, run_probe
 from fsdp_exp.tasks.max_batch.report import RECORD, report, summary_figures
-from fsdp_exp.tasks.max_batch.verify import Verification, step_down
+from fsdp_exp.tasks.max_batch.verify import LengthCheck, Verification, step_down
 
 
 log = logging.getLogger("fsdp_exp")
@@ -79,6 +80,7 @@ class MaxBatchSearch:
         self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.max_batch.prior), once traced
         self.reused = 0
         self.verification = Verification(settings.steps_to_verify(self.cfg.train.steps))
+        self.length: LengthCheck | None = None  # what a run holds beyond a probe, once measured
         self.units_told = False
         self.placed = False  # the probe that places the fastest batch has been spent (or was not needed)
         self.start = time.perf_counter()
@@ -104,7 +106,12 @@ class MaxBatchSearch:
     def search(self) -> BatchSearch:
         """The search for the largest size that fits with the noise band to spare."""
         settings = self.cfg.task
-        return BatchSearch(self.limit_gb, settings.resolution, self.up_to(), self.noise_gb(), prior(self.estimated))
+        return BatchSearch(self.room_gb(), settings.resolution, self.up_to(), self.noise_gb(), prior(self.estimated))
+
+    def room_gb(self) -> float:
+        """The room a probe's peak has: the limit, less what a run of the command holds beyond
+        a probe over its length (LengthCheck), once measured."""
+        return self.limit_gb - (self.length.counted_gb() if self.length else 0.0)
 
     def noise_gb(self) -> float:
         return noise_band_gb([p for p in self.probes if not p.killed], self.limit_gb,
@@ -129,7 +136,7 @@ class MaxBatchSearch:
         device's memory) and recorded; None without it, or when the trace failed."""
         if self.estimated is None and self.cfg.task.estimate and self.limit_gb is not None:
             probe = probe_config(self.cfg, self.cfg.task.resolution, self.steps, self.nproc)
-            estimate_cfg = replace(probe, task=replace(probe.task, search_up_to=self.up_to()))  # traced no further
+            estimate_cfg = replace(probe, task=replace(self.cfg.task, search_up_to=self.up_to()))  # traced no further
             self.estimated = estimate_curve(estimate_cfg, self.nproc, self.limit_gb)
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)  # before the first probe makes it
             self.save(None)
@@ -166,7 +173,11 @@ class MaxBatchSearch:
 
     def step(self) -> bool:
         """Run the search's next probe (and its retry, if it was killed from outside); False
-        when the boundary is known and the fastest batch placed, with nothing run."""
+        when the boundary is known and the fastest batch placed, with nothing run. Once a
+        probe has trained, a run of the command at its size first measures what a run holds
+        beyond a probe (`check_length`)."""
+        if self.check_length():
+            return True
         size, for_fastest = self.next_size(), False
         if size is None and not self.placed and self.boundary():
             self.placed = for_fastest = True
@@ -196,6 +207,32 @@ class MaxBatchSearch:
         record = self.save(self.verify(boundary))
         report(self.cfg, self.context, self.run_dir, record, self.own_wandb_run)
         return summary_figures(record)
+
+    def check_length(self) -> bool:
+        """Once per search, at the first size that trained: run the command there for the
+        verification's steps, and count what that run held beyond the probe against every
+        probe (LengthCheck). False when there is nothing to run: measured already, no probe
+        has trained yet, or task.verify_steps=0."""
+        steps = self.verification.steps
+        first = next((p for p in self.probes if p.status == "ok" and not p.killed), None)
+        if self.length is not None or first is None or not steps:
+            return False
+        size = first.batch_size
+        log.info("measuring what a %d-step run of the command holds beyond a probe: the command at batch %d",
+                 steps, size)
+        timeout_s = self.timeout_s * max(1.0, steps / self.steps)
+        run = run_probe(self.cfg, size, self.run_dir / "verify" / f"length_b{size}", self.launcher, self.nproc,
+                        steps, timeout_s, as_command="verify")
+        self.length = LengthCheck(size, first.judged_peak_gb(), run)
+        beyond = self.length.beyond_gb()
+        if beyond is None:
+            log.warning("the %d-step run at batch %d did not complete, so what a run holds beyond a probe is not "
+                        "counted: %s", steps, size, run.reason)
+        else:
+            log.info("the %d-step run: %s; %.1f MB more than its probe, counted against every probe", steps,
+                     run.line(), beyond / MB)
+        self.save(None)
+        return True
 
     def verify(self, boundary: int) -> int:
         """The size at which a run of the command completed `verification.steps` steps: the
@@ -309,6 +346,8 @@ class MaxBatchSearch:
             self.limit_gb = earlier.get("limit_gb")
         self.estimated = earlier.get("estimate") if self.cfg.task.estimate else None
         self.verification = Verification.from_json(earlier.get("verification"), self.verification.steps)
+        if self.verification.steps and (earlier.get("verification") or {}).get("steps") == self.verification.steps:
+            self.length = LengthCheck.from_json(earlier.get("length_check"))
         if earlier.get("smallest_batch_need_probe"):
             self.need = Probe.from_json(earlier["smallest_batch_need_probe"])
         if probes:
@@ -355,8 +394,8 @@ class MaxBatchSearch:
         for probe in self.probes:
             probe.predicted_peak_gb = model.peak_gb(probe.batch_size) if model else None
             probe.set_estimate(self.estimated_peak_gb(probe.batch_size))
-            probe.margin_gb = margin_gb(probe, self.limit_gb)
-            probe.within_noise = probe.status == "ok" and not fits_with_room(probe, self.limit_gb, noise)
+            probe.margin_gb = margin_gb(probe, self.room_gb())
+            probe.within_noise = probe.status == "ok" and not fits_with_room(probe, self.room_gb(), noise)
         # The peak the search judges by (Probe.judged_peak_gb): allocated on GPU, not reserved.
         measure = "peak_under_limit_gb" if any(p.peak_under_limit_gb is not None for p in self.probes) \
             else "peak_mem_gb"
@@ -369,7 +408,9 @@ class MaxBatchSearch:
         timed = [*self.probes, *([verified] if verified is not None else [])]  # the verification's 50 steps too
         fastest_size, fastest_speed, near_fastest = fastest(timed, boundary) if boundary else (None,) * 3
         margin = max(settings.margin, noise / self.limit_gb)
-        recommended = boundary and recommended_size(model, self.limit_gb, margin, boundary, settings.resolution)
+        beyond = self.limit_gb - self.room_gb()
+        recommended = boundary and recommended_size(model, (1 - margin) * self.limit_gb - beyond, margin,
+                                                    boundary, settings.resolution)
         record = {
             "setup": setup_line(self.context),
             "device": self.cfg.device.value,
@@ -380,10 +421,12 @@ class MaxBatchSearch:
             "max_batch_size": boundary,
             "searched_max_batch_size": searched,  # the probes' boundary, before the verification
             "verification": self.verification.to_json(),
+            "length_check": self.length.to_json() if self.length else None,
+            "run_beyond_probe_gb": self.length.counted_gb() if self.length else None,  # counted against each probe
             "recommended_batch_size": recommended,
             # whether the line keeps the margin free at it (not where even the smallest size holds more)
             "recommended_keeps_margin": bool(recommended) and (
-                model is None or model.peak_gb(recommended) <= (1 - margin) * self.limit_gb + 1e-9),
+                model is None or model.peak_gb(recommended) + beyond <= (1 - margin) * self.limit_gb + 1e-9),
             "bounded_by": None if boundary is None else "verification" if searched and boundary < searched else (
                 ("data" if self.up_to() < settings.search_up_to else "search_up_to") if not past
                 else "oom" if "oom" in past else "failed" if "failed" in past else "noise"),
@@ -413,7 +456,7 @@ class MaxBatchSearch:
             "wall_s": time.perf_counter() - self.start,  # this run's, after any reused probes
             "probe_wall_s": sum(p.wall_s for p in self.probes) + (self.need.wall_s if self.need else 0.0),
             "estimate_wall_s": (self.estimated or {}).get("wall_s"),
-            "verify_wall_s": self.verification.wall_s(),
+            "verify_wall_s": self.verification.wall_s() + (self.length.run.wall_s if self.length else 0.0),
             "fingerprint": self.fingerprint,
         }
         write_json(self.run_dir / RECORD, record)

@@ -64,3 +64,40 @@ class Verification:
         if not record or record.get("steps") != steps:
             return cls(steps)
         return cls(steps, [Probe.from_json(r) for r in record.get("runs", [])])
+
+
+@dataclass
+class LengthCheck:
+    """What a run of the command holds over its whole length beyond a probe at the same size,
+    measured once per search: the first size that trained is run as the command runs it, for
+    the verification's steps (`<run>/verify/length_b<size>/`). A run's memory creeps on after
+    a probe has settled (here about 2 MB over 50 steps, on every rank: the allocator's
+    history, the loader, wandb's buffers), and the search counts that much against every
+    probe: the room a probe has is the limit less it. What grows with the batch on top of that
+    the verification catches."""
+
+    batch_size: int
+    probe_peak_gb: float | None  # the probe's, as the search judges it (Probe.judged_peak_gb)
+    run: Probe | None = None
+
+    def beyond_gb(self) -> float | None:
+        """The run's peak less the probe's; None where the run did not complete."""
+        if self.run is None or self.run.status != "ok" or self.probe_peak_gb is None:
+            return None
+        peak = self.run.judged_peak_gb()
+        return None if peak is None else peak - self.probe_peak_gb
+
+    def counted_gb(self) -> float:
+        """What the search counts against each probe: never less than nothing."""
+        return max(0.0, self.beyond_gb() or 0.0)
+
+    def to_json(self) -> dict:
+        return {"batch_size": self.batch_size, "probe_peak_gb": self.probe_peak_gb, "run_peak_gb":
+                self.run.judged_peak_gb() if self.run else None, "beyond_probe_gb": self.beyond_gb(),
+                "counted_gb": self.counted_gb(), "run": self.run.to_json() if self.run else None}
+
+    @classmethod
+    def from_json(cls, record: dict | None) -> LengthCheck | None:
+        if not record or not record.get("run"):
+            return None
+        return cls(record["batch_size"], record["probe_peak_gb"], Probe.from_json(record["run"]))

@@ -10,10 +10,14 @@ a size at which a run of the command completed.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
-from fsdp_exp.tasks.max_batch.probe import Probe
+from fsdp_exp.tasks.max_batch.answer import MB
+from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
+
+log = logging.getLogger("fsdp_exp")
 
 STEP_DOWN = 0.05  # the first step down, as a share of the size that ran out of memory; doubled each time
 
@@ -101,3 +105,73 @@ class LengthCheck:
         if not record or not record.get("run"):
             return None
         return cls(record["batch_size"], record["probe_peak_gb"], Probe.from_json(record["run"]))
+
+
+class Verifying:
+    """The runs of the command a search makes (fsdp_exp.tasks.max_batch.search.MaxBatchSearch,
+    whose probes, settings and launcher they read): once, what a run holds beyond a probe; at
+    the end, its answer."""
+
+    def check_length(self) -> bool:
+        """Once per search, at the first size that trained: run the command there for the
+        verification's steps, and count what that run held beyond the probe against every
+        probe (LengthCheck). False when there is nothing to run: measured already, no probe
+        has trained yet, or task.verify_steps=0."""
+        steps = self.verification.steps
+        first = next((p for p in self.probes if p.status == "ok" and not p.killed), None)
+        if self.length is not None or first is None or not steps:
+            return False
+        size = first.batch_size
+        log.info("measuring what a %d-step run of the command holds beyond a probe: the command at batch %d",
+                 steps, size)
+        timeout_s = self.timeout_s * max(1.0, steps / self.steps)
+        run = run_probe(self.cfg, size, self.run_dir / "verify" / f"length_b{size}", self.launcher, self.nproc,
+                        steps, timeout_s, as_command="verify")
+        self.length = LengthCheck(size, first.judged_peak_gb(), run)
+        beyond = self.length.beyond_gb()
+        if beyond is None:
+            log.warning("the %d-step run at batch %d did not complete, so what a run holds beyond a probe is not "
+                        "counted: %s", steps, size, run.reason)
+        else:
+            log.info("the %d-step run: %s; %.1f MB more than its probe, counted against every probe", steps,
+                     run.line(), beyond / MB)
+        self.save(None)
+        return True
+
+    def verify(self, boundary: int) -> int:
+        """The size at which a run of the command completed `verification.steps` steps: the
+        boundary, or, where that run ran out of memory, the next size down that completed
+        (fsdp_exp.tasks.max_batch.verify). The boundary, unverified, without verification
+        (task.verify_steps=0) or where a run failed for another reason; 0 where none completed."""
+        check = self.verification
+        if not boundary or not check.steps:
+            return boundary
+        size: int | None = boundary
+        while size is not None:
+            run = next((r for r in check.runs if r.batch_size == size), None) or self.verify_run(size)
+            if run.status == "ok":
+                return size
+            if run.status != "oom":
+                log.warning("the run at batch %d failed, not for lack of memory, so the answer is not verified: %s",
+                            size, run.reason)
+                return boundary
+            size = step_down(size, len(check.ran_out()), self.cfg.task.resolution, self.searched_from())
+            if size is not None:
+                log.info("a %d-step run of the command ran out of memory at batch %d; stepping down to %d",
+                         check.steps, run.batch_size, size)
+        return 0
+
+    def verify_run(self, size: int) -> Probe:
+        """The command at `size`, run as it runs, for the verification's steps."""
+        check = self.verification
+        run_dir = self.run_dir / "verify" / f"{len(check.runs) + 1:02d}_b{size}"
+        log.info("verifying batch %d: %d steps of the command as it runs (its data, wandb and checkpoints)",
+                 size, check.steps)
+        timeout_s = self.timeout_s * max(1.0, check.steps / self.steps)
+        run = run_probe(self.cfg, size, run_dir, self.launcher, self.nproc, check.steps, timeout_s,
+                        as_command="verify")
+        log.info("verify %d: %s", len(check.runs) + 1, run.line())
+        check.runs.append(run)
+        self.save(None)
+        return run
+

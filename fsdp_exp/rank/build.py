@@ -101,33 +101,39 @@ def build_model_for_training(cfg: Experiment, ranks: Ranks,
         model.to(ranks.device)
     model = sharding.apply(model, units, ranks.device, cfg.precision, offload=cfg.offload, mesh=mesh)
     if meta:
-        give_storage(model, params_on=torch.device("cpu") if cfg.offload else ranks.device,
-                     buffers_on=ranks.device)
         plain = None
         if ranks.is_main:
             torch.manual_seed(cfg.seed)
             plain = cfg.model.build()[0]
-        set_model_state_dict(
-            unwrap(model), plain.state_dict() if plain is not None else {},
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-        )
-        buffers_from_rank0(unwrap(model), plain)
+        fill_from_rank0(unwrap(model), plain, params_on=torch.device("cpu") if cfg.offload else ranks.device,
+                        buffers_on=ranks.device)
     return model, fsdp_units
 
 
-def give_storage(model: nn.Module, params_on: torch.device, buffers_on: torch.device) -> None:
-    """Storage for a model built on the meta device: parameters where FSDP keeps its shards
-    (the CPU under offload), buffers where the forward runs. `to_empty` puts both on one
-    device, and FSDP2 moves buffers to the rank's device only inside `fully_shard`: with
-    offload on a GPU, BatchNorm's running stats would stay on the CPU and the first
-    forward would fail on a device mismatch."""
+def fill_from_rank0(model: nn.Module, plain: nn.Module | None, params_on: torch.device,
+                    buffers_on: torch.device) -> None:
+    """Storage and weights for a model built on the meta device and sharded: rank 0's plain
+    build (`plain`, None on the other ranks), sent out shard by shard. Parameters go where
+    FSDP keeps its shards (the CPU under offload), buffers where the forward runs.
+
+    `to_empty` puts both on one device, and FSDP2 moves buffers to the rank's device only
+    inside `fully_shard`, so under offload the buffers are moved after. Not before the
+    weights are in: `set_model_state_dict` takes every parameter and persistent buffer on
+    one device, and raises `Multiple devices found` on every rank when they are on two
+    (torch.distributed.checkpoint.state_dict, `_load_model_state_dict`)."""
     model.to_empty(device=params_on)
-    if buffers_on == params_on:
-        return
+    set_model_state_dict(model, plain.state_dict() if plain is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    move_buffers(model, buffers_on)
+    buffers_from_rank0(model, plain)
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer to `device` (BatchNorm's running stats, a mask): where the forward runs."""
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and buffer.device != buffers_on:
-                module._buffers[name] = buffer.to(buffers_on)
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def buffers_from_rank0(model: nn.Module, plain: nn.Module | None) -> None:

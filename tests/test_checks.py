@@ -60,6 +60,14 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["sharding.wrap=layers"], "sharding.wrap=layers: choose one of: blocks, size, blocks+size, root"),
         (["train.grad_accum=3"], "train.grad_accum=3: must divide train.batch_size=32"),
         (["train.grad_accum=0"], "train.grad_accum=0: must be at least 1"),
+        (["train.batch_size=4096", "data.num_samples=300"],
+         "train.batch_size=4096: larger than each rank's share of the data (150 samples on each of 2 rank(s)); "
+         "lower it or use data.num_samples"),
+        (["sharding=none", "train.batch_size=200", "data.num_samples=300"],  # one process reads 2 ranks' batches
+         "train.batch_size=200: micro-batches of 400 are larger than each rank's share of the data (300 samples "
+         "on each of 1 rank(s))"),
+        (["train.batch_size=320", "train.grad_accum=2", "data.num_samples=300"],
+         "train.batch_size=320: micro-batches of 160 are larger than each rank's share of the data (150 samples"),
         (["model=gpt", "data=synthetic_tokens", "model.size=huge"], "model.size=huge: choose one of: tiny, small, medium, large, xl"),
         (["model=gpt", "data=synthetic"], "data: model fsdp_exp.models.gpt.build_gpt cannot read this data's inputs (samples of "
                         "shape [1, 28, 28], float32)"),
@@ -143,8 +151,8 @@ def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:
     "args",
     [["sharding=bogus"], ["-m", "sharding=full,grad_op", "train.batch_size=0"], ["train.nope=1"],
      ["model=cnn", "data=fashion_mnist", "data.root=/nonexistent"],
-     ["checkpoint=dcp", "checkpoint.dir=/proc/forbidden"]],
-    ids=["option", "sweep", "key", "data.root", "checkpoint.dir"],
+     ["checkpoint=dcp", "checkpoint.dir=/proc/forbidden"], ["data.num_samples=300", "train.batch_size=4096"]],
+    ids=["option", "sweep", "key", "data.root", "checkpoint.dir", "data share"],
 )
 def test_cli_refuses_with_one_line_and_leaves_nothing_behind(args: list[str], tmp_path: Path) -> None:
     """The sweep in a fresh process, as typed (the rank server started, then stopped); the

@@ -25,7 +25,7 @@ from fsdp_exp.config import Device, Experiment
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.memory import check_limit
 from fsdp_exp.launch.rank_server import in_a_fork
-from fsdp_exp.models.contract import check_model, check_model_and_data, check_model_reads_data
+from fsdp_exp.models.contract import DataShare, check_model, check_model_and_data, check_model_reads_data
 from fsdp_exp.models.hf import needs_gpu
 from fsdp_exp.tasks.max_batch.settings import OldSearchSettings, SearchSettings
 
@@ -70,9 +70,14 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     if not exp.task.uses_the_device:  # task=estimate: for any world size, on another machine
         world = exp.task.world(world)
 
+    nproc = world if exp.sharding.distributed else 1
+    # each process's micro-batch against its share of the data (sharding=none: of the global batch)
+    micro = exp.train.batch_size * (1 if exp.sharding.distributed else world) // exp.train.grad_accum
     # on a cluster, the data's files are the cluster's; here, the model reads them, checked
     # where the model's modules are imported already (the rank server's fork)
-    has_blocks = in_a_fork(check_model_and_data, exp.model, exp.data if exp.launcher.runs_here else None)
+    reads_files = exp.launcher.runs_here or exp.data.generated
+    has_blocks = in_a_fork(check_model_and_data, exp.model, exp.data if reads_files else None,
+                           DataShare(exp.train.batch_size, micro if exp.task.trains_at_the_batch else 0, nproc))
     exp.sharding.check(world, has_blocks=has_blocks, offload=exp.offload)
     if exp.model.init_device == "meta" and not exp.sharding.shards_params:
         raise ConfigError("model.init_device=meta: needs sharding=full, grad_op or hybrid to shard the model")
@@ -80,7 +85,6 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
         check_compile(exp.device)
     check_attention(exp)
     exp.profile.check(exp.train.steps)
-    nproc = world if exp.sharding.distributed else 1
     if exp.launcher.runs_here and exp.task.uses_the_device:  # on a cluster, the memory is the cluster's
         check_limit(exp.memory.limit_gb, exp.device, 1 if on_gpu else nproc)
     exp.checkpoint.check()

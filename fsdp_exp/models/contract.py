@@ -62,12 +62,38 @@ def check_model(spec: ModelSpec) -> BuiltOnMeta:
     return BuiltOnMeta(model, blocks)
 
 
-def check_model_and_data(spec: ModelSpec, data: TrainData | None) -> bool:
-    """`check_model`, then, given the `data`, `check_model_reads_data`: whether the model
-    has blocks to shard one by one."""
+@dataclass(frozen=True)
+class DataShare:
+    """A run's batch against each process's share of the data: `batch_size` as typed
+    (train.batch_size), `micro_batch` the samples each process reads at once (0: the task
+    trains at no batch of its own), on `processes` processes."""
+
+    batch_size: int
+    micro_batch: int
+    processes: int
+
+    def check(self, data: TrainData) -> None:
+        """Refuse a micro-batch larger than each process's share of the data, as the ranks
+        would at their first batch."""
+        if not self.micro_batch:
+            return
+        share = data.share_per_rank(self.processes)
+        if share is None or self.micro_batch <= share:
+            return
+        what = "larger" if self.micro_batch == self.batch_size else f"micro-batches of {self.micro_batch} are larger"
+        more = "data.num_samples" if data.generated else "more data"
+        raise ConfigError(f"train.batch_size={self.batch_size}: {what} than each rank's share of the data "
+                          f"({share} samples on each of {self.processes} rank(s)); lower it or use {more}")
+
+
+def check_model_and_data(spec: ModelSpec, data: TrainData | None, share: DataShare | None = None) -> bool:
+    """`check_model`, then, given the `data`, `check_model_reads_data` and the batch against
+    each rank's `share` of it: whether the model has blocks to shard one by one."""
     model = check_model(spec)
     if data is not None:
         check_model_reads_data(spec, model.module, data)
+        if share is not None:
+            share.check(data)
     return bool(model.blocks)
 
 

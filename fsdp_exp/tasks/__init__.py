@@ -18,10 +18,12 @@ class Task:
     `uses_the_device`: the task runs on the run's device, so this machine's device and
     memory checks apply (task=estimate only traces, for any device and world size).
     `runs_in_driver`: it runs in the command's own process, on this machine's device, with
-    no launcher (eval, export)."""
+    no launcher (eval, export). `trains_at_the_batch`: its ranks train at train.batch_size
+    (task=train), so each rank's share of the data must hold a batch."""
 
     uses_the_device: ClassVar[bool] = True
     runs_in_driver: ClassVar[bool] = False
+    trains_at_the_batch: ClassVar[bool] = False
 
     def check(self, exp: Experiment) -> None:
         """Refuse what the task cannot do with these settings, in one ConfigError line."""

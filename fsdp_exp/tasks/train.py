@@ -41,6 +41,7 @@ log = logging.getLogger("fsdp_exp")
 
 @dataclass
 class Train(Task):
+    trains_at_the_batch = True
 
     def check(self, exp: Experiment) -> None:
         """The checkpoint to resume from, when one is named, must be usable."""

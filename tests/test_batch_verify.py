@@ -178,3 +178,22 @@ VARIANTS = ["task=tune", "model=custom", f"model._target_={__name__}.VariantNet"
             "memory.limit_gb=0.6", "wandb.mode=disabled", "task.space.sharding=[full]",
             "task.space.train.activation_checkpointing=[false]", "task.space.offload=[false]", "task.estimate=false",
             "task.resolution=64", "task.search_up_to=512", "task.settle_steps=5", "task.verify_steps=10"]
+
+
+def test_generated_data_bounds_the_search_at_each_ranks_share_and_one_run_verifies_it(tmp_path: Path) -> None:
+    """data.num_samples=300 on 2 ranks: 150 a rank, far below what fits in 4 GB. The search,
+    its first probe placed by the estimate, answers 150, bounded by the data; the run that
+    measured what a run holds beyond a probe ran the command at 150 for the verification's
+    steps, so it verifies it."""
+    out = tmp_path / "search"
+    result = run_cli("task=max_batch", "memory.limit_gb=4", "model.num_layers=2", "data.num_samples=300",
+                     "task.verify_steps=4", "wandb.mode=disabled", f"hydra.run.dir={out}",
+                     cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(out / "max_batch.json")
+    assert (record["max_batch_size"], record["bounded_by"], record["data_share_per_rank"]) == (150, "data", 150)
+    assert record["probe_count"] <= 3 and max(p["batch_size"] for p in record["probes"]) == 150
+    (run,) = record["verification"]["runs"]
+    assert record["verification"]["status"] == "completed" and run == record["length_check"]["run"]
+    assert [p.name for p in (out / "verify").iterdir()] == ["length_b150"]  # one run of the command, not two
+    assert "max batch: 150 per rank on 2 rank(s), bounded by the data (150 samples a rank)" in result.stdout

@@ -148,7 +148,8 @@ class Verifying:
             return boundary
         size: int | None = boundary
         while size is not None:
-            run = next((r for r in check.runs if r.batch_size == size), None) or self.verify_run(size)
+            run = next((r for r in check.runs if r.batch_size == size), None) or self.length_run_at(size) \
+                or self.verify_run(size)
             if run.status == "ok":
                 return size
             if run.status != "oom":
@@ -160,6 +161,18 @@ class Verifying:
                 log.info("a %d-step run of the command ran out of memory at batch %d; stepping down to %d",
                          check.steps, run.batch_size, size)
         return 0
+
+    def length_run_at(self, size: int) -> Probe | None:
+        """The length check's run, when it ran the command at `size` for the same steps: it
+        verifies that size as a run of its own would, so it counts as one."""
+        length = self.length
+        if length is None or length.run is None or length.batch_size != size:
+            return None
+        self.verification.runs.append(length.run)
+        log.info("verify %d: the %d-step run that measured what a run holds beyond a probe: %s",
+                 len(self.verification.runs), self.verification.steps, length.run.line())
+        self.save(None)
+        return length.run
 
     def verify_run(self, size: int) -> Probe:
         """The command at `size`, run as it runs, for the verification's steps."""

@@ -59,9 +59,12 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         check_search_path(sys.argv[1:])
+        if any(a in ("-m", "--multirun") for a in sys.argv[1:]):
+            check_shown_config(sys.argv[1:])  # before Hydra, which would refuse it with a traceback
         # CheckRun and the sweeper (conf/config.yaml) check each run before it starts;
         # RunOutcomes ends the process with EXIT_RUN_FAILED when a run failed.
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run_function(side_by_side))()
+        check_shown_config(sys.argv[1:])
     except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
         line = str(err) if isinstance(err, (ConfigError, BadInput)) else explain(err)
         print(f"fsdp_exp: {line}{swept_group_hint(line, sys.argv[1:])}", file=sys.stderr)
@@ -96,6 +99,33 @@ def command() -> NoReturn:
         with contextlib.suppress(OSError, ValueError):  # a closed pipe (| head) or stream
             stream.flush()
     os._exit(code)
+
+
+# Hydra's flags that take a value, and those that do not: what is left are the overrides
+FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                    "--config-dir", "-cd", "--experimental-rerun")
+FLAGS = ("--resolve", "-m", "--multirun")
+
+
+def check_shown_config(argv: list[str]) -> None:
+    """After `--cfg job` (or `all`) has printed the config, the checks a run would make: a
+    refused combination ends with its one line and exit 2, as the run itself would, rather
+    than print as if it would run. Hydra prints without calling the task's callbacks."""
+    shown = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--cfg", "-c")), None)
+    if shown not in ("job", "all"):
+        return
+    if any(a in ("-m", "--multirun") for a in argv):  # Hydra's own refusal is a traceback
+        raise ConfigError(f"--cfg {shown}: shows one run's config, not a -m sweep's; drop -m and give one value "
+                          "of each key")
+    overrides, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in FLAGS_WITH_VALUE:
+            skip = True
+        elif arg not in FLAGS and not arg.startswith("--"):
+            overrides.append(arg)
+    check_run(compose_config(overrides))
 
 
 def swept_group_hint(line: str, argv: list[str]) -> str:

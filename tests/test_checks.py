@@ -227,3 +227,21 @@ def test_max_batchs_settings_are_task_keys_and_their_old_names_still_work(capsys
     assert type(plan.exp.task).__name__ == "Train" and capsys.readouterr().err.strip() == (
         "fsdp_exp: max_batch.resolution: settings of task=max_batch (now task.*); task=train ignores them, "
         "as it did, until the next release refuses them")
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["refused", "valid"])
+def test_cfg_job_prints_the_config_then_the_refusal_a_run_would_meet(refused: bool, tmp_path: Path) -> None:
+    """`--cfg job` shows what would run: the config, then, for a combination the checks
+    refuse, the run's one line and exit 2 (Hydra prints without the checks)."""
+    sharding = "ddp" if refused else "full"
+    result = refused_here("--cfg", "job", "model.init_device=meta", f"sharding={sharding}", cwd=tmp_path)
+    assert "init_device: meta" in result.stdout  # the config, printed first
+    if refused:
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [
+            "fsdp_exp: model.init_device=meta: needs sharding=full, grad_op or hybrid to shard the model"]
+    else:
+        assert result.returncode == 0 and not result.stderr.strip()
+    assert list(tmp_path.iterdir()) == []
+    swept = refused_here("-m", "--cfg", "job", "sharding=ddp,full", cwd=tmp_path)
+    assert swept.returncode == 2 and swept.stderr.strip().startswith("fsdp_exp: --cfg job: shows one run's config")

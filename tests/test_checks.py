@@ -20,6 +20,30 @@ def test_default_config_composes_and_passes_checks() -> None:
     assert cfg.model.num_layers == 10 and cfg.model.hidden_dim == 128 and cfg.model.patch_size == 7
 
 
+def triples() -> list:
+    """A user's data set of (image, label, mask) items."""
+    return [(torch.zeros(1, 28, 28), i % 10, torch.ones(3)) for i in range(8)]
+
+
+def with_a_mask() -> list:
+    """A user's data set of ((ids, mask), label) items."""
+    return [((torch.zeros(16, dtype=torch.long), torch.ones(16)), i % 10) for i in range(8)]
+
+
+class Broken(torch.utils.data.Dataset):
+    """A user's data set whose items fail to load."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple:
+        return {}[i]
+
+
+def broken() -> Broken:
+    return Broken()
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [
@@ -60,6 +84,12 @@ def test_default_config_composes_and_passes_checks() -> None:
         (["sharding.wrap=layers"], "sharding.wrap=layers: choose one of: blocks, size, blocks+size, root"),
         (["train.grad_accum=3"], "train.grad_accum=3: must divide train.batch_size=32"),
         (["train.grad_accum=0"], "train.grad_accum=0: must be at least 1"),
+        (["data=custom", f"data._target_={__name__}.triples"],
+         "data: items must be (input, target) pairs; the first is a tuple of 3 (Tensor[1, 28, 28], int, Tensor[3])"),
+        (["data=custom", f"data._target_={__name__}.with_a_mask"],
+         "data: the first item's input is a tuple of 2 (Tensor[16], Tensor[16]), not a tensor"),
+        (["data=custom", f"data._target_={__name__}.broken"],
+         "data: checking the model against the data's first item failed: KeyError: 0"),
         (["train.batch_size=4096", "data.num_samples=300"],
          "train.batch_size=4096: larger than each rank's share of the data (150 samples on each of 2 rank(s)); "
          "lower it or use data.num_samples"),

@@ -18,7 +18,6 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import torch
 from torch.utils.data import Dataset
 
 from fsdp_exp.data import TrainData
@@ -77,15 +76,6 @@ class CustomData(TrainData):
         return self.dataset(train=False)
 
     @property
-    def _first(self) -> tuple[torch.Tensor, torch.Tensor]:
-        sample = self.dataset()[0]
-        if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
-            raise ConfigError(f"data: {self.target}'s items must be (input, target) pairs; "
-                              f"the first is a {type(sample).__name__}")
-        inputs, targets = (torch.as_tensor(x) for x in sample)
-        return inputs, targets
-
-    @property
     def num_classes(self) -> int | None:  # type: ignore[override]
         """What the dataset says (`classes`, as torchvision's name them, or `num_classes`)."""
         dataset = self.dataset()
@@ -95,7 +85,7 @@ class CustomData(TrainData):
     @property
     def tokens_per_sample(self) -> int:  # type: ignore[override]
         """A sequence of token ids with a target per token: a language model's data."""
-        inputs, targets = self._first
+        inputs, targets = self.first_item()
         is_tokens = not inputs.is_floating_point() and inputs.dim() == 1 and targets.shape == inputs.shape
         return inputs.shape[0] if is_tokens else 0
 

@@ -91,7 +91,13 @@ def check_model_and_data(spec: ModelSpec, data: TrainData | None, share: DataSha
     each rank's `share` of it: whether the model has blocks to shard one by one."""
     model = check_model(spec)
     if data is not None:
-        check_model_reads_data(spec, model.module, data)
+        try:
+            check_model_reads_data(spec, model.module, data)
+        except ConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the data's or the model's own code: one line, not a traceback
+            raise ConfigError(f"data: checking the model against the data's first item failed: "
+                              f"{type(err).__name__}: {one_line(err)}") from None
         if share is not None:
             share.check(data)
     return bool(model.blocks)
@@ -101,7 +107,7 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
     """One forward on the meta device, with a batch shaped like the data's: the model must
     take the data's inputs and return logits for its targets. `model`: built on the meta
     device, or None for a builder that cannot (the data's files are checked all the same)."""
-    inputs, targets = data.dataset()[0]
+    inputs, targets = data.first_item()
     language = data.tokens_per_sample > 0
     key = f"data.seq_len={inputs.shape[-1]}" if language else "data"
     kind = ("this data gives token sequences: use a language model (model=gpt or model=hf)" if language

@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fsdp_exp.cli import compose_checked
+from fsdp_exp.driver.compose import CONF_DIR, compose_config
 from tests.conftest import precheck, refused_here, run_cli
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.sharding import FullyShard
@@ -18,6 +19,11 @@ def test_default_config_composes_and_passes_checks() -> None:
     cfg = compose_checked([])
     assert OmegaConf.get_type(cfg.sharding) is FullyShard and cfg.sharding.reshard_after_forward
     assert cfg.model.num_layers == 10 and cfg.model.hidden_dim == 128 and cfg.model.patch_size == 7
+
+
+def rgb() -> list:
+    """A user's data set of 3-channel images."""
+    return [(torch.zeros(3, 32, 32), i % 10) for i in range(8)]
 
 
 def triples() -> list:
@@ -90,6 +96,9 @@ def broken() -> Broken:
          "data: the first item's input is a tuple of 2 (Tensor[16], Tensor[16]), not a tensor"),
         (["data=custom", f"data._target_={__name__}.broken"],
          "data: checking the model against the data's first item failed: KeyError: 0"),
+        (["model=resnet", "data=custom", f"data._target_={__name__}.rgb"],
+         "model.channels=1: the data's images have 3 channels (samples of shape [3, 32, 32], float32); "
+         "set model.channels=3"),
         (["train.batch_size=4096", "data.num_samples=300"],
          "train.batch_size=4096: larger than each rank's share of the data (150 samples on each of 2 rank(s)); "
          "lower it or use data.num_samples"),
@@ -275,3 +284,22 @@ def test_cfg_job_prints_the_config_then_the_refusal_a_run_would_meet(refused: bo
     assert list(tmp_path.iterdir()) == []
     swept = refused_here("-m", "--cfg", "job", "sharding=ddp,full", cwd=tmp_path)
     assert swept.returncode == 2 and swept.stderr.strip().startswith("fsdp_exp: --cfg job: shows one run's config")
+
+
+@pytest.mark.parametrize("picked", [["model=resnet"], []], ids=["on the command line", "by default"])
+def test_a_users_option_named_like_one_of_fsdp_exps_is_refused_naming_both_files(picked: list[str],
+                                                                                  tmp_path: Path) -> None:
+    """Hydra finds fsdp_exp's conf/ first: a user's conf/model/resnet.yaml (or vit.yaml, the
+    default) on the search path would silently lose to fsdp_exp's own option."""
+    name = picked[0].partition("=")[2] if picked else "vit"
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    theirs = tmp_path / "conf" / "model" / f"{name}.yaml"
+    theirs.write_text("_target_: torchvision.models.resnet18\nnum_classes: 10\n")
+    result = refused_here(*picked, f"hydra.searchpath=[file://{tmp_path / 'conf'}]", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"fsdp_exp: model={name}: fsdp_exp has an option of that name ({CONF_DIR}/model/{name}.yaml), which Hydra "
+        f"finds before yours ({theirs}); rename yours, for example to model/my_{name}.yaml, and pick model=my_{name}"]
+    theirs.rename(theirs.with_name("my_net.yaml"))  # renamed: theirs is picked by its own name
+    cfg = compose_config(["model=my_net", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
+    assert cfg.model._target_ == "torchvision.models.resnet18"

@@ -115,6 +115,7 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
                  "data=synthetic_tokens, text or token_file")
     if model is None:
         return
+    check_channels(spec, inputs, language)
     batch = inputs.unsqueeze(0).expand(2, *inputs.shape).to("meta")
     try:
         with torch.no_grad():
@@ -163,6 +164,21 @@ def cannot_run_on_meta(err: Exception) -> bool:
     """An error of the meta device itself (data-dependent control flow, a value read
     from a tensor), not of the model's input."""
     return isinstance(err, NotImplementedError) or "meta" in str(err).lower()
+
+
+CHANNEL_KEYS = ("channels", "in_channels", "num_channels", "in_chans")
+
+
+def check_channels(spec: ModelSpec, inputs: torch.Tensor, language: bool) -> None:
+    """A model option that states its input channels (model=resnet's `channels`) against the
+    data's images, (channels, height, width): the key to set, not the stem's own error."""
+    if language or inputs.dim() != 3:
+        return
+    for key in CHANNEL_KEYS:
+        stated = spec.kwargs.get(key)
+        if isinstance(stated, int) and stated != inputs.shape[0]:
+            raise ConfigError(f"model.{key}={stated}: the data's images have {inputs.shape[0]} channels "
+                              f"({describe(inputs)}); set model.{key}={inputs.shape[0]}")
 
 
 def describe(tensor: torch.Tensor) -> str:

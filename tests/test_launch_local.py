@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import os
 import socket
 import subprocess
@@ -10,11 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_exp.launch.core import RunFailed, rank_threads
 from fsdp_exp.launch.local import LocalLauncher
 from tests import rank_tasks
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
+from tests.conftest import REPO, SMALL_VIT, read_json, read_jsonl, run_cli
 
 
 def test_local_launcher_returns_rank0_result(tmp_path: Path) -> None:
@@ -57,17 +60,35 @@ def test_under_external_torchrun_each_process_is_one_rank(tmp_path: Path) -> Non
     assert summary["final_loss"] == pytest.approx(launched["final_loss"], abs=1e-6)
 
 
+class DamagedAfterTheFirst(torch.utils.data.Dataset):
+    """A user's data set whose first item loads (the driver checks it) and the rest do not."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple:
+        if i:
+            raise ValueError(f"sample {i} is damaged")
+        return torch.zeros(1, 28, 28), 0
+
+
+def damaged() -> DamagedAfterTheFirst:
+    return DamagedAfterTheFirst()
+
+
 def test_a_failing_run_exits_nonzero_with_one_error_line(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_cli(
-        *SMALL_VIT, "data.num_samples=10", "train.batch_size=8", f"hydra.run.dir={out}", cwd=tmp_path,
-    )  # each of the 2 ranks gets 5 samples: only a rank finds out
+        *SMALL_VIT, "data=custom", f"data._target_={__name__}.damaged", f"hydra.run.dir={out}", cwd=tmp_path,
+        extra_env={"PYTHONPATH": str(REPO)},
+    )  # only a rank, reading its batches, finds out
     assert result.returncode == 1
     assert "Traceback" not in result.stdout + result.stderr
-    assert "rank 0 failed: ConfigError: train.batch_size=8: larger than this rank's share" in result.stderr + result.stdout
+    assert re.search(r"rank \d failed: ValueError: .*sample \d+ is damaged", result.stderr + result.stdout)
     summary = read_json(out / "summary.json")
-    assert summary["status"] == "failed" and "lower it or use more data" in summary["error"]
-    assert "Traceback" in (out / "rank0.log").read_text(), "the rank's log keeps the traceback"
+    assert summary["status"] == "failed" and "is damaged" in summary["error"]
+    failed = re.search(r"rank (\d) failed", summary["error"]).group(1)
+    assert "Traceback" in (out / f"rank{failed}.log").read_text(), "the rank's log keeps the traceback"
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])

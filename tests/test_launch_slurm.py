@@ -9,6 +9,7 @@ the local controller, which has no handler for USR2 and dies, orphaning the task
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.slurm import SlurmLauncher
-from tests.conftest import SMALL_VIT, read_json, read_jsonl, refused_here, run_cli, signal_at_step
+from tests.conftest import REPO, SMALL_VIT, read_json, read_jsonl, refused_here, run_cli, signal_at_step
 
 SLURM_LOCAL = ["launcher=slurm", "launcher.cluster=local"]
 
@@ -46,19 +47,19 @@ def test_a_run_trains_on_two_ranks_as_the_tasks_of_one_job(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_a_failing_rank_exits_1_with_one_line_naming_it(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = run_cli(*SLURM_LOCAL, *SMALL_VIT, "data.num_samples=10", "train.batch_size=8",
-                     f"hydra.run.dir={out}", cwd=tmp_path)  # each of the 2 ranks gets 5 samples: only a rank finds out
+    result = run_cli(*SLURM_LOCAL, *SMALL_VIT, "data=custom", "data._target_=tests.test_launch_local.damaged",
+                     f"hydra.run.dir={out}", cwd=tmp_path, extra_env={"PYTHONPATH": str(REPO)})
+    # the data's first item loads (the driver checks it); only a rank, reading its batches, finds out
     assert result.returncode == 1
     output = result.stdout + result.stderr
     assert "Traceback" not in output
-    line = next(line for line in output.splitlines() if "failed: ConfigError: train.batch_size=8: larger" in line)
+    line = next(line for line in output.splitlines() if re.search(r"failed: ValueError: .*is damaged", line))
     assert f"(log: {out / 'rank0.log'})" in line or f"(log: {out / 'rank1.log'})" in line
     summary = read_json(out / "summary.json")
     assert summary["status"] == "failed" and summary["world_size"] == 2
-    assert summary["error"].startswith(("rank 0 failed: ConfigError: train.batch_size=8",
-                                        "rank 1 failed: ConfigError: train.batch_size=8"))
-    assert "lower it or use more data" in summary["error"]
-    assert "Traceback" in (out / "rank0.log").read_text(), "the rank's log keeps the traceback"
+    assert re.match(r"rank [01] failed: ValueError: .*sample \d+ is damaged", summary["error"])
+    failed = re.match(r"rank (\d)", summary["error"]).group(1)
+    assert "Traceback" in (out / f"rank{failed}.log").read_text(), "the rank's log keeps the traceback"
 
 
 @pytest.mark.slow

@@ -37,19 +37,21 @@ def test_a_failing_rank_stops_the_run_within_seconds(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_under_external_torchrun_each_process_is_one_rank(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+    """Rank 0 composes the config once and hands it to the other: a run directory named to
+    the microsecond (${now:...} resolved at composition) is one directory, not one a rank."""
     result = run_cli(
         "--nproc_per_node=2", "-m", "fsdp_exp", *SMALL_VIT, "train.steps=3", "train.log_every=1",
-        "memory.estimate=false", f"hydra.run.dir={out}",  # as run_cli sets it for the run below
+        "memory.estimate=false", f"hydra.run.dir={tmp_path / 'run'}" + "-${now:%H-%M-%S-%f}",
         cwd=tmp_path, module=("-m", "torch.distributed.run"),
     )
     assert result.returncode == 0, result.stderr
+    (out,) = tmp_path.glob("run-*")
     summary = read_json(out / "summary.json")
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["steps"] == 3
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
     assert (out / ".hydra" / "config.yaml").exists()
     assert (out / "rank0.log").exists() and (out / "rank1.log").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["run"], "both ranks must write one run directory"
+    assert [p.name for p in tmp_path.iterdir()] == [out.name], "both ranks must write one run directory"
     # The same driver code as a run the launcher starts: the same records in summary.json.
     ours = tmp_path / "ours"
     result = run_cli(*SMALL_VIT, "train.steps=3", "train.log_every=1", f"hydra.run.dir={ours}", cwd=tmp_path)

@@ -190,6 +190,9 @@ def test_task_estimate_end_to_end(sharding, tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     record = read_json(out / "estimate.json")
     world = 1 if sharding == ["sharding=none"] else 4
+    # before the seconds of tracing, a line says what is being traced
+    tracing = f"tracing one rank of {world} on fake tensors: its build, sharding and a training step at 2 batch sizes"
+    assert tracing in result.stdout + result.stderr
     assert record["world_size"] == world and record["device"] == "cpu"
     assert [b["batch_size"] for b in record["batches"]] == [2, 8]
     small, large = record["batches"]

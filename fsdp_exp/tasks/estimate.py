@@ -88,7 +88,11 @@ class Estimate(Task):
 
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         per_node = self.ranks_per_node or launcher.ranks_per_node(nproc)
-        record = estimate(exp, nproc, self.sizes(exp), self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu(),
+        sizes = self.sizes(exp)
+        log.info("tracing one rank of %d on fake tensors: its build, sharding and a training step at %s "
+                 "(seconds to a minute, by the model)", nproc,
+                 f"batch {sizes[0]}" if len(sizes) == 1 else f"{len(sizes)} batch sizes, {sizes[0]} to {sizes[-1]}")
+        record = estimate(exp, nproc, sizes, self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu(),
                           ranks_per_node=per_node)
         record["setup"] = setup_line(context)
         tokens(record, exp)

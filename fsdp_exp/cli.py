@@ -28,7 +28,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdp_exp import options
+from fsdp_exp import config, options
 from fsdp_exp.driver.compose import CONF_DIR, check_search_path, compose_config
 from fsdp_exp.driver.check import BadInput, Refused, check_run, explain, swept_values, take_plan
 from fsdp_exp.driver.run import run_experiment
@@ -67,6 +67,7 @@ def main() -> None:
         check_shown_config(sys.argv[1:])
     except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
         line = str(err) if isinstance(err, (ConfigError, BadInput)) else explain(err)
+        line = model_key_line(line, sys.argv[1:])
         print(f"fsdp_exp: {line}{swept_group_hint(line, sys.argv[1:])}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (kill, SLURM)
@@ -126,6 +127,25 @@ def check_shown_config(argv: list[str]) -> None:
         elif arg not in FLAGS and not arg.startswith("--"):
             overrides.append(arg)
     check_run(compose_config(overrides))
+
+
+def model_key_line(line: str, argv: list[str]) -> str:
+    """`model.n_head=8` on a model option without that key: Hydra's answer is to add it with
+    `+model.n_head=8`, which is right only when the builder takes it. So the `+` is tried
+    here, and when the builder does not take the key, the line says what it does take."""
+    match = re.match(r"(model\.\w+): not in model; add a new key", line)
+    given = match and next((a for a in argv if a.partition("=")[0] == match.group(1)), None)
+    if not given or any(a in ("-m", "--multirun") for a in argv):
+        return line
+    added = [f"+{a}" if a == given else a for a in argv if not a.startswith("-")]
+    try:
+        config.build(compose_config(added)).model.check_arguments()
+    except ConfigError as refused:
+        if str(refused).startswith(f"{match.group(1)}: unknown key"):
+            return str(refused)
+    except (HydraException, OmegaConfBaseException):
+        pass
+    return line
 
 
 def swept_group_hint(line: str, argv: list[str]) -> str:

@@ -303,3 +303,18 @@ def test_a_users_option_named_like_one_of_fsdp_exps_is_refused_naming_both_files
     theirs.rename(theirs.with_name("my_net.yaml"))  # renamed: theirs is picked by its own name
     cfg = compose_config(["model=my_net", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
     assert cfg.model._target_ == "torchvision.models.resnet18"
+
+
+def test_a_model_key_the_option_lacks_is_refused_with_what_its_builder_takes(tmp_path: Path) -> None:
+    """`model.n_head=8`: Hydra says to add it with `+`, which helps only when the builder takes
+    it. For GPT's builder, which does not, the line lists what it takes; for one that does
+    (torch.nn.Linear's in_features), the `+` stays the advice."""
+    result = refused_here("model=gpt", "model.n_head=8", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "fsdp_exp: model.n_head: unknown key; model has: block_size, blocks, dropout, init_device, size, vocab_size "
+        "(fsdp_exp.models.gpt.build_gpt takes size, vocab_size, block_size, dropout; model=custom starts another "
+        "builder with none of this option's keys)"]
+    takes = refused_here("model=custom", "model._target_=torch.nn.Linear", "model.in_features=4", cwd=tmp_path)
+    assert takes.returncode == 2 and takes.stderr.strip() == (
+        "fsdp_exp: model.in_features: not in model; add a new key with +model.in_features=...")

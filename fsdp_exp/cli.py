@@ -59,12 +59,12 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         check_search_path(sys.argv[1:])
-        if any(a in ("-m", "--multirun") for a in sys.argv[1:]):
-            check_shown_config(sys.argv[1:])  # before Hydra, which would refuse it with a traceback
+        shown = shown_config(sys.argv[1:])
         # CheckRun and the sweeper (conf/config.yaml) check each run before it starts;
         # RunOutcomes ends the process with EXIT_RUN_FAILED when a run failed.
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run_function(side_by_side))()
-        check_shown_config(sys.argv[1:])
+        if shown:  # Hydra printed it without the checks a run makes: a refused one ends in its line
+            check_run(compose_config(overrides_of(sys.argv[1:])))
     except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
         line = str(err) if isinstance(err, (ConfigError, BadInput)) else explain(err)
         line = model_key_line(line, sys.argv[1:])
@@ -108,16 +108,21 @@ FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "-
 FLAGS = ("--resolve", "-m", "--multirun")
 
 
-def check_shown_config(argv: list[str]) -> None:
-    """After `--cfg job` (or `all`) has printed the config, the checks a run would make: a
-    refused combination ends with its one line and exit 2, as the run itself would, rather
-    than print as if it would run. Hydra prints without calling the task's callbacks."""
+def shown_config(argv: list[str]) -> bool:
+    """Whether the command is `--cfg job` (or `all`): Hydra prints the config and runs
+    nothing, so the checks a run makes are made after it (`main`). With -m, one line:
+    Hydra's own refusal is a traceback."""
     shown = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--cfg", "-c")), None)
     if shown not in ("job", "all"):
-        return
-    if any(a in ("-m", "--multirun") for a in argv):  # Hydra's own refusal is a traceback
+        return False
+    if any(a in ("-m", "--multirun") for a in argv):
         raise ConfigError(f"--cfg {shown}: shows one run's config, not a -m sweep's; drop -m and give one value "
                           "of each key")
+    return True
+
+
+def overrides_of(argv: list[str]) -> list[str]:
+    """The command line's overrides, without Hydra's flags and their values."""
     overrides, skip = [], False
     for arg in argv:
         if skip:
@@ -126,7 +131,7 @@ def check_shown_config(argv: list[str]) -> None:
             skip = True
         elif arg not in FLAGS and not arg.startswith("--"):
             overrides.append(arg)
-    check_run(compose_config(overrides))
+    return overrides
 
 
 def model_key_line(line: str, argv: list[str]) -> str:
@@ -137,7 +142,7 @@ def model_key_line(line: str, argv: list[str]) -> str:
     given = match and next((a for a in argv if a.partition("=")[0] == match.group(1)), None)
     if not given or any(a in ("-m", "--multirun") for a in argv):
         return line
-    added = [f"+{a}" if a == given else a for a in argv if not a.startswith("-")]
+    added = [f"+{a}" if a == given else a for a in overrides_of(argv)]
     try:
         config.build(compose_config(added)).model.check_arguments()
     except ConfigError as refused:

@@ -196,4 +196,5 @@ def test_generated_data_bounds_the_search_at_each_ranks_share_and_one_run_verifi
     (run,) = record["verification"]["runs"]
     assert record["verification"]["status"] == "completed" and run == record["length_check"]["run"]
     assert [p.name for p in (out / "verify").iterdir()] == ["length_b150"]  # one run of the command, not two
+    assert record["verify_wall_s"] == run["wall_s"]  # and its time counted once
     assert "max batch: 150 per rank on 2 rank(s), bounded by the data (150 samples a rank)" in result.stdout

@@ -31,6 +31,13 @@ class TrainData:
     def dataset(self) -> Dataset:
         raise NotImplementedError
 
+    generated = False  # made from a seed on each rank, not read from files
+
+    def share_per_rank(self, world_size: int) -> int | None:
+        """The samples each of `world_size` ranks reads an epoch (as `batches` splits them: no
+        rank's batch can be larger), or None where it cannot be known before the ranks read it."""
+        return len(self.dataset()) // world_size
+
     def first_item(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The data set's first item as (input, target) tensors, as the trainer reads every
         item; a ConfigError saying what it is instead."""
@@ -46,13 +53,6 @@ class TrainData:
                 raise ConfigError(f"data: the first item's {name} is {kind_of(part)}, not a tensor; items must be "
                                   "(input, target) pairs of tensors (or numbers, for a target)") from None
         return tensors[0], tensors[1]
-
-    generated = False  # made from a seed on each rank, not read from files
-
-    def share_per_rank(self, world_size: int) -> int | None:
-        """The samples each of `world_size` ranks reads an epoch (as `batches` splits them: no
-        rank's batch can be larger), or None where the data is generated to any size."""
-        return len(self.dataset()) // world_size
 
     def eval_dataset(self) -> Dataset:
         """Samples held out from training, for task=eval."""

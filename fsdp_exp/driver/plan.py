@@ -73,11 +73,11 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     nproc = world if exp.sharding.distributed else 1
     # each process's micro-batch against its share of the data (sharding=none: of the global batch)
     micro = exp.train.batch_size * (1 if exp.sharding.distributed else world) // exp.train.grad_accum
+    share = DataShare(exp.train.batch_size, micro, nproc) if exp.task.trains_at_the_batch else None
     # on a cluster, the data's files are the cluster's; here, the model reads them, checked
     # where the model's modules are imported already (the rank server's fork)
     reads_files = exp.launcher.runs_here or exp.data.generated
-    has_blocks = in_a_fork(check_model_and_data, exp.model, exp.data if reads_files else None,
-                           DataShare(exp.train.batch_size, micro if exp.task.trains_at_the_batch else 0, nproc))
+    has_blocks = in_a_fork(check_model_and_data, exp.model, exp.data if reads_files else None, share)
     exp.sharding.check(world, has_blocks=has_blocks, offload=exp.offload)
     if exp.model.init_device == "meta" and not exp.sharding.shards_params:
         raise ConfigError("model.init_device=meta: needs sharding=full, grad_op or hybrid to shard the model")

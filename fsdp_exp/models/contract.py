@@ -65,8 +65,8 @@ def check_model(spec: ModelSpec) -> BuiltOnMeta:
 @dataclass(frozen=True)
 class DataShare:
     """A run's batch against each process's share of the data: `batch_size` as typed
-    (train.batch_size), `micro_batch` the samples each process reads at once (0: the task
-    trains at no batch of its own), on `processes` processes."""
+    (train.batch_size), `micro_batch` the samples each process reads at once, on
+    `processes` processes."""
 
     batch_size: int
     micro_batch: int
@@ -75,8 +75,6 @@ class DataShare:
     def check(self, data: TrainData) -> None:
         """Refuse a micro-batch larger than each process's share of the data, as the ranks
         would at their first batch."""
-        if not self.micro_batch:
-            return
         share = data.share_per_rank(self.processes)
         if share is None or self.micro_batch <= share:
             return

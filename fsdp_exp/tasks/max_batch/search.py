@@ -109,8 +109,8 @@ class MaxBatchSearch(Verifying):
 
     def room_gb(self) -> float:
         """The room a probe's peak has: the limit, less what a run of the command holds beyond
-        a probe over its length (LengthCheck), once measured."""
-        return self.limit_gb - (self.length.counted_gb() if self.length else 0.0)
+        a probe over its length (`counted_beyond_gb`)."""
+        return self.limit_gb - self.counted_beyond_gb()
 
     def noise_gb(self) -> float:
         return noise_band_gb([p for p in self.probes if not p.killed], self.limit_gb,
@@ -344,7 +344,7 @@ class MaxBatchSearch(Verifying):
         timed = [*self.probes, *([verified] if verified is not None else [])]  # the verification's 50 steps too
         fastest_size, fastest_speed, near_fastest = fastest(timed, boundary) if boundary else (None,) * 3
         margin = max(settings.margin, noise / self.limit_gb)
-        beyond = self.limit_gb - self.room_gb()
+        beyond = self.counted_beyond_gb()
         recommended = boundary and recommended_size(model, (1 - margin) * self.limit_gb - beyond, margin,
                                                     boundary, settings.resolution)
         record = {
@@ -392,7 +392,7 @@ class MaxBatchSearch(Verifying):
             "wall_s": time.perf_counter() - self.start,  # this run's, after any reused probes
             "probe_wall_s": sum(p.wall_s for p in self.probes) + (self.need.wall_s if self.need else 0.0),
             "estimate_wall_s": (self.estimated or {}).get("wall_s"),
-            "verify_wall_s": self.verification.wall_s() + (self.length.run.wall_s if self.length else 0.0),
+            "verify_wall_s": self.commands_wall_s(),
             "fingerprint": self.fingerprint,
         }
         write_json(self.run_dir / RECORD, record)

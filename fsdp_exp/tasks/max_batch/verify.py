@@ -112,6 +112,18 @@ class Verifying:
     whose probes, settings and launcher they read): once, what a run holds beyond a probe; at
     the end, its answer."""
 
+    def counted_beyond_gb(self) -> float:
+        """What a run of the command holds beyond a probe, as counted against every probe
+        (LengthCheck); nothing until it is measured."""
+        return self.length.counted_gb() if self.length else 0.0
+
+    def commands_wall_s(self) -> float:
+        """The time the runs of the command took: the verification's, and the length check's
+        unless it is one of them (`length_run_at`)."""
+        run = self.length.run if self.length else None
+        counted = run is not None and all(r.dir != run.dir for r in self.verification.runs)
+        return self.verification.wall_s() + (run.wall_s if counted else 0.0)
+
     def check_length(self) -> bool:
         """Once per search, at the first size that trained: run the command there for the
         verification's steps, and count what that run held beyond the probe against every

@@ -34,15 +34,23 @@ def one_rank_group():
 
 
 def test_samples_per_s_agrees_with_wall_time(one_rank_group: Ranks) -> None:
+    """The steady figure is the samples of the steps after warm-up over the wall time they
+    took: the logged records' wall clocks bound those steps."""
     torch.manual_seed(0)
     model = build_vit(28, 7, 4, 2, 128, 128, 10)
     batches = SyntheticImages(num_samples=2048).batches(64, 0, 1, seed=0)
+    records: list[dict] = []
+
+    class Kept:
+        def log(self, record: dict) -> None:
+            records.append(record)
+
     trainer = Trainer(model, torch.optim.AdamW(model.parameters()), batches, one_rank_group,
-                      steps=12, batch_size=64, log_every=4)
-    start = time.perf_counter()
+                      steps=12, batch_size=64, log_every=4, warmup_steps=4, sinks=[Kept()])
     summary = trainer.fit()
-    wall = time.perf_counter() - start
-    assert summary["samples_per_s"] == pytest.approx(12 * 64 / wall, rel=0.05)
+    assert [r["step"] for r in records] == [4, 8, 12] and records[0].get("warmup") is True
+    steady_wall = records[-1]["time"] - records[0]["time"]
+    assert summary["samples_per_s"] == pytest.approx(8 * 64 / steady_wall, rel=0.05)
     assert 0 <= summary["host_data_wait_share"] < 1
     assert summary["warmup_only"] is False
 

@@ -308,19 +308,19 @@ def estimated(run: RunResult, estimate: RunResult) -> tuple[bool, str]:
     s, e = run.summary, estimate.summary
     pairs = [("peak", e.get("peak_mem_gb"), s.get("peak_mem_gb"))]
     if s.get("device") == "cuda":
-        pairs.append(("reserved", e.get("reserved_gb"), s.get("peak_reserved_gb")))
+        pairs.append(("reserved", e.get("peak_reserved_gb"), s.get("peak_reserved_gb")))
     missing = [name for name, guess, seen in pairs if guess is None or not seen]
     if missing:
         return False, f"no {' or '.join(missing)} figure in summary.json to compare"
     if s.get("device") == "cuda":  # the run's own check (memory.estimate) took its GPU path
-        own = [k for k in ("device_used_gb", "estimated_device_gb") if not s.get(k)]
+        own = [k for k in ("device_used_gb", "estimated_device_used_gb") if not s.get(k)]
         if own:
             why = f" ({s['estimate_failed']})" if "estimate_failed" in s else ""
             return False, f"the run's summary.json has no {' or '.join(own)}{why}"
     errors = [(name, guess, seen, guess / seen - 1) for name, guess, seen in pairs]
     shown = list(errors)
-    if e.get("device_gb") and s.get("device_used_gb"):  # what the whole device held: shown, not judged
-        shown.append(("device (not judged)", e["device_gb"], s["device_used_gb"], e["device_gb"] / s["device_used_gb"] - 1))
+    if e.get("device_used_gb") and s.get("device_used_gb"):  # what the whole device held: shown, not judged
+        shown.append(("device (not judged)", e["device_used_gb"], s["device_used_gb"], e["device_used_gb"] / s["device_used_gb"] - 1))
     detail = "; ".join(f"{name}: estimated {guess:.2f} GB, measured {seen:.2f} GB ({err:+.0%})"
                        for name, guess, seen, err in shown)
     if s.get("device") != "cuda":

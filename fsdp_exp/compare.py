@@ -29,24 +29,26 @@ EXIT_BAD_INPUT = 2
 NOT_FINISHED = "no summary.json: the run did not finish (interrupted or still running)"
 INTERRUPTED = "interrupted: the run was stopped before it finished"
 COLUMNS = ["setup", "task", "status", "max_batch_size", "fastest_batch_size", "near_fastest_batch_size",
-           "batch_size", "samples_per_s", "peak_mem_gb", "estimated_peak_gb", "estimate_error", "limit_gb",
+           "batch_size", "samples_per_s", "peak_mem_gb", "estimated_peak_mem_gb", "peak_in_use_gb", "estimate_error", "limit_gb",
            "peak_under_limit_gb", "world_size", "mfu", "final_loss", "eval_loss", "eval_accuracy", "note", "run_dir"]
 # The CSV only: a table cell of every override is what made rows unreadable.
 CSV_ONLY = ["overrides"]
 # Shown only when some run has them: most runs have no MFU (it needs a known peak FLOP/s),
 # only max_batch runs have a fastest batch, max_batch runs have no loss, and a run with
-# memory.estimate=false no estimate of its own.
-OPTIONAL = {"estimated_peak_gb", "estimate_error", "fastest_batch_size", "near_fastest_batch_size", "limit_gb",
+# memory.estimate=false no estimate of its own; only CPU runs read what their allocations
+# held (the figure their estimate error is of).
+OPTIONAL = {"estimated_peak_mem_gb", "peak_in_use_gb", "estimate_error", "fastest_batch_size", "near_fastest_batch_size", "limit_gb",
             "peak_under_limit_gb", "mfu", "final_loss", "eval_loss", "eval_accuracy", "note"}
 HEADINGS = {"max_batch_size": "max batch", "fastest_batch_size": "fastest batch",
             "near_fastest_batch_size": "within 5% of fastest from", "batch_size": "batch per rank",
             "samples_per_s": "samples/s", "limit_gb": "memory.limit_gb", "peak_under_limit_gb": "peak under the limit (GB)",
-            "peak_mem_gb": "peak memory (GB)", "estimated_peak_gb": "estimated (GB)", "estimate_error": "estimate error",
+            "peak_mem_gb": "peak memory (GB)", "estimated_peak_mem_gb": "estimated (GB)", "peak_in_use_gb": "in use (GB)",
+            "estimate_error": "estimate error",
             "world_size": "ranks", "mfu": "MFU", "final_loss": "final loss", "eval_loss": "eval loss",
             "eval_accuracy": "eval accuracy", "run_dir": "run"}
 FORMATS = {"max_batch_size": ",d", "fastest_batch_size": ",d", "near_fastest_batch_size": ",d", "batch_size": ",",
            "samples_per_s": ",.1f", "limit_gb": "g", "peak_under_limit_gb": ".3f", "peak_mem_gb": ".2f",
-           "estimated_peak_gb": ".2f", "estimate_error": "+.0%", "mfu": ".1%", "final_loss": ".4f", "eval_loss": ".4f",
+           "estimated_peak_mem_gb": ".2f", "peak_in_use_gb": ".3f", "estimate_error": "+.0%", "mfu": ".1%", "final_loss": ".4f", "eval_loss": ".4f",
            "eval_accuracy": ".2%"}
 # A failure's reason in a table cell; the CSV and comparison.md keep the whole first line.
 REASON_CHARS = 120
@@ -274,7 +276,10 @@ def row(run: Run, setup: str) -> dict:
                                  "resolution")},
         "samples_per_s": s.get("samples_per_s"), "warmup_only": s.get("warmup_only"), "limit_gb": None if limit is MISSING else limit,
         "peak_under_limit_gb": s.get("peak_under_limit_gb"), "peak_mem_gb": s.get("peak_mem_gb"),
-        "estimated_peak_gb": s.get("estimated_peak_gb"),  # the run's own (memory.estimate)
+        # the run's own estimate (memory.estimate); summaries before the figures were named
+        # after what they predict called it estimated_peak_gb
+        "estimated_peak_mem_gb": s.get("estimated_peak_mem_gb", s.get("estimated_peak_gb")),
+        "peak_in_use_gb": s.get("peak_in_use_gb"),
         "estimate_error": s["estimate_ratio"] - 1 if s.get("estimate_ratio") else None,
         "world_size": s.get("world_size"), "mfu": s.get("mfu"),
         **{k: s.get(k) for k in ("final_loss", "eval_loss", "eval_accuracy")},
@@ -306,7 +311,7 @@ def task_figures(task: str, s: dict, run: Run) -> dict:
                 peak_key: s.get("peak_gb"), **({"note": tune_note(s)} if s["status"] == "ok" else {})}
     if task == "estimate":
         return {"max_batch_size": s.get("largest_batch_fitting"), "batch_size": s.get("batch_size"),
-                "estimated_peak_gb": s.get("peak_mem_gb"), "peak_mem_gb": None,
+                "estimated_peak_mem_gb": s.get("peak_mem_gb"), "peak_mem_gb": None,
                 **({"note": "estimated, not measured"} if s["status"] == "ok" else {})}
     return {"max_batch_size": None, "batch_size": train_batch_size(run)}
 

@@ -202,11 +202,11 @@ def test_a_gpu_without_a_known_peak_fails_the_mfu_check_and_names_the_option() -
 
 
 def test_the_estimate_row_passes_within_10_percent_and_prints_both_figures_either_way() -> None:
-    run = result(peak_mem_gb=10.0, peak_reserved_gb=12.0, device_used_gb=14.0, estimated_device_gb=13.1)
-    ok, detail = estimated(run, result(peak_mem_gb=9.5, reserved_gb=12.6))
+    run = result(peak_mem_gb=10.0, peak_reserved_gb=12.0, device_used_gb=14.0, estimated_device_used_gb=13.1)
+    ok, detail = estimated(run, result(peak_mem_gb=9.5, peak_reserved_gb=12.6))
     assert ok and detail == ("peak: estimated 9.50 GB, measured 10.00 GB (-5%); "
                              "reserved: estimated 12.60 GB, measured 12.00 GB (+5%)")
-    ok, detail = estimated(run, result(peak_mem_gb=9.5, reserved_gb=10.0))  # reserved 17% low
+    ok, detail = estimated(run, result(peak_mem_gb=9.5, peak_reserved_gb=10.0))  # reserved 17% low
     assert not ok and "reserved: estimated 10.00 GB, measured 12.00 GB (-17%)" in detail
     on_cpu = result(device="cpu", peak_mem_gb=1.0)
     assert estimated(on_cpu, result(device="cpu", peak_mem_gb=0.65)) == \
@@ -214,13 +214,13 @@ def test_the_estimate_row_passes_within_10_percent_and_prints_both_figures_eithe
     assert estimated(run, result(status="failed", error="boom"))[1].startswith("estimate: failed: boom")
     # what the whole device held (mem_get_info) beside its estimate: shown, not judged
     whole = run
-    ok, detail = estimated(whole, result(peak_mem_gb=9.5, reserved_gb=12.6, device_gb=13.1))
+    ok, detail = estimated(whole, result(peak_mem_gb=9.5, peak_reserved_gb=12.6, device_used_gb=13.1))
     assert ok and detail.endswith("; device (not judged): estimated 13.10 GB, measured 14.00 GB (-6%)")
-    assert estimated(whole, result(peak_mem_gb=9.5, reserved_gb=12.6, device_gb=9.0))[0]
+    assert estimated(whole, result(peak_mem_gb=9.5, peak_reserved_gb=12.6, device_used_gb=9.0))[0]
     # a GPU run whose own check did not take its GPU path fails the row, and says why
     untraced = result(peak_mem_gb=10.0, peak_reserved_gb=12.0, estimate_failed="task=estimate could not trace")
-    assert estimated(untraced, result(peak_mem_gb=9.5, reserved_gb=12.6)) == (
-        False, "the run's summary.json has no device_used_gb or estimated_device_gb (task=estimate could not trace)")
+    assert estimated(untraced, result(peak_mem_gb=9.5, peak_reserved_gb=12.6)) == (
+        False, "the run's summary.json has no device_used_gb or estimated_device_used_gb (task=estimate could not trace)")
 
 
 def test_peak_memory_is_judged_as_the_limit_counts_it() -> None:
@@ -320,8 +320,8 @@ def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_p
         if out.name == "compiled_probe":
             return probe_run(tmp_path, step_time_s=0.1, wall_s=60.0)
         if out.name == "estimate_gpt":
-            return result(peak_mem_gb=10.2, reserved_gb=12.5)
-        return result(**GPT, peak_mem_gb=10.0, peak_reserved_gb=12.0, device_used_gb=14.0, estimated_device_gb=13.1)
+            return result(peak_mem_gb=10.2, peak_reserved_gb=12.5)
+        return result(**GPT, peak_mem_gb=10.0, peak_reserved_gb=12.0, device_used_gb=14.0, estimated_device_used_gb=13.1)
 
     lines: list[str] = []
     assert check_all(GPU, tmp_path, run=fake_run, out=lines.append)

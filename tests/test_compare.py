@@ -194,7 +194,7 @@ def test_a_tune_row_is_its_winner_with_its_batch_max_batch_and_peak_and_says_whe
     assert "| 195 | 180 | 65.5 |" in md and "0.771" in md
 
 
-ESTIMATE = {"status": "ok", "task": "estimate", "peak_mem_gb": 0.0469, "predicted_peak_gb": 0.4705, "batch_size": 32,
+ESTIMATE = {"status": "ok", "task": "estimate", "peak_mem_gb": 0.0469, "peak_with_runtime_gb": 0.4705, "batch_size": 32,
             "world_size": 2, "device": "cpu", "limit_gb": None, "largest_batch_fitting": None,
             "predicted_max_batch": None, "host_gb": 1.4997, "ranks_per_node": 2, "host_limit_gb": None, "wall_s": 5.3}
 
@@ -209,12 +209,12 @@ def test_an_estimate_sweep_shows_the_batch_its_peak_is_for_and_draws_the_peaks(t
                                                             "choices": {"task": "estimate", "sharding": sharding}})
     code, rows, md = compare(tmp_path / "runs", out=tmp_path / "out")
     assert code == 0
-    assert [(r["setup"], r["batch_size"], r["max_batch_size"], r["estimated_peak_gb"], r["peak_mem_gb"], r["limit_gb"])
+    assert [(r["setup"], r["batch_size"], r["max_batch_size"], r["estimated_peak_mem_gb"], r["peak_mem_gb"], r["limit_gb"])
             for r in rows] == [("sharding=full", "32", "610", "0.0469", "", "0.6"),
                                ("sharding=ddp", "32", "250", "0.0971", "", "0.6")]
     assert all(r["note"] == "estimated, not measured" for r in rows)
     drawn = plot_comparison([{"setup": r["setup"], "task": "estimate", "status": "ok",
-                              "max_batch_size": int(r["max_batch_size"]), "estimated_peak_gb": float(r["estimated_peak_gb"])}
+                              "max_batch_size": int(r["max_batch_size"]), "estimated_peak_mem_gb": float(r["estimated_peak_mem_gb"])}
                              for r in rows], tmp_path / "chart.png")
     assert drawn == ["610", "250", "0.047", "0.097"]  # the largest batches, then the peaks
 

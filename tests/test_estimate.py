@@ -196,17 +196,17 @@ def test_task_estimate_end_to_end(sharding, tmp_path):
     assert record["world_size"] == world and record["device"] == "cpu"
     assert [b["batch_size"] for b in record["batches"]] == [2, 8]
     small, large = record["batches"]
-    assert 0 < small["predicted_peak_gb"] < large["predicted_peak_gb"]
+    assert 0 < small["peak_with_runtime_gb"] < large["peak_with_runtime_gb"]
     for batch in record["batches"]:
         assert sum(batch["breakdown_gb"].values()) == pytest.approx(batch["step_peak_gb"])
     assert record["largest_batch_fitting"] == 8
     # Past 8 along the line through 2 and 8: where it reaches 64 GB
-    per_sample = (large["limited_gb"] - small["limited_gb"]) / 6
-    assert record["predicted_max_batch"] == int(8 + (64 - large["limited_gb"]) / per_sample)
+    per_sample = (large["peak_under_limit_gb"] - small["peak_under_limit_gb"]) / 6
+    assert record["predicted_max_batch"] == int(8 + (64 - large["peak_under_limit_gb"]) / per_sample)
     shards = {"full": 4, "grad_op": 4, "ddp": 1, "hybrid": 2, "none": 1}
     assert record["shards"] == shards[sharding[0].split("=")[1]]
     assert "predicted peak per rank" in result.stdout
-    assert read_json(out / "summary.json")["predicted_peak_gb"] == record["predicted_peak_gb"]
+    assert read_json(out / "summary.json")["peak_with_runtime_gb"] == record["peak_with_runtime_gb"]
 
 
 @pytest.mark.slow
@@ -280,8 +280,8 @@ def test_estimate_for_a_gpu_on_a_machine_without_one(tmp_path):
     assert record["device"] == "cuda" and record["outside_allocator_gb"] == {"cuda_context": 0.5, "nccl": 0.688}
     assert record["breakdown_gb"]["baseline"] == pytest.approx(1.188)
     allocated = record["step_peak_gb"] - record["breakdown_gb"]["baseline"]
-    assert record["reserved_gb"] >= allocated and record["device_gb"] == pytest.approx(record["reserved_gb"] + 1.188)
-    fitting = record["device_gb"] <= 40 and record["reserved_gb"] <= 80
+    assert record["peak_reserved_gb"] >= allocated and record["device_used_gb"] == pytest.approx(record["peak_reserved_gb"] + 1.188)
+    fitting = record["device_used_gb"] <= 40 and record["peak_reserved_gb"] <= 80
     assert record["gpu"] == "A100-40GB" and record["gpu_memory_gb"] == 40
     assert record["largest_batch_fitting"] == (record["batch_size"] if fitting else 0)
     assert "the device also holds cuda context 0.50 GB, nccl 0.69 GB outside it" in result.stdout
@@ -300,17 +300,17 @@ def test_max_batch_traces_doubling_sizes_up_to_the_first_over_the_limit():
 
     assert doubling(1, 4096) == [2**k for k in range(13)] and doubling(4, 100) == [4, 8, 16, 32, 64, 100]
     exp, everything = traced(batch_sizes=doubling(1, 4096))
-    peaks = [estimate_batch(s, everything, False, False, 0, False).limited_gb for s in everything.steps]
+    peaks = [estimate_batch(s, everything, False, False, 0, False).peak_under_limit_gb for s in everything.steps]
     assert len(peaks) == 13 and all(a < b for a, b in zip(peaks[8:], peaks[9:]))
     limit = (peaks[8] + peaks[10]) / 2  # between the peaks at 256 and 1024
 
     def enough(step, baseline_bytes):
-        return estimate_batch(step, None, False, False, 0, False).limited_gb > limit
+        return estimate_batch(step, None, False, False, 0, False).peak_under_limit_gb > limit
 
     stopped = trace(exp, 2, doubling(1, 4096), on_gpu=False, enough=enough)
     sizes = [s.batch_size for s in stopped.steps]
     assert sizes == doubling(1, 4096)[:len(sizes)] and sizes[-1] in (512, 1024)
-    last, before = (estimate_batch(s, stopped, False, False, 0, False).limited_gb for s in stopped.steps[-1:-3:-1])
+    last, before = (estimate_batch(s, stopped, False, False, 0, False).peak_under_limit_gb for s in stopped.steps[-1:-3:-1])
     assert last > limit >= before  # stopped at the first size over it
     curve = prior({"peaks_gb": [[b, gb] for b, gb in zip(doubling(1, 4096), peaks, strict=True)]})
     assert curve.peak_gb(256) == peaks[8] and curve.peak_gb(384) == pytest.approx((peaks[8] + peaks[9]) / 2)

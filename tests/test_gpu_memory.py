@@ -148,9 +148,9 @@ def test_on_a_gpu_the_cap_counts_reserved_and_the_device_adds_what_sits_outside(
     gb = 2**30
     made = estimate_batch(step, None, on_gpu=True, offload=False, baseline_gb=1.0, builds_whole_model=False,
                           workspace_bytes=32 * MIB)
-    assert made.reserved_gb * gb == 20 * MIB  # the replay's segments (cuBLAS's workspaces are in them)
+    assert made.peak_reserved_gb * gb == 20 * MIB  # the replay's segments (cuBLAS's workspaces are in them)
     assert made.breakdown_gb["unsharded_and_buffers"] * gb == 32 * MIB  # allocated: the workspace counts
-    assert made.limited_gb == made.reserved_gb and made.device_gb == pytest.approx(made.reserved_gb + 1.0)
+    assert made.peak_under_limit_gb == made.peak_reserved_gb and made.device_used_gb == pytest.approx(made.peak_reserved_gb + 1.0)
     batch = made.to_json()
     assert fits(batch, None, None) is None
     assert fits(batch, 0.02, None) and not fits(batch, 0.019, None)  # memory.limit_gb caps reserved, 0.0195 GB

@@ -332,15 +332,15 @@ def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> Non
     curve = with_it["estimate"]["peaks_gb"]
     assert curve[0][0] == 1 and all(b2 == 2 * b1 for (b1, _), (b2, _) in zip(curve, curve[1:]))
     assert curve[-1][1] > 0.62 >= curve[-2][1] and with_it["estimate_wall_s"] > 0  # traced up to the limit
-    assert all(p["estimated_peak_gb"] > 0 for p in with_it["probes"])
+    assert all(p["estimated_peak_under_limit_gb"] > 0 for p in with_it["probes"])
     # The trace misses what the runtime holds outside tensors: a constant, which the first probe sets
-    gap = [p["peak_under_limit_gb"] - p["estimated_peak_gb"] for p in searched if p["status"] == "ok"]
+    gap = [p["peak_under_limit_gb"] - p["estimated_peak_under_limit_gb"] for p in searched if p["status"] == "ok"]
     assert max(gap) - min(gap) < 0.1 * with_it["limit_gb"], gap
     for p in with_it["probes"]:  # each probe checks the estimate: its ratio to the peak the limit counted
-        assert p["estimate_ratio"] == (pytest.approx(p["estimated_peak_gb"] / p["peak_under_limit_gb"])
+        assert p["estimate_ratio"] == (pytest.approx(p["estimated_peak_under_limit_gb"] / p["peak_under_limit_gb"])
                                        if p["status"] == "ok" else None), p
     assert re.search(r"probe 2: batch \d+: \w+.*\(estimated 0\.\d{3} GB(, [+-]\d+\.\d%)?\)", log), log[-3000:]
-    assert without["estimate"] is None and all(p["estimated_peak_gb"] is None for p in without["probes"])
+    assert without["estimate"] is None and all(p["estimated_peak_under_limit_gb"] is None for p in without["probes"])
     assert "(estimated" not in log_without
 
 

@@ -63,13 +63,41 @@ def test_each_phase_has_its_peak_unless_turned_off(one_rank_group: Ranks, phase_
     batches = SyntheticImages(num_samples=512).batches(64, 0, 1, seed=0)
     summary = Trainer(model, torch.optim.AdamW(model.parameters()), batches, one_rank_group, steps=3,
                       batch_size=64, log_every=3, phase_peaks=phase_peaks).fit()
-    phases = {k: v for k, v in summary.items()
-              if k.startswith("peak_") and k.endswith("_gb") and k not in ("peak_mem_gb", "peak_resident_gb")}
+    phases = {k: v for k, v in summary.items() if k.startswith("peak_") and k.endswith("_gb")
+              and k not in ("peak_mem_gb", "peak_resident_gb", "peak_in_use_gb")}
     if phase_peaks:
         assert phases.keys() == {"peak_forward_gb", "peak_backward_gb", "peak_optimizer_step_gb"}
         assert all(0 < v <= summary["peak_mem_gb"] for v in phases.values()), (phases, summary["peak_mem_gb"])
+        # what the allocations held where the phases end: the activations at the forward's end at least
+        assert 0 < summary["peak_in_use_gb"] <= summary["peak_mem_gb"]
     else:
-        assert phases == {} and summary["peak_mem_gb"] > 0
+        assert phases == {} and summary["peak_mem_gb"] > 0 and "peak_in_use_gb" not in summary
+
+
+def test_in_use_is_what_the_allocations_hold_where_a_phase_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """peak_in_use_gb on CPU: glibc's count of what malloc handed out and was not freed,
+    less what the rank held before its model, read where each phase starts and ends; a
+    tensor freed within the phase it was made in is not seen."""
+    from fsdp_exp.metrics import peaks as memory
+
+    monkeypatch.setattr(memory, "_runtime_in_use_bytes", 0)  # mark_runtime sets it: restored after the test
+    cpu = torch.device("cpu")
+    memory.mark_runtime(cpu)
+    monitor = memory.MemoryMonitor(cpu)
+    monitor.start_run()
+    monitor.start_phase("forward")
+    held = torch.ones(16 * 2**20)  # 64 MiB, held past the phase's end
+    monitor.start_phase("backward")
+    passing = torch.ones(32 * 2**20)  # 128 MiB, made and freed within the phase
+    del passing
+    monitor.end_phase()
+    peaks = monitor.window_peaks()
+    assert peaks["peak_in_use_gb"] == pytest.approx(1 / 16, abs=0.01), peaks
+    del held
+    monitor.start_window()
+    monitor.start_phase("forward")
+    monitor.end_phase()
+    assert monitor.window_peaks()["peak_in_use_gb"] < 0.01
 
 
 def test_the_primary_peak_leaves_out_what_the_rank_held_before_its_model(monkeypatch: pytest.MonkeyPatch) -> None:

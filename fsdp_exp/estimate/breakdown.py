@@ -3,7 +3,7 @@ only a GPU has.
 
 On a GPU (`device=cuda`), added to the trace:
 - the caching allocator's rounding: every block a multiple of 512 bytes (the peak counts
-  blocks); `reserved_gb` is what the allocator holds, from a replay of the traced
+  blocks); `peak_reserved_gb` is what the allocator holds, from a replay of the traced
   allocations and frees through its rules (`fsdp_exp.estimate.allocator`: 2 and 20 MiB
   segments, splitting, merging, freed blocks cached per stream, each allocation on the
   stream it was made on);
@@ -14,8 +14,8 @@ On a GPU (`device=cuda`), added to the trace:
   these inside itself, so the trace does not see them);
 - cuBLAS's workspace, through the allocator (`fsdp_exp.estimate.gpu`);
 - the CUDA context and NCCL's communicators, which sit outside the allocator: `task.baseline_gb`,
-  by default modelled for the setup (`fsdp_exp.estimate.gpu`). `reserved_gb` leaves them
-  out, as `memory.limit_gb`'s cap does; `device_gb` adds them, as the device counts.
+  by default modelled for the setup (`fsdp_exp.estimate.gpu`). `peak_reserved_gb` leaves them
+  out, as `memory.limit_gb`'s cap does; `device_used_gb` adds them, as the device counts.
 None of the GPU side has been checked against a GPU here (docs/BENCHMARKS.md says what has).
 """
 
@@ -34,27 +34,28 @@ PARTS = ("parameters", "gradients", "optimizer_state", "activations", "temporari
 @dataclass
 class BatchEstimate:
     batch_size: int
-    predicted_peak_gb: float  # the largest of the step's peak, the build's and the data load's, with the baseline
+    peak_with_runtime_gb: float  # the largest of the step's peak, the build's and the data load's, with the baseline
     step_peak_gb: float  # a training step's peak, with the baseline
     phase: str  # where the peak falls: forward | backward | optimizer_step, or a phase of phases_gb
     breakdown_gb: dict[str, float]  # the step's peak by what holds it; the parts sum to step_peak_gb
     # each phase's peak, with the baseline: step, model build (rank 0's model build), data load, checkpoint save
     phases_gb: dict[str, float]
-    reserved_gb: float | None = None  # GPU: what the caching allocator would hold at the peak
+    peak_reserved_gb: float | None = None  # GPU: what the caching allocator would hold at the peak
     offloaded_gb: float | None = None  # GPU with offload=true: in host memory at the peak
-    limited_gb: float = 0.0  # what memory.limit_gb caps: the peak, or on a GPU what the allocator reserves
-    device_gb: float | None = None  # GPU: what the device holds, the reserved memory and what sits outside it
+    peak_under_limit_gb: float = 0.0  # what memory.limit_gb caps: the peak, or on a GPU what the allocator reserves
+    device_used_gb: float | None = None  # GPU: what the device holds, the reserved memory and what sits outside it
 
+    peak_in_use_gb: float | None = None  # CPU: what the allocations hold where the step's phases end, as peak_in_use_gb
     eval_gb: float | None = None  # task=eval of these weights at this batch (`evaluation_gb`): not a phase of the run
     host: dict = field(default_factory=dict)  # the host's memory per node (`fsdp_exp.estimate.host`)
 
     def __post_init__(self) -> None:
-        self.limited_gb = self.predicted_peak_gb if self.reserved_gb is None else self.reserved_gb
-        if self.reserved_gb is not None:
+        self.peak_under_limit_gb = self.peak_with_runtime_gb if self.peak_reserved_gb is None else self.peak_reserved_gb
+        if self.peak_reserved_gb is not None:
             # the device's largest phase: a step's reserved memory, or the whole model and its shards while it is built
             building = self.phases_gb.get("model build", 0.0) - self.breakdown_gb["baseline"]
-            self.limited_gb = max(self.reserved_gb, building)
-            self.device_gb = self.limited_gb + self.breakdown_gb["baseline"]
+            self.peak_under_limit_gb = max(self.peak_reserved_gb, building)
+            self.device_used_gb = self.peak_under_limit_gb + self.breakdown_gb["baseline"]
 
     def training_gb(self) -> float:
         """The peak while it trains: a step, or a checkpoint save beside one."""

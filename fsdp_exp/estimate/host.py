@@ -74,7 +74,7 @@ def host_memory(batch: BatchEstimate, trace: Trace, setup: HostSetup, on_gpu: bo
         node = max(building, training)
     else:
         # the rank's peak as resident memory: its threads' stacks, which memory.limit_gb counts whole, are mostly unused
-        parts = {"rank's peak": batch.predicted_peak_gb - trace.stack_bytes / GB, "data workers": workers}
+        parts = {"rank's peak": batch.peak_with_runtime_gb - trace.stack_bytes / GB, "data workers": workers}
         phase, node = batch.phase or "step", n * sum(parts.values())
     parts = {name: gb for name, gb in parts.items() if gb}
     return {"host_gb": node + setup.launcher_gb, "host_phase": phase, "host_per_rank_gb": parts,

@@ -50,15 +50,17 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
                         exp.checkpoint.stages_a_copy, builds_whole, exp.train.grad_accum, 2 * own_gb, exp.offload)
     for b, step in zip(batches, traced.steps):
         b.host = host_memory(b, traced, on_host, on_gpu)
+        if not on_gpu:
+            b.peak_in_use_gb = (step.at_phase_ends_bytes + traced.built_in_use_bytes) / GB
         b.eval_gb = evaluation_gb(step, traced, on_gpu, baseline_gb if on_gpu else own_gb)
     limit, host_limit = exp.memory.limit_gb, exp.memory.host_limit_gb
-    device_gb = gpu.memory_gb if gpu is not None and on_gpu else None
+    gpu_gb = gpu.memory_gb if gpu is not None and on_gpu else None
 
-    judged = limit is not None or device_gb is not None or host_limit is not None
-    fitting = [b for b in batches if fits(b.to_json(), limit, device_gb, host_limit)]
+    judged = limit is not None or gpu_gb is not None or host_limit is not None
+    fitting = [b for b in batches if fits(b.to_json(), limit, gpu_gb, host_limit)]
     chosen = fitting[-1] if fitting else batches[0]
-    crossings = [c for c in (crossing([(b.batch_size, b.limited_gb) for b in batches], limit),
-                             crossing([(b.batch_size, b.device_gb or 0.0) for b in batches], device_gb),
+    crossings = [c for c in (crossing([(b.batch_size, b.peak_under_limit_gb) for b in batches], limit),
+                             crossing([(b.batch_size, b.device_used_gb or 0.0) for b in batches], gpu_gb),
                              crossing([(b.batch_size, b.host["host_gb"]) for b in batches], host_limit))
                  if c is not None]
     return {
@@ -67,18 +69,24 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         "shards": traced.shard_count,
         "params": traced.params,
         "batch_size": chosen.batch_size,
-        # as a run's peak_mem_gb: the runtime left out, the data set and the build's imports (after it) in;
-        # the largest phase, and the largest while it trains (what a run's peak_mem_gb measures)
-        "peak_mem_gb": chosen.predicted_peak_gb - chosen.breakdown_gb["baseline"] + data_gb + build_held_gb,
-        "step_mem_gb": chosen.training_gb() - chosen.breakdown_gb["baseline"] + data_gb + build_held_gb,
+        # Each figure a run measures under the name the run gives it (its summary has each
+        # beside the measured one as estimated_<name>):
+        # peak_mem_gb: the largest while it trains, the runtime left out, the data set and the build's imports in
+        "peak_mem_gb": chosen.training_gb() - chosen.breakdown_gb["baseline"] + data_gb + build_held_gb,
+        **({"peak_in_use_gb": chosen.peak_in_use_gb} if chosen.peak_in_use_gb is not None else {}),
+        "peak_under_limit_gb": chosen.peak_under_limit_gb,  # what memory.limit_gb caps
+        **({"peak_reserved_gb": chosen.peak_reserved_gb, "device_used_gb": chosen.device_used_gb} if on_gpu else {}),
+        # and what no run measures apart: the rank's whole peak with its runtime, which phase
+        # sets it (a model build can outgrow the steps), and the runtime itself
+        "peak_with_runtime_gb": chosen.peak_with_runtime_gb,
+        "peak_mem_with_build_gb": chosen.peak_with_runtime_gb - chosen.breakdown_gb["baseline"] + data_gb + build_held_gb,
+        "runtime_gb": chosen.breakdown_gb["baseline"] - data_gb - build_held_gb,
         "data_gb": data_gb,  # CPU: what making the data set grew the tracing process by (measured, to a MB or so)
         "build_held_gb": build_held_gb,  # CPU: what building the model grew it by besides its tensors (imports)
-        "predicted_peak_gb": chosen.predicted_peak_gb,
         "step_peak_gb": chosen.step_peak_gb,
         "phase": chosen.phase,
         "breakdown_gb": chosen.breakdown_gb,
-        **({"reserved_gb": chosen.reserved_gb, "device_gb": chosen.device_gb,
-            "outside_allocator_gb": outside,
+        **({"outside_allocator_gb": outside,
             "cublas_workspaces_mb": [n / 2**20 for n in workspaces]} if on_gpu else {}),
         **({"gpu": gpu.name, "gpu_memory_gb": gpu.memory_gb} if gpu is not None and on_gpu else {}),
         **({"offloaded_gb": chosen.offloaded_gb} if chosen.offloaded_gb is not None else {}),
@@ -102,8 +110,8 @@ def fits(batch: dict, limit_gb: float | None, gpu_memory_gb: float | None,
     under memory.host_limit_gb; None: nothing to fit in."""
     if limit_gb is None and gpu_memory_gb is None and host_limit_gb is None:
         return None
-    return ((limit_gb is None or batch["limited_gb"] <= limit_gb)
-            and (gpu_memory_gb is None or batch.get("device_gb", 0.0) <= gpu_memory_gb)
+    return ((limit_gb is None or batch["peak_under_limit_gb"] <= limit_gb)
+            and (gpu_memory_gb is None or batch.get("device_used_gb", 0.0) <= gpu_memory_gb)
             and (host_limit_gb is None or batch.get("host_gb", 0.0) <= host_limit_gb))
 
 
@@ -164,7 +172,7 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
 
         def enough(step: Any, baseline_bytes: int) -> bool:
             base = baseline_or_measured(baseline_gb, on_gpu, baseline_bytes, outside)
-            return estimate_batch(step, None, on_gpu, exp.offload, base, False, sum(workspaces)).limited_gb > stop_above_gb
+            return estimate_batch(step, None, on_gpu, exp.offload, base, False, sum(workspaces)).peak_under_limit_gb > stop_above_gb
 
         pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu, enough if stop_above_gb is not None else None,
                                workspaces)))

@@ -47,7 +47,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_exp.estimate.allocator import CachingAllocator, cuda_block
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace, TracedPeak
-from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, proc_status, reset_resident_peak
+from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
 from fsdp_exp.rank.build import build_model_for_training
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
@@ -79,6 +79,10 @@ class Counts:
         for n, nbytes in enumerate(workspaces):
             self.device.malloc(("cuBLAS workspace", n), nbytes, 0)
         self.phase = ""
+        self.at_phase_ends = 0  # the most the storages held where a phase started or ended
+
+    def phase_end(self) -> None:
+        self.at_phase_ends = max(self.at_phase_ends, sum(self.now["stored"].values()))
 
     def allocate(self, key: object, category: str, nbytes: int) -> None:
         self.change(category, nbytes, +1)
@@ -231,11 +235,12 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     the optimizer state, then one counted step at each batch size, in order, until
     `enough(step, baseline_bytes)` says no larger size is needed."""
     start = time.perf_counter()
-    before_data = anonymous_bytes()
+    before_data, in_use = anonymous_bytes(), InUse()
     loading = PeakGrowth()
     dataset = exp.data.dataset()  # held by every rank, as the runtime is: both in the baseline
     sample, target = dataset[0]  # real: its shape and dtype
     data_load = loading.bytes()  # making it can take more than it keeps (generated data's temporaries)
+    data_in_use = in_use.growth()
     sample_bytes = tensor_bytes(sample) + tensor_bytes(torch.as_tensor(target))
     baseline = anonymous_bytes()
     threads = thread_count()
@@ -247,8 +252,9 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         sharding = traced.sharding
         mesh = sharding.mesh(ranks.device, world_size) if sharding.shards_params else None
         with FakeTensorMode(allow_non_fake_inputs=True), (AttentionAsOnGpu() if on_gpu else contextlib.nullcontext()):
-            before_build = anonymous_bytes()
+            before_build, in_use = anonymous_bytes(), InUse()
             model, _ = build_model_for_training(traced, ranks, mesh)
+            build_in_use = in_use.growth()
             # Fake tensors take no memory: what the build grew this process by is what a rank's
             # build keeps besides its tensors, the builder's imports above all (transformers:
             # about 40 MB), imported after a rank marks its runtime and held from then on.
@@ -275,7 +281,8 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
                 with mem:
                     trainer.train_step(batches)
                 steps.append(StepTrace(batch_size, counts.peaks, state_bytes(optimizer), buckets,
-                                       mem.attention, len(counts.streams)))  # type: ignore[attr-defined]
+                                       mem.attention, len(counts.streams),  # type: ignore[attr-defined]
+                                       at_phase_ends_bytes=counts.at_phase_ends))
                 if enough is not None and enough(steps[-1], baseline):
                     break
             if enough is None:  # task=estimate, and a run's own: what task=eval of these weights holds
@@ -288,7 +295,8 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         build = whole + local_bytes(model) if shard_count > 1 else whole
     return Trace(world_size, steps, build, params, shard_count, baseline, data_bytes, stacks, stack, data_load,
-                 time.perf_counter() - start, whole, sample_bytes, workers, build_held, pinned_bytes(model))
+                 time.perf_counter() - start, whole, sample_bytes, workers, build_held, pinned_bytes(model),
+                 data_in_use + build_in_use)
 
 
 def eval_forward_bytes(model: torch.nn.Module, sample: torch.Tensor, target: torch.Tensor, batch_size: int) -> int:
@@ -339,6 +347,7 @@ class Phases:
 
     def start_phase(self, name: str) -> None:
         if self.counts is not None:
+            self.counts.phase_end()  # where a run's rank reads peak_in_use_gb
             self.counts.phase = name
         if name == "forward" and self.tracker is not None:
             # each micro-batch of train.grad_accum runs the modules' forward again, which
@@ -459,6 +468,17 @@ def thread_count() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return threading.active_count()
+
+
+class InUse:
+    """How much more this process's allocations hold (`heap_in_use_bytes`) at `growth()`
+    than when made: what a rank's peak_in_use_gb counts of what was built meanwhile."""
+
+    def __init__(self) -> None:
+        self.start = heap_in_use_bytes() or 0
+
+    def growth(self) -> int:
+        return max((heap_in_use_bytes() or 0) - self.start, 0)
 
 
 class PeakGrowth:

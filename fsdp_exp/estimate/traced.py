@@ -42,6 +42,7 @@ class StepTrace:
     attention: list[tuple[int, ...]]  # query shapes, (batch, heads, tokens, head dim)
     streams: int = 1  # the streams its allocations were made on (FSDP2: compute, all-gather copy-in, reduce-scatter)
     eval_forward_bytes: int = 0  # task=eval's forward of the whole model at this batch, without gradients: its peak
+    at_phase_ends_bytes: int = 0  # the most the storages held where a phase of the step started or ended
 
 
 @dataclass
@@ -65,3 +66,6 @@ class Trace:
     # a rank builds after it marks its runtime, so it is the run's own, as the data set is
     build_held_bytes: int = 0
     pinned_shard_bytes: int = 0  # this rank's parameter shards, each rounded up to a power of two (pinned on a GPU)
+    # what making the data set and building the model left this process's allocations holding
+    # (`heap_in_use_bytes`): with a step's storages where its phases end, a rank's peak_in_use_gb
+    built_in_use_bytes: int = 0

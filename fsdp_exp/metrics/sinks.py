@@ -241,14 +241,20 @@ class Wandb:
 
     def log(self, record: dict) -> None:
         if self.run is not None:
-            values = {k: v for k, v in record.items() if k != "step" and not isinstance(v, list)}
-            self.run.log(values, step=record["step"])
+            self.run.log(plain(record), step=record["step"])
 
     def finish(self, summary: dict) -> None:
         if self.run is None:
             return
-        self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, (list, dict))})
+        self.run.summary.update(plain(summary))
         self.run.finish()
+
+
+def plain(record: dict) -> dict:
+    """A record's single values, without its step and its figures that are None: wandb
+    converts any other value the slow way, and to see whether it is a pandas DataFrame it
+    imports pandas (about 15 MB and half a second in the process that logs)."""
+    return {k: v for k, v in record.items() if k != "step" and isinstance(v, (bool, int, float, str))}
 
 
 def write_json(path: Path, record: dict) -> None:
@@ -277,20 +283,50 @@ WARMUP_ONLY = " (warm-up steps only: raise train.steps above metrics.warmup_step
 
 # A run's own estimate (memory.estimate, fsdp_exp.estimate.beside): what it names, the figure
 # measured, the one estimated and their ratio, estimated over measured.
-ESTIMATED = (("peak", "peak_mem_gb", "estimated_peak_gb", "estimate_ratio"),
-             ("as the limit counts it", "peak_under_limit_gb", "estimated_under_limit_gb", "estimate_ratio_under_limit"),
-             ("reserved", "peak_reserved_gb", "estimated_reserved_gb", "estimate_ratio_reserved"),
-             ("the device", "device_used_gb", "estimated_device_gb", "estimate_ratio_device"))
+# What a run measures that its own estimate predicts (fsdp_exp.estimate.beside): the estimate
+# is estimated_<figure> beside it in the summary, and estimated over measured is
+# estimate_ratio_<figure without _gb>; estimate_ratio is the first one the run has.
+ESTIMATED = (("in use at phase ends", "peak_in_use_gb"),  # CPU: what the allocations held
+             ("peak", "peak_mem_gb"),
+             ("as the limit counts it", "peak_under_limit_gb"),
+             ("reserved", "peak_reserved_gb"),
+             ("the device", "device_used_gb"))
+
+
+def estimated(measured: str) -> str:
+    return f"estimated_{measured}"
+
+
+def estimate_ratio(measured: str) -> str:
+    return f"estimate_ratio_{measured.removesuffix('_gb')}"
 
 
 def estimate_line(summary: dict) -> str | None:
     """The run's own estimate beside what it measured, each figure with its error; or why
-    there is none; None when the run has neither."""
+    there is none, or that it is still tracing; None when the run has neither. On CPU the
+    resident peak is shown without an error: it also holds what glibc keeps of freed blocks,
+    which no estimate of tensors predicts (peak_in_use_gb is what it predicts)."""
     if "estimate_failed" in summary:
         return f"none: {summary['estimate_failed']}"
-    shown = [f"{name} {summary[estimated]:.3f} GB (measured {summary[measured]:.3f} GB, {summary[ratio] - 1:+.1%})"
-             for name, measured, estimated, ratio in ESTIMATED if ratio in summary]
+    if summary.get("estimate") == PENDING:
+        return f"still tracing when the run ended: {ESTIMATE_LATER}"
+    resident = summary.get("device") == "cpu" or "runtime_gb" in summary
+    shown = []
+    for name, measured in ESTIMATED:
+        ratio = estimate_ratio(measured)
+        if ratio not in summary:
+            continue
+        if resident and measured == "peak_mem_gb":
+            shown.append(f"{name} {summary[estimated(measured)]:.3f} GB (resident {summary[measured]:.3f} GB: "
+                         f"glibc keeps freed blocks)")
+        else:
+            shown.append(f"{name} {summary[estimated(measured)]:.3f} GB (measured {summary[measured]:.3f} GB, "
+                         f"{summary[ratio] - 1:+.1%})")
     return "; ".join(shown) or None
+
+
+PENDING = "pending"
+ESTIMATE_LATER = "estimate.json and this summary get it when it ends"
 
 
 def summary_table(summary: dict) -> str:

@@ -154,20 +154,20 @@ def seq_len_table(record: dict) -> str:
     return "\n".join(lines)
 
 
-SUMMARY_KEYS = ("peak_mem_gb", "predicted_peak_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
+SUMMARY_KEYS = ("peak_mem_gb", "peak_under_limit_gb", "peak_with_runtime_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
                 "predicted_max_batch", "host_gb", "ranks_per_node", "host_limit_gb", "wall_s")
-GPU_KEYS = ("reserved_gb", "device_gb", "gpu", "gpu_memory_gb")
+GPU_KEYS = ("peak_in_use_gb", "peak_reserved_gb", "device_used_gb", "gpu", "gpu_memory_gb")  # peak_in_use_gb: CPU
 TOKEN_KEYS = ("seq_len", "tokens_per_micro_batch", "predicted_max_tokens")
 
 
 def answer_line(record: dict) -> str:
     where = f"{record['world_size']} ranks on {record['device']}"
-    runtime = record["predicted_peak_gb"] - record["peak_mem_gb"]
-    line = (f"predicted peak per rank at batch {record['batch_size']}: {record['peak_mem_gb']:.2f} GB "
-            f"({where}, at the {record['phase'] or 'step'}), {record['predicted_peak_gb']:.2f} GB "
+    runtime = record["runtime_gb"]
+    line = (f"predicted peak per rank at batch {record['batch_size']}: {record['peak_mem_with_build_gb']:.2f} GB "
+            f"({where}, at the {record['phase'] or 'step'}), {record['peak_with_runtime_gb']:.2f} GB "
             f"with {runtime:.2f} GB of runtime")
-    if "device_gb" in record:
-        line += f"; the GPU holds {record['device_gb']:.2f} GB ({record['reserved_gb']:.2f} GB reserved by torch)"
+    if "device_used_gb" in record:
+        line += f"; the GPU holds {record['device_used_gb']:.2f} GB ({record['peak_reserved_gb']:.2f} GB reserved by torch)"
     room = " and ".join(([f"under memory.limit_gb={record['limit_gb']:g}"] if record["limit_gb"] is not None else [])
                         + ([f"on {record['gpu']} ({record['gpu_memory_gb']:g} GB)"] if "gpu" in record else [])
                         + ([f"with the host under memory.host_limit_gb={record['host_limit_gb']:g}"]
@@ -190,16 +190,16 @@ def table(record: dict) -> str:
     on_gpu = record["device"] == "cuda"
     short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
              "temporaries": "temps", "unsharded_and_buffers": "unshard", "baseline": "outside" if on_gpu else "rt+data"}
-    runtime = record["predicted_peak_gb"] - record["peak_mem_gb"]
+    runtime = record["runtime_gb"]
     judged = record["limit_gb"] is not None or "gpu" in record or record.get("host_limit_gb") is not None
     lines = [f"estimate for {record['setup']}: {record['params']:,} parameters, {record['world_size']} ranks "
              f"({record['shards']} sharing each parameter), {record['device']}",
              f"{'batch':>6} {'peak GB':>8} {'+runtime':>8}" + (f" {'reserved':>8} {'device':>8}" if on_gpu else "")
              + f" {'phase':<15}" + "".join(f"{short[c]:>8}" for c in columns) + (f" {'fits':>5}" if judged else "")]
     for b in record["batches"]:
-        own = b["predicted_peak_gb"] - runtime
-        row = (f"{b['batch_size']:>6} {own:>8.3f} {b['predicted_peak_gb']:>8.3f}"
-               + (f" {b['reserved_gb']:>8.3f} {b['device_gb']:>8.3f}" if on_gpu else "") + f" {b['phase'] or 'step':<15}")
+        own = b["peak_with_runtime_gb"] - runtime
+        row = (f"{b['batch_size']:>6} {own:>8.3f} {b['peak_with_runtime_gb']:>8.3f}"
+               + (f" {b['peak_reserved_gb']:>8.3f} {b['device_used_gb']:>8.3f}" if on_gpu else "") + f" {b['phase'] or 'step':<15}")
         row += "".join(f"{b['breakdown_gb'][c]:>8.3f}" for c in columns)
         if judged:
             row += f" {'yes' if fits(b, record['limit_gb'], record.get('gpu_memory_gb'), record.get('host_limit_gb')) else 'no':>5}"
@@ -218,7 +218,7 @@ def table(record: dict) -> str:
         outgrown = [b for b in record["batches"] if b["phase"] == name]
         if outgrown:
             lines.append(f"{what} peaks above a step at batch {', '.join(str(b['batch_size']) for b in outgrown)} "
-                         f"({outgrown[0]['phases_gb'].get(name, outgrown[0]['predicted_peak_gb']):.3f} GB "
+                         f"({outgrown[0]['phases_gb'].get(name, outgrown[0]['peak_with_runtime_gb']):.3f} GB "
                          f"with the runtime); {avoid}")
     return "\n".join(lines)
 

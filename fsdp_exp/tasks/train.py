@@ -24,7 +24,7 @@ from fsdp_exp.memory import (
 )
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
 from fsdp_exp.metrics.peaks import device_used_gb, mark_runtime
-from fsdp_exp.metrics.sinks import estimate_line
+from fsdp_exp.metrics.sinks import ESTIMATE_LATER, estimate_line
 from fsdp_exp.metrics.startup import in_order, process_started
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 from fsdp_exp.rank import distributed, worker
@@ -61,17 +61,22 @@ class Train(Task):
         if beside is not None and launcher.runs_here:  # rank 0 sees the file; else the driver adds it
             context.estimate_file = str(beside.path)
         context.startup["launched"] = time.time()
-        figures = launcher.launch(partial(train_rank, context=context), exp, run_dir, nproc)
+        try:
+            figures = launcher.launch(partial(train_rank, context=context), exp, run_dir, nproc)
+        except KeyboardInterrupt:
+            if beside is not None:
+                beside.stop()
+            raise
         return beside.add_to(figures) if beside is not None else figures
 
 
 def estimate_checked(summary: dict, path: Path) -> dict:
-    """Rank 0: the driver's estimate of this run beside what it measured, once it is traced
-    (fsdp_exp.estimate.beside); nothing if it comes too late (the driver adds it)."""
+    """Rank 0: the driver's estimate of this run beside what it measured, if it is traced
+    by now (fsdp_exp.estimate.beside); nothing if not (it is added to summary.json later)."""
     record, waited = awaited(path)
     if record is None:
-        log.info("the estimate of this run is still tracing after %.0f s; the driver adds it to summary.json", waited)
-        return {}
+        log.info("the estimate of this run is still tracing: %s", ESTIMATE_LATER)
+        return {"estimate_wait_s": waited}
     found = checked(summary, record) | {"estimate_wait_s": waited}
     log.info("task=estimate against this run: %s", estimate_line(summary | found))
     return found

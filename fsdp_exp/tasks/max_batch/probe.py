@@ -46,8 +46,8 @@ class Probe:
     samples_per_s: float | None = None
     mfu: float | None = None  # model FLOPs utilisation, where the device's peak is known
     predicted_peak_gb: float | None = None  # the line fitted to the probes that fit
-    estimated_peak_gb: float | None = None  # task=estimate's, before any probe (task.estimate), as the limit counts
-    estimate_ratio: float | None = None  # estimated_peak_gb over the peak the limit caps (limited_peak_gb)
+    estimated_peak_under_limit_gb: float | None = None  # task=estimate's, before any probe (task.estimate), as the limit counts
+    estimate_ratio: float | None = None  # estimated_peak_under_limit_gb over the peak the limit caps (limited_peak_gb)
     margin_gb: float | None = None  # the room left under the limit
     within_noise: bool = False  # trained, with less room than the noise band: counted as not fitting
     for_fastest: bool = False  # spent to place the fastest batch, not by the search
@@ -68,7 +68,7 @@ class Probe:
 
     def set_estimate(self, estimated_gb: float | None) -> None:
         """task=estimate's peak for this probe, and its ratio to the peak measured."""
-        self.estimated_peak_gb = estimated_gb
+        self.estimated_peak_under_limit_gb = estimated_gb
         measured = self.limited_peak_gb() if self.status == "ok" else None
         self.estimate_ratio = estimated_gb / measured if estimated_gb is not None and measured else None
 
@@ -98,7 +98,7 @@ class Probe:
         return cls(**known)
 
     def line(self) -> str:
-        estimated = "" if self.estimated_peak_gb is None else f"estimated {self.estimated_peak_gb:.3f} GB" + \
+        estimated = "" if self.estimated_peak_under_limit_gb is None else f"estimated {self.estimated_peak_under_limit_gb:.3f} GB" + \
             ("" if self.estimate_ratio is None else f", {self.estimate_ratio - 1:+.1%}")
         if self.status != "ok":
             return (f"batch {self.batch_size}: {self.status} ({self.reason})"

@@ -47,7 +47,7 @@ def log_to_wandb(cfg: Experiment, context: RunContext, run_dir: Path, record: di
     import wandb
 
     columns = ["batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",
-               "estimated_peak_gb", "estimate_ratio", "peak_mem_gb", "samples_per_s", "alloc_retries", "wall_s", "reason"]
+               "estimated_peak_under_limit_gb", "estimate_ratio", "peak_mem_gb", "samples_per_s", "alloc_retries", "wall_s", "reason"]
     table = wandb.Table(columns=columns, data=[[p[c] for c in columns] for p in record["probes"]])
     sink.run.log({"probes": table, "max_batch": wandb.Image(str(png))})
     sink.finish(summary_figures(record))

@@ -212,7 +212,7 @@ class MaxBatchSearch(Verifying):
         probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb,
                           settle_gb=self.noise_gb())
         probe.for_fastest = for_fastest
-        probe.set_estimate(self.estimated_peak_gb(size))
+        probe.set_estimate(self.estimated_peak_under_limit_gb(size))
         self.tell_units(probe_dir)
         if limit_gb == "same":
             log.info("probe %d: %s", len(self.probe_dirs()), probe.line())
@@ -242,7 +242,7 @@ class MaxBatchSearch(Verifying):
             log.info("%s", units_line(units, rank_log_path(probe_dir, 0)))
             self.units_told = True
 
-    def estimated_peak_gb(self, size: int) -> float | None:
+    def estimated_peak_under_limit_gb(self, size: int) -> float | None:
         curve = prior(self.estimated)
         return curve.peak_gb(size) if curve else None
 
@@ -329,7 +329,7 @@ class MaxBatchSearch(Verifying):
         model = fit_memory(outcomes)
         for probe in self.probes:
             probe.predicted_peak_gb = model.peak_gb(probe.batch_size) if model else None
-            probe.set_estimate(self.estimated_peak_gb(probe.batch_size))
+            probe.set_estimate(self.estimated_peak_under_limit_gb(probe.batch_size))
             probe.margin_gb = margin_gb(probe, self.room_gb())
             probe.within_noise = probe.status == "ok" and not fits_with_room(probe, self.room_gb(), noise)
         # The peak the search judges by (Probe.judged_peak_gb): allocated on GPU, not reserved.

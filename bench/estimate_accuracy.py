@@ -6,10 +6,10 @@ against what it measured. Two figures:
 
 - under memory.limit_gb (10 GB here, far above the runs' need): the peak as the limit
   counts it (`peak_under_limit_gb`, every phase since the limit was set, the runtime in)
-  against `estimated_under_limit_gb`. There glibc maps every block over 64 KiB from the
+  against `estimated_peak_under_limit_gb`. There glibc maps every block over 64 KiB from the
   kernel and returns it on free, so the peak is what the run holds;
 - the resident peak of the training steps, the runtime left out (`peak_mem_gb`) against
-  `estimated_peak_gb`.
+  `estimated_peak_mem_gb`.
 
 The corpus: GPT-2 small and the ViT under every sharding, offload, activation
 checkpointing and gradient accumulation; a Hugging Face Llama (`model=hf`); a GPT-2-shaped
@@ -105,9 +105,19 @@ def run(overrides: list[str], out: Path, pythonpath: Path) -> dict:
                             cwd=REPO, capture_output=True, text=True, env=env_with(pythonpath))
     if result.returncode:
         sys.exit(f"failed: {' '.join(overrides)} (log: {out}/fsdp_exp.log)\n{result.stdout[-1500:]}{result.stderr[-1500:]}")
-    summary = json.loads((out / "summary.json").read_text())
+    summary = settled(out)
     return summary | {"command_s": time.perf_counter() - start,
                       "estimate": json.loads((out / "estimate.json").read_text())}
+
+
+def settled(out: Path, timeout_s: float = 900) -> dict:
+    """The run's summary once its own estimate is in it (a run does not wait for its trace)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        summary = json.loads((out / "summary.json").read_text())
+        if summary.get("estimate") != "pending" or time.monotonic() > deadline:
+            return summary
+        time.sleep(0.5)
 
 
 def env_with(path: Path) -> dict:
@@ -138,10 +148,10 @@ def main() -> None:
                     rows.append(f"| {name} | {size} | no estimate: {found['estimate_failed']} | | | | | | | | |")
                     print(rows[-1], flush=True)
                     continue
-                limited.append(found["estimate_ratio_under_limit"])
-                resident.append(found["estimate_ratio"])
-                rows.append(f"| {name} | {size} | {found['estimate']['phase']} | {found['estimated_under_limit_gb']:.3f} | "
-                            f"{found['peak_under_limit_gb']:.3f} | {limited[-1]:.3f} | {found['estimated_peak_gb']:.3f} | "
+                limited.append(found["estimate_ratio_peak_under_limit"])
+                resident.append(found["estimate_ratio_peak_mem"])
+                rows.append(f"| {name} | {size} | {found['estimate']['phase']} | {found['estimated_peak_under_limit_gb']:.3f} | "
+                            f"{found['peak_under_limit_gb']:.3f} | {limited[-1]:.3f} | {found['estimated_peak_mem_gb']:.3f} | "
                             f"{found['peak_mem_gb']:.3f} | {resident[-1]:.3f} | {found['estimate']['trace_s']:.0f} | "
                             f"{found['command_s']:.0f} |")
                 print(rows[-1], flush=True)

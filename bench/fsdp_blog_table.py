@@ -46,7 +46,7 @@ COMMON = ["hydra.searchpath=[file://bench/conf]", "task=estimate", f"task.gpu={L
 
 
 def estimate(overrides: list[str], sizes: list[int], out: Path) -> list[dict]:
-    """The estimate's batches (batch_size, device_gb: what the GPU would hold, the allocator's
+    """The estimate's batches (batch_size, device_used_gb: what the GPU would hold, the allocator's
     reserved memory and the CUDA context and NCCL beside it)."""
     result = subprocess.run([sys.executable, "-m", "fsdp_exp", *COMMON, *overrides,
                              f"task.batch_sizes=[{','.join(map(str, sizes))}]", f"hydra.run.dir={out}"],
@@ -65,7 +65,7 @@ def predicted_max(overrides: list[str], scratch: Path) -> tuple[int, dict[int, f
         nonlocal calls
         calls += 1
         for b in estimate(overrides, sizes, scratch / f"call{calls}"):
-            seen[b["batch_size"]] = b["device_gb"]
+            seen[b["batch_size"]] = b["device_used_gb"]
 
     trace([1, 128, 512])  # past the knee at 128 and 512 the peak grows by a fixed amount a sample
     while calls < 10:

@@ -117,3 +117,39 @@ def test_ctrl_c_during_a_local_sweep_stops_the_sweep_with_a_summary(tmp_path: Pa
     step, out, err, ranks = stop_at_step(command, sweep / "0", signal.SIGINT, group=True)
     assert_stopped(command, sweep / "0", step, out, err, ranks, "SIGINT")
     assert not (sweep / "1").exists(), "the sweep's next run does not start"
+
+
+TUNE = ["task=tune", "model=cnn", "memory.limit_gb=0.6", "task.space.sharding=[full,ddp]",
+        "task.space.offload=[false]", "wandb.mode=disabled"]
+
+
+def wait_for_lines(command: subprocess.Popen, log: Path, text: str, count: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and command.poll() is None:
+        if log.is_file() and log.read_text().count(text) >= count:
+            return
+        time.sleep(0.2)
+    os.killpg(command.pid, signal.SIGKILL)
+    pytest.fail(f"no {count} x {text!r} in {log}: {command.communicate()[1][-2000:]}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_tunes_estimates_is_one_line_and_the_resumed_tune_traces_again(tmp_path: Path) -> None:
+    """The tracing processes leave Ctrl-C to the tune: no traceback of theirs, no setup said
+    to be untraceable; nothing of the interrupted traces is recorded, so the tune resumed in
+    the same directory traces each setup again."""
+    run_dir = tmp_path / "tune"
+    command = start(tmp_path, *TUNE, f"hydra.run.dir={run_dir}")
+    wait_for_lines(command, run_dir / "fsdp_exp.log", "started in", 2)
+    time.sleep(2)  # the traces are under way (each takes about 9 s here)
+    os.killpg(command.pid, signal.SIGINT)
+    out, err = command.communicate(timeout=120)
+    assert command.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "could not trace" not in out + err and "estimate: batch" not in (run_dir / "fsdp_exp.log").read_text()
+    assert len(err.splitlines()) <= 3, err
+
+    again = start(tmp_path, *TUNE, f"hydra.run.dir={run_dir}")
+    wait_for_lines(again, run_dir / "fsdp_exp.log", "estimate: batch 1 ", 2)  # traced, not reused as failed
+    os.killpg(again.pid, signal.SIGINT)
+    again.communicate(timeout=120)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import signal
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from fsdp_exp.estimate.breakdown import GB, estimate_batch, evaluation_gb
 from fsdp_exp.estimate.curve import PeakCurve
 from fsdp_exp.estimate.gpu import Gpu, cublas_workspaces, outside_allocator_gb
 from fsdp_exp.estimate.host import HostSetup, host_memory
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launch.core import POLL_S, RunFailed, alongside
 from fsdp_exp.metrics.peaks import anonymous_bytes
 
 if TYPE_CHECKING:
@@ -144,10 +145,24 @@ def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_
     parent, child = context.Pipe(duplex=False)
     process = context.Process(target=_traced, args=(child, exp, world_size, batch_sizes, on_gpu, baseline_gb,
                                                     stop_above_gb, outside or {}, workspaces), daemon=True)
-    process.start()
-    child.close()
+    # Ctrl-C reaches every process of the terminal's group: blocked in the tracing process
+    # from its start (a forked process keeps the mask, through exec too), it leaves the
+    # signal to this one, which stops it on its way out.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        if parent.poll(TIME_LIMIT_S):
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    child.close()
+    run = alongside.get()  # a run beside others: Ctrl-C reaches it as its stop event
+    try:
+        deadline = time.monotonic() + TIME_LIMIT_S
+        while not parent.poll(POLL_S):
+            if run is not None and run.stop.is_set():
+                raise KeyboardInterrupt  # stopped, not a setup that cannot be traced
+            if time.monotonic() > deadline:
+                break
+        if parent.poll(0):
             ok, result = parent.recv()
         else:
             ok, result = False, f"it ran past {TIME_LIMIT_S} s"

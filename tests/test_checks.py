@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from omegaconf import OmegaConf
 
 from fsdp_exp.cli import compose_checked
@@ -318,3 +319,36 @@ def test_a_model_key_the_option_lacks_is_refused_with_what_its_builder_takes(tmp
     takes = refused_here("model=custom", "model._target_=torch.nn.Linear", "model.in_features=4", cwd=tmp_path)
     assert takes.returncode == 2 and takes.stderr.strip() == (
         "fsdp_exp: model.in_features: not in model; add a new key with +model.in_features=...")
+
+
+class TinyLM(nn.Module):
+    """A user's language model: a token table, a table of positions, a head over 256 tokens."""
+
+    def __init__(self, vocab: int = 256, positions: int = 128) -> None:
+        super().__init__()
+        self.tokens, self.places = nn.Embedding(vocab, 16), nn.Embedding(positions, 16)
+        self.head = nn.Linear(16, 256)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        places = torch.arange(ids.shape[-1], device=ids.device)
+        return self.head(self.tokens(ids) + self.places(places))
+
+
+TINY_LM = ["model=custom", "model._target_=tests.test_checks.TinyLM", "model.blocks=[torch.nn.Linear]",
+           "data=synthetic_tokens"]
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["+model.vocab=100"], "data: token ids up to 255 (its 256 tokens), past the 100 rows of model "
+                           "tests.test_checks.TinyLM's token embedding (model.vocab=100)"),
+    (["+model.positions=64"], "data.seq_len=128: longer than the 64 positions of model tests.test_checks.TinyLM's "
+                              "position embedding (model.positions=64)"),
+])
+def test_token_ids_and_sequences_past_a_users_embeddings_are_refused_before_launch(overrides: list[str], line: str) -> None:
+    """On the meta device an embedding checks no index: the ranks would each fail with
+    IndexError. The check watches the tables the forward looks up, with the batch's ids
+    or with one index per position."""
+    with pytest.raises(ConfigError) as refused:
+        precheck([*TINY_LM, *overrides])
+    assert str(refused.value) == line
+    assert precheck([*TINY_LM, "+model.vocab=256", "+model.positions=128"])  # tables that hold the data: checked, planned

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_exp.data import TrainData
 from fsdp_exp.errors import ConfigError, one_line
@@ -115,11 +116,14 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
         return
     check_channels(spec, inputs, language)
     batch = inputs.unsqueeze(0).expand(2, *inputs.shape).to("meta")
+    lookups = Lookups(batch)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), lookups:
             logits = model(batch)
     except Exception as err:  # noqa: BLE001 - the model's own error, shown in one line
         reason = one_line(err)
+        if language:
+            lookups.check(spec, data, inputs, key)  # an embedding looked up before the error
         if not cannot_run_on_meta(err):
             hint = "" if "longer than" in reason else f"; {kind}"
             raise ConfigError(f"{key}: model {spec.name} cannot read this data's inputs "
@@ -138,6 +142,50 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
         setting = setting_of(spec.kwargs, longest, ("position", "block", "seq"))
         raise ConfigError(f"{key}: longer than the {longest} positions {spec.name} reads"
                           + (f" ({setting})" if setting != "model" else ""))
+    if language:
+        lookups.check(spec, data, inputs, key)
+
+
+class Lookups(TorchDispatchMode):
+    """The embedding tables a forward on the meta device looks up, and with what: the
+    batch's token ids (a table of the vocabulary), or positions, one per token (a table of
+    positions). On the meta device no index is checked; on a rank one past a table's end
+    is an IndexError in every rank."""
+
+    def __init__(self, batch: torch.Tensor) -> None:
+        super().__init__()
+        self.batch = batch
+        self.vocabulary: int | None = None  # the first table looked up with the batch's ids
+        self.positions: int | None = None  # the smallest table looked up with one index per position
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is torch.ops.aten.embedding.default:
+            weight, indices = args[0], args[1]
+            seq = self.batch.shape[-1]
+            if tuple(indices.shape) in (tuple(self.batch.shape), (self.batch.numel(),)):
+                self.vocabulary = self.vocabulary or weight.shape[0]
+            elif indices.numel() == seq and indices.shape[-1] == seq:
+                self.positions = min(self.positions or weight.shape[0], weight.shape[0])
+        return func(*args, **(kwargs or {}))
+
+    def check(self, spec: ModelSpec, data: TrainData, inputs: torch.Tensor, key: str) -> None:
+        """Refuse token ids past the vocabulary's table (the data's vocabulary when it says
+        one, else the first item's largest id) and sequences past the positions' table."""
+        if self.vocabulary is not None:
+            largest = data.num_classes - 1 if data.num_classes else int(inputs.max())
+            if largest >= self.vocabulary:
+                source = f"its {data.num_classes} tokens" if data.num_classes else "its first item's largest"
+                raise ConfigError(f"data: token ids up to {largest} ({source}), past the {self.vocabulary} rows "
+                                  f"of model {spec.name}'s token embedding"
+                                  + about(setting_of(spec.kwargs, self.vocabulary, ("vocab", "token"))))
+        seq = inputs.shape[-1]
+        if self.positions is not None and seq > self.positions:
+            raise ConfigError(f"{key}: longer than the {self.positions} positions of model {spec.name}'s position "
+                              "embedding" + about(setting_of(spec.kwargs, self.positions, ("position", "block", "seq"))))
+
+
+def about(setting: str) -> str:
+    return f" ({setting})" if setting != "model" else ""
 
 
 def setting_of(kwargs: dict, value: int, words: tuple[str, ...]) -> str:

@@ -245,19 +245,26 @@ def wandb_run(run: Any) -> Run | Skipped:
 
 
 def memory_points(rows: list[dict]) -> list[tuple[str, float, float]]:
-    """(setup, samples/s, peak GB) of each run that has both: the peak the limit counts when
-    the run had a limit, else its peak memory."""
-    points = []
-    for r in rows:
-        peak = r["peak_under_limit_gb"] if r.get("peak_under_limit_gb") is not None else r.get("peak_mem_gb")
-        if r["status"] == "ok" and r.get("samples_per_s") is not None and peak is not None:
-            points.append((r["setup"], r["samples_per_s"], peak))
-    return points
+    """(setup, samples/s, peak GB) of each run that has both, all on one axis
+    (`memory_figure`)."""
+    figure = memory_figure(rows)
+    return [(r["setup"], r["samples_per_s"], r[figure]) for r in rows
+            if r["status"] == "ok" and r.get("samples_per_s") is not None and r.get(figure) is not None]
+
+
+def memory_figure(rows: list[dict]) -> str:
+    """The peak the runs are placed by: as memory.limit_gb counts it when every run that
+    measured samples/s had a limit, else the peak each run measured (a run without a limit
+    has none as the limit counts it, whose figure also holds the runtime: one axis does not
+    mix the two)."""
+    timed = [r for r in rows if r["status"] == "ok" and r.get("samples_per_s") is not None]
+    limited = timed and all(r.get("peak_under_limit_gb") is not None for r in timed)
+    return "peak_under_limit_gb" if limited else "peak_mem_gb"
 
 
 def memory_label(rows: list[dict]) -> str:
-    if any(r.get("peak_under_limit_gb") is not None for r in rows):
-        return "peak memory per rank (GB; as memory.limit_gb counts it where a run had a limit)"
+    if memory_figure(rows) == "peak_under_limit_gb":
+        return "peak memory per rank (GB, as memory.limit_gb counts it)"
     return "peak memory per rank (GB)"
 
 
@@ -357,6 +364,8 @@ def train_batch_size(run: Run) -> int | float | None:
 
 def setup_names(runs: list[Run]) -> list[str]:
     """Each run's settings whose values differ between the runs; a lone run's overrides.
+    Past SHORT_NAME_KEYS such settings, a run leaves out those where it has the value most
+    runs have (`usual_values`).
 
     A run that leaves an overridden key at its default is compared by that default (from its
     recorded group choices or config), so `sharding=full` matches a run left at full, and
@@ -369,9 +378,26 @@ def setup_names(runs: list[Run]) -> list[str]:
     differing = [k for k in keys if len({s[k][1] for s in settings if s[k] is not None}) > 1]
     if not differing:
         return run_names(runs)
-    names = [" ".join(s[k][0] for k in differing if s[k] is not None and s[k][0]) or "(defaults)" for s in settings]
+    usual = usual_values(settings, differing) if len(differing) > SHORT_NAME_KEYS else {}
+    names = [" ".join(s[k][0] for k in differing if s[k] is not None and s[k][0] and usual.get(k) != s[k][1])
+             or "(defaults)" for s in settings]
     # Runs alike where the others differ (a setup run twice): told apart by their directories.
     return [f"{name} [{where}]" if names.count(name) > 1 else name for name, where in zip(names, run_names(runs))]
+
+
+SHORT_NAME_KEYS = 4  # past this many settings that differ, a run is named by those where it is unusual
+
+
+def usual_values(settings: list[dict], keys: list[str]) -> dict[str, str]:
+    """The value of each key that most of the runs have (more than half): runs of a folder
+    that differ in many settings are named by where each differs from most, not by all."""
+    usual = {}
+    for key in keys:
+        values = [s[key][1] for s in settings if s[key] is not None]
+        top = max(set(values), key=values.count, default=None)
+        if top is not None and values.count(top) * 2 > len(settings):
+            usual[key] = top
+    return usual
 
 
 def run_names(runs: list[Run]) -> list[str]:

@@ -522,3 +522,38 @@ def test_failed_oom_and_refused_runs_are_rows_with_their_reason(tmp_path: Path) 
         ("sharding=none", "refused", "memory.limit_gb=2: task=estimate needs 7.5 GB per rank for this setup")]
     assert f"| rank 1 failed: boom | {sweep / '2'} |" in md
     assert f"| memory.limit_gb=2: task=estimate needs 7.5 GB per rank for this setup | {sweep / '3'} |" in md
+
+
+def test_one_memory_axis_and_labels_told_apart_when_cut() -> None:
+    """Runs with and without a limit are placed by the peak each measured, not half of them
+    by the limit's count (which holds the runtime); runs whose setups are cut to the same
+    label are numbered as their rows."""
+    from fsdp_exp.compare import memory_label, memory_points
+    from fsdp_exp.metrics.plots import bar_labels
+
+    limited = {"setup": "a", "status": "ok", "samples_per_s": 10.0, "peak_mem_gb": 0.16, "peak_under_limit_gb": 0.8}
+    plain = {"setup": "b", "status": "ok", "samples_per_s": 12.0, "peak_mem_gb": 0.17, "peak_under_limit_gb": None}
+    assert memory_points([limited, plain]) == [("a", 10.0, 0.16), ("b", 12.0, 0.17)]
+    assert memory_label([limited, plain]) == "peak memory per rank (GB)"
+    assert memory_points([limited]) == [("a", 10.0, 0.8)] and "limit" in memory_label([limited])
+    long = " ".join(f"group.key_{k}=value_{k}" for k in range(15))
+    rows = [{"setup": f"{long} train.lr={lr}", "row": n} for n, lr in enumerate((0.1, 0.2), 1)]
+    labels = bar_labels(rows)
+    assert labels[0] != labels[1] and labels[0].startswith("1. ") and labels[1].startswith("2. ")
+    assert bar_labels([{"setup": "sharding=full", "row": 1}, {"setup": "sharding=ddp", "row": 2}]) == \
+        ["sharding=full", "sharding=ddp"]
+
+
+def test_runs_that_differ_in_many_settings_are_named_by_where_each_is_unusual() -> None:
+    """A folder of a user's runs: past 4 differing settings, a run's name leaves out the
+    values most runs share; a sweep of a few settings keeps every one of them."""
+    from fsdp_exp.compare import Run, setup_names
+
+    base = [f"train.key_{k}=1" for k in range(6)]
+    runs = [Run(f"r{n}", {"status": "ok"}, [o.replace("=1", "=2") if i == n else o for i, o in enumerate(base)], {})
+            for n in range(6)]
+    assert setup_names(runs) == [f"train.key_{n}=2" for n in range(6)]
+    sweep = [Run(f"s{n}", {"status": "ok"}, [f"sharding={s}", f"precision={p}"], {})
+             for n, (s, p) in enumerate([("full", "fp32"), ("full", "bf16"), ("ddp", "fp32")])]
+    assert setup_names(sweep) == ["sharding=full precision=fp32", "sharding=full precision=bf16",
+                                  "sharding=ddp precision=fp32"]

@@ -164,10 +164,11 @@ def plot_comparison(rows: list[dict], path: Path, max_bars: int = MAX_BARS) -> l
     if not panels:  # every run failed: still show which ones, by status
         panels.append(("samples_per_s", "samples/s", "{:,.1f}"))
     total = len(rows)
+    rows = [r | {"row": n} for n, r in enumerate(rows, 1)]
     ranked_by = next((key for key, *_ in reversed(panels) if key != "peak_gb"), panels[-1][0])  # not by memory
     rows, left_out = _fastest(rows, ranked_by, max_bars)
 
-    labels = [_short_label(r.get("setup") or "(defaults)") for r in rows]
+    labels = bar_labels(rows)
     height = 1.5 + 0.35 * sum(label.count("\n") + 1.5 for label in labels)
     figsize = (min(5 + 4 * len(panels), MAX_FIGURE[0]), min(height, MAX_FIGURE[1]))
     fig, axes = plt.subplots(1, len(panels), figsize=figsize, sharey=True, squeeze=False)
@@ -212,6 +213,16 @@ def _fastest(rows: list[dict], key: str, limit: int) -> tuple[list[dict], int]:
         return rows, 0
     ranked = sorted(rows, key=lambda r: (r.get("status") != "ok" or r.get(key) is None, -(r.get(key) or 0)))
     return ranked[:limit], len(rows) - limit
+
+
+def bar_labels(rows: list[dict]) -> list[str]:
+    """Each run's setup, cut to LABEL_LINES lines; where runs' setups are cut to the same
+    text (runs that differ in many settings), each is numbered as its row of the table."""
+    names = [r.get("setup") or "(defaults)" for r in rows]
+    labels = [_short_label(name) for name in names]
+    if len(set(labels)) < len(labels):
+        labels = [_short_label(f"{r['row']}. {name}") for r, name in zip(rows, names)]
+    return labels
 
 
 def _short_label(text: str, width: int = LABEL_WIDTH, lines: int = LABEL_LINES) -> str:

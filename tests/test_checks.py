@@ -352,3 +352,37 @@ def test_token_ids_and_sequences_past_a_users_embeddings_are_refused_before_laun
         precheck([*TINY_LM, *overrides])
     assert str(refused.value) == line
     assert precheck([*TINY_LM, "+model.vocab=256", "+model.positions=128"])  # tables that hold the data: checked, planned
+
+
+class Regression(torch.utils.data.Dataset):
+    """A user's regression data: 16 features, one float target."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((16,), float(index)), torch.tensor([float(index)])
+
+
+class ReturnsADict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(28 * 28, 10)
+
+    def forward(self, images: torch.Tensor) -> dict:
+        return {"logits": self.head(images.flatten(1)), "features": images}
+
+
+def test_a_regression_and_a_model_returning_a_dict_are_told_what_the_trainer_reads() -> None:
+    """The trainer's loss is cross-entropy over logits: a regression's float targets are
+    named as such (not "this data gives images"); a dict output is named, with its keys."""
+    with pytest.raises(ConfigError) as regression:
+        precheck(["model=custom", "model._target_=torch.nn.Linear", "+model.in_features=16", "+model.out_features=1",
+                  "model.blocks=[torch.nn.Linear]", "data=custom", "data._target_=tests.test_checks.Regression"])
+    assert "this data's targets are float32 values of shape [1]" in str(regression.value)
+    assert "does not train a regression" in str(regression.value) and "images" not in str(regression.value)
+    with pytest.raises(ConfigError) as as_dict:
+        precheck(["model=custom", "model._target_=tests.test_checks.ReturnsADict", "model.blocks=[torch.nn.Linear]"])
+    assert str(as_dict.value) == (
+        "model: tests.test_checks.ReturnsADict returns a dict (logits, features); the trainer reads a tensor of "
+        "logits of shape [2, 'classes']: return that from forward (a Hugging Face model's output: its .logits)")

@@ -122,6 +122,7 @@ def test_stopping_the_run_stops_its_trace(tmp_path: Path) -> None:
     beside = EstimateBeside(prepare(compose_checked(STACK), 0).exp, 2, tmp_path)
     beside.stop()
     assert beside.process.returncode == -signal.SIGKILL and not (tmp_path / ESTIMATE_FILE).exists()
+    assert not list(tmp_path.glob(".estimate*"))
 
 
 def test_on_a_gpu_the_reserved_and_device_figures_are_checked_too() -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_exp.errors import one_line
+from fsdp_exp.estimate.predict import estimate
 from fsdp_exp.metrics.sinks import ESTIMATED, PENDING, estimate_ratio, estimated, read_json, write_json
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
 ESTIMATE_FILE = "estimate.json"
 SUMMARY_FILE = "summary.json"
+SETUP_FILE = ".estimate_setup.pickle"  # the setup, from the driver to the tracing process
 WAIT_S = 1.0  # rank 0's look for the record at the run's end
 POLL_S = 0.2
 
@@ -63,22 +65,20 @@ class EstimateBeside:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        (self.run_dir / SETUP_FILE).unlink(missing_ok=True)  # if it was stopped before it read it
 
 
 def start_tracing(run_dir: Path, work: tuple) -> subprocess.Popen:
-    """`python -m fsdp_exp.estimate.beside <run_dir> <driver pid> <start time>`, handed the setup on its
-    stdin, in a session of its own (a terminal's Ctrl-C goes to the run; the run stops it),
-    with this process's import path (a user's model and data)."""
+    """`python -m fsdp_exp.estimate.beside <run_dir> <driver pid> <start time>`, which reads
+    the setup from SETUP_FILE (and removes it), in a session of its own (a terminal's Ctrl-C
+    goes to the run; the run stops it), with this process's import path (a user's model and
+    data)."""
+    (run_dir / SETUP_FILE).write_bytes(pickle.dumps(work))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
     with open(run_dir / "estimate.log", "ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "fsdp_exp.estimate.beside", str(run_dir), str(os.getpid()),
-                                    repr(time.time())],
-                                   stdin=subprocess.PIPE, stdout=log, stderr=log, env=env, start_new_session=True)
-    assert process.stdin is not None
-    with contextlib.suppress(BrokenPipeError):
-        process.stdin.write(pickle.dumps(work))
-    process.stdin.close()
-    return process
+        return subprocess.Popen([sys.executable, "-m", "fsdp_exp.estimate.beside", str(run_dir), str(os.getpid()),
+                                 repr(time.time())],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True)
 
 
 def at_idle_priority() -> None:
@@ -144,9 +144,9 @@ def main() -> None:
     """The tracing process: the estimate, then the run's summary once the driver wrote it."""
     run_dir, driver, started = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     at_idle_priority()
-    exp, nproc, ranks_per_node = pickle.load(sys.stdin.buffer)
-    from fsdp_exp.estimate.predict import estimate  # after the setup is read: the driver does not wait for it
-
+    setup = run_dir / SETUP_FILE
+    exp, nproc, ranks_per_node = pickle.loads(setup.read_bytes())
+    setup.unlink()
     try:
         record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node)
     except Exception as err:  # noqa: BLE001 - recorded in one line; the run goes on

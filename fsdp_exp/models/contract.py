@@ -29,6 +29,11 @@ def check_logits(logits: object, targets: torch.Tensor, model: str, hint: str = 
     expected = tuple(targets.shape)
     if isinstance(logits, torch.Tensor) and tuple(logits.shape[:-1]) == expected and logits.dim() > len(expected):
         return
+    if isinstance(logits, dict) or hasattr(logits, "logits"):  # a dict, or a Hugging Face model's output
+        keys = ", ".join(map(str, logits.keys())) if hasattr(logits, "keys") else "logits"
+        raise ConfigError(f"model: {model} returns a {type(logits).__name__} ({keys}); the trainer reads a tensor "
+                          f"of logits of shape {[*expected, 'classes']}: return that from forward (a Hugging Face "
+                          f"model's output: its .logits)")
     got = f"logits of shape {list(logits.shape)}" if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}"
     raise ConfigError(f"model: {model} returns {got} for targets of shape {list(expected)}; expected logits of "
                       f"shape {[*expected, 'classes']}{hint}")
@@ -109,9 +114,7 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
     inputs, targets = data.first_item()
     language = data.tokens_per_sample > 0
     key = f"data.seq_len={inputs.shape[-1]}" if language else "data"
-    kind = ("this data gives token sequences: use a language model (model=gpt or model=hf)" if language
-            else "this data gives images (model=vit or cnn reads them); a language model reads "
-                 "data=synthetic_tokens, text or token_file")
+    kind = data_kind(inputs, targets, language)
     if model is None:
         return
     check_channels(spec, inputs, language)
@@ -225,6 +228,22 @@ def check_channels(spec: ModelSpec, inputs: torch.Tensor, language: bool) -> Non
         if isinstance(stated, int) and stated != inputs.shape[0]:
             raise ConfigError(f"model.{key}={stated}: the data's images have {inputs.shape[0]} channels "
                               f"({describe(inputs)}); set model.{key}={inputs.shape[0]}")
+
+
+def data_kind(inputs: torch.Tensor, targets: torch.Tensor, language: bool) -> str:
+    """What the data gives, and which models read it: the trainer's loss is cross-entropy,
+    so it trains classifiers (of images or other samples) and next-token language models."""
+    if language:
+        return "this data gives token sequences: use a language model (model=gpt or model=hf)"
+    if targets.is_floating_point():
+        return (f"this data's targets are {str(targets.dtype).removeprefix('torch.')} values of shape "
+                f"{list(targets.shape)}: the trainer's loss is cross-entropy over class logits (classifiers and "
+                "next-token language models), which does not train a regression")
+    if inputs.dim() == 3:
+        return ("this data gives images (model=vit, cnn or resnet reads them); a language model reads "
+                "data=synthetic_tokens, text or token_file")
+    return (f"this data gives samples of shape {list(inputs.shape)} and class targets: a classifier of them returns "
+            "logits of shape [batch, classes]")
 
 
 def describe(tensor: torch.Tensor) -> str:

@@ -26,6 +26,7 @@ import contextlib
 import inspect
 import os
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -251,7 +252,8 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     with fake_world(world_size):
         sharding = traced.sharding
         mesh = sharding.mesh(ranks.device, world_size) if sharding.shards_params else None
-        with FakeTensorMode(allow_non_fake_inputs=True), (AttentionAsOnGpu() if on_gpu else contextlib.nullcontext()):
+        with FakeTensorMode(allow_non_fake_inputs=True), (AttentionAsOnGpu() if on_gpu else contextlib.nullcontext()), \
+                contextlib.ExitStack() as as_in_a_run:
             before_build, in_use = anonymous_bytes(), InUse()
             model, _ = build_model_for_training(traced, ranks, mesh)
             build_in_use = in_use.growth()
@@ -259,6 +261,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             # build keeps besides its tensors, the builder's imports above all (transformers:
             # about 40 MB), imported after a rank marks its runtime and held from then on.
             build_held = max(anonymous_bytes() - before_build, 0)
+            as_in_a_run.enter_context(unpacked_sequences())  # the build imported the model's library
             optimizer = instantiate(traced.optimizer)(model.parameters())
             phases = Phases()
             trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
@@ -336,6 +339,26 @@ class AttentionAsOnGpu(TorchFunctionMode):
             query, key, value, 0.0, bool(call.get("is_causal", False)), attn_mask=call.get("attn_mask"),
             scale=call.get("scale"))
         return output
+
+
+@contextlib.contextmanager
+def unpacked_sequences() -> Iterator[None]:
+    """Hugging Face's causal masks as a run makes them. Given no position ids, a model makes
+    0..n-1 in every row, and looks whether a row packs several sequences
+    (masking_utils.find_packed_sequence_indices): a run reads the values, finds none, and
+    has SDPA mask causally by itself. On fake tensors it cannot read them and takes every
+    batch for packed: each layer would then keep a batch x tokens x tokens mask (0.5 GB a
+    layer for a batch of 8 at 4,096 tokens) that the run never makes."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    found = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = found
 
 
 class Phases:

@@ -125,9 +125,9 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
             logits = model(batch)
     except Exception as err:  # noqa: BLE001 - the model's own error, shown in one line
         reason = one_line(err)
-        if language:
-            lookups.check(spec, data, inputs, key)  # an embedding looked up before the error
         if not cannot_run_on_meta(err):
+            if language:
+                lookups.check(spec, data, inputs, key)  # a table looked up past its end, before the error
             hint = "" if "longer than" in reason else f"; {kind}"
             raise ConfigError(f"{key}: model {spec.name} cannot read this data's inputs "
                               f"({describe(inputs)}): {reason}{hint}") from None

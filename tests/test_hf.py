@@ -306,3 +306,36 @@ def test_flash_attention_where_it_cannot_run_is_one_line(overrides: list[str], e
                           *overrides])
     with pytest.raises(ConfigError, match=error):
         prepare(cfg, local_gpus=0)
+
+
+def test_the_trace_makes_causal_masks_as_a_run_does() -> None:
+    """Given no position ids, a run's Llama finds its rows unpacked and lets SDPA mask
+    causally (no mask tensor). On fake tensors transformers cannot read the ids and builds a
+    batch x tokens x tokens mask; the trace's `unpacked_sequences` makes it decide as the run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fsdp_exp.estimate.trace import unpacked_sequences
+
+    class Masks(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.masks: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if "scaled_dot_product" in str(func):
+                self.masks.append((kwargs or {}).get("attn_mask"))
+            return func(*args, **(kwargs or {}))
+
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 172,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4}
+    with Masks() as real:
+        build_hf(config)(torch.randint(0, 256, (2, 16)))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build_hf(config)
+        with Masks() as fake:
+            model(torch.randint(0, 256, (2, 16)))
+        with unpacked_sequences(), Masks() as traced:
+            model(torch.randint(0, 256, (2, 16)))
+    assert real.masks == [None] and traced.masks == [None]
+    assert fake.masks[0] is not None and tuple(fake.masks[0].shape) == (2, 1, 16, 16)  # what it corrects

@@ -43,6 +43,7 @@ class StepTrace:
     streams: int = 1  # the streams its allocations were made on (FSDP2: compute, all-gather copy-in, reduce-scatter)
     eval_forward_bytes: int = 0  # task=eval's forward of the whole model at this batch, without gradients: its peak
     at_phase_ends_bytes: int = 0  # the most the storages held where a phase of the step started or ended
+    library_bytes: int | None = None  # CPU: what BLAS keeps allocated after the step's multiplications (None: not replayed)
 
 
 @dataclass

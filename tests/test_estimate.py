@@ -406,41 +406,44 @@ def test_a_build_that_loads_pretrained_weights_is_named_so():
     assert "rank 0 alone loads them" in OUTGROWING["pretrained load"][1]
 
 
-GEMM_PROBE = """
+LIBRARY_PROBE = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from fsdp_exp.estimate import gemm
-from fsdp_exp.metrics.peaks import heap_in_use_bytes
+from fsdp_exp.estimate import library
 
 class Seen(TorchDispatchMode):
-    def __init__(self, gemms):
+    def __init__(self, ops):
         super().__init__()
-        self.gemms = gemms
+        self.ops = ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.gemms.see(func, args)
+        self.ops.see(func, args)
         return func(*args, **(kwargs or {}))
 
-gemms = gemm.Gemms()
+linear, conv = library.LibraryOps(), library.LibraryOps()
 with FakeTensorMode():
-    layer = torch.nn.Linear(9216, 128)
-    with Seen(gemms):
-        layer(torch.zeros(32, 9216, requires_grad=True)).sum().backward()
-since = heap_in_use_bytes()
-kept = gemm.kept_bytes(gemms, 1, since)
-held = heap_in_use_bytes() - since
-gemm.REPLAY_FLOPS = gemms.flops() / 2
-print(len(gemms.seen), gemms.flops(), kept, held, gemm.kept_bytes(gemms, 1, since))
+    with Seen(linear):
+        torch.nn.Linear(9216, 128)(torch.zeros(32, 9216, requires_grad=True)).sum().backward()
+    with Seen(conv):
+        torch.nn.Conv2d(3, 16, 3)(torch.zeros(8, 3, 64, 64, requires_grad=True)).sum().backward()
+replay = library.Replay()
+first, second = replay.kept(linear, 1), replay.kept(conv, 1)
+library.REPLAY_FLOPS = linear.flops() / 2
+print(len(linear.seen), linear.flops(), first.in_use_bytes, first.data_bytes, len(conv.seen),
+      second.data_bytes - first.data_bytes, library.kept(linear, 1))
 """
 
 
-def test_the_buffers_blas_keeps_after_a_steps_multiplications_are_measured() -> None:
-    """MKL keeps its packing buffers after a multiplication: the trace records a step's
-    (here a 9216 x 128 layer's forward and backward at batch 32: 3 of them) and runs each
-    once on zeros, in a fresh process; what stays allocated is what a rank holds besides its
-    tensors. Past REPLAY_FLOPS nothing is replayed."""
-    shown = subprocess.run([sys.executable, "-c", GEMM_PROBE], capture_output=True, text=True, cwd=REPO, check=True)
-    count, flops, kept, held, capped = shown.stdout.split()
+def test_what_the_math_libraries_keep_after_a_steps_ops_is_measured() -> None:
+    """MKL keeps its packing buffers after a multiplication, oneDNN the code it generates for
+    a convolution: the trace records a step's library ops (a 9216 x 128 layer's forward and
+    backward at batch 32: 3 multiplications; a convolution's forward and backward) and runs
+    each once on zeros, in a fresh process; what stays allocated, and the growth of the data
+    segment memory.limit_gb counts, are what a rank holds besides its tensors. Past
+    REPLAY_FLOPS nothing is replayed."""
+    shown = subprocess.run([sys.executable, "-c", LIBRARY_PROBE], capture_output=True, text=True, cwd=REPO, check=True)
+    count, flops, in_use, data, convs, conv_data, capped = shown.stdout.split()
     assert int(count) == 3 and float(flops) == pytest.approx(3 * 2 * 32 * 9216 * 128)
-    assert int(kept) == int(held) > 2**20, shown.stdout  # MKL's buffers: 6.6 MB here; none of the zeros stays
+    assert int(in_use) > 2**20 and int(data) > 2**20, shown.stdout  # MKL's buffers: 6.6 MB here
+    assert int(convs) == 2 and int(conv_data) > 0, shown.stdout  # oneDNN's kernels for the convolution
     assert capped == "None"

@@ -103,8 +103,10 @@ def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: 
     # counts: the first step's (in the measured baseline already) and the checkpointer's.
     started = 0
     if trace is not None and not on_gpu:
-        baseline += checkpoint_threads * trace.thread_stack_bytes
-        started = trace.stack_bytes + checkpoint_threads * trace.thread_stack_bytes
+        # and what MKL and oneDNN keep outside malloc from the first step on (their generated code)
+        library = step.library.data_bytes if step.library is not None else 0
+        baseline += checkpoint_threads * trace.thread_stack_bytes + library
+        started = trace.stack_bytes + checkpoint_threads * trace.thread_stack_bytes + library
     peak = step.peaks["blocks" if on_gpu else "cpu"]
     found = parts(peak, step.optimizer_state_bytes)
     reserved = offloaded = None

@@ -52,7 +52,8 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     for b, step in zip(batches, traced.steps):
         b.host = host_memory(b, traced, on_host, on_gpu)
         if not on_gpu:
-            b.peak_in_use_gb = (step.at_phase_ends_bytes + traced.built_in_use_bytes + (step.library_bytes or 0)) / GB
+            kept = step.library.in_use_bytes if step.library is not None else 0
+            b.peak_in_use_gb = (step.at_phase_ends_bytes + traced.built_in_use_bytes + kept) / GB
         b.eval_gb = evaluation_gb(step, traced, on_gpu, baseline_gb if on_gpu else own_gb)
     limit, host_limit = exp.memory.limit_gb, exp.memory.host_limit_gb
     gpu_gb = gpu.memory_gb if gpu is not None and on_gpu else None

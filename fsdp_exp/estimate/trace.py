@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_exp.estimate.allocator import CachingAllocator, cuda_block
-from fsdp_exp.estimate.gemm import Gemms, kept_bytes
+from fsdp_exp.estimate.library import LibraryOps, Replay
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace, TracedPeak
 from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
 from fsdp_exp.launch.core import rank_threads
@@ -83,7 +83,7 @@ class Counts:
             self.device.malloc(("cuBLAS workspace", n), nbytes, 0)
         self.phase = ""
         self.at_phase_ends = 0  # the most the storages held where a phase started or ended
-        self.gemms = Gemms()  # the matrix multiplications run
+        self.library = LibraryOps()  # the ops MKL and oneDNN ran (fsdp_exp.estimate.library)
 
     def phase_end(self) -> None:
         self.at_phase_ends = max(self.at_phase_ends, sum(self.now["stored"].values()))
@@ -140,7 +140,7 @@ class Counting:
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         result = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
-        self.counts.gemms.see(func, args)
+        self.counts.library.see(func, args)
         if result is not NotImplemented and "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
             self.attention.append(tuple(args[0].shape))
         return result
@@ -280,7 +280,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             stacks = max(thread_count() - threads, 0) * stack if sharding.shards_params else 0
             baseline += stacks + build_held  # held from the first step (the build) on, as the runtime is
             buckets = ddp_buckets(model) if replicates(exp.sharding) else 0
-            steps, gemms = [], []
+            steps, library = [], []
             for batch_size in batch_sizes:
                 counts = phases.counts = Counts(offloaded, workspaces)
                 batches = fake_batches(sample, target, batch_size // traced.train.grad_accum)
@@ -290,17 +290,17 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
                 steps.append(StepTrace(batch_size, counts.peaks, state_bytes(optimizer), buckets,
                                        mem.attention, len(counts.streams),  # type: ignore[attr-defined]
                                        at_phase_ends_bytes=counts.at_phase_ends))
-                gemms.append(counts.gemms)
+                library.append(counts.library)
                 if enough is not None and enough(steps[-1], baseline):
                     break
             if enough is None:  # task=estimate, and a run's own: what task=eval of these weights holds
                 evaluated = Uninitialised(replace(exp.model, init_device="cpu")).build()[0].eval()
                 for found in steps:
                     found.eval_forward_bytes = eval_forward_bytes(evaluated, sample, target, found.batch_size)
-        if not on_gpu:  # what BLAS keeps of its own after a step's multiplications (fsdp_exp.estimate.gemm)
-            since = heap_in_use_bytes() or 0
-            for step, seen in zip(steps, gemms):
-                step.library_bytes = kept_bytes(seen, rank_threads(world_size), since)
+        if not on_gpu:  # what MKL and oneDNN keep of their own after a step (fsdp_exp.estimate.library)
+            replay = Replay()
+            for step, ops in zip(steps, library):
+                step.library = replay.kept(ops, rank_threads(world_size))
         params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole parameter's
         shard_count = sharding.shard_size(world_size) if sharding.shards_params else 1
         # Each rank builds the whole model, then sharding copies its shards out of it.

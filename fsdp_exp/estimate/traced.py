@@ -4,6 +4,10 @@ for each batch size traced (`fsdp_exp.estimate.trace` makes them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fsdp_exp.estimate.library import Kept
 
 # The tracker's categories (FSDPMemTracker's, then MemTracker's), by the estimate's.
 CATEGORIES = {
@@ -43,7 +47,7 @@ class StepTrace:
     streams: int = 1  # the streams its allocations were made on (FSDP2: compute, all-gather copy-in, reduce-scatter)
     eval_forward_bytes: int = 0  # task=eval's forward of the whole model at this batch, without gradients: its peak
     at_phase_ends_bytes: int = 0  # the most the storages held where a phase of the step started or ended
-    library_bytes: int | None = None  # CPU: what BLAS keeps allocated after the step's multiplications (None: not replayed)
+    library: Kept | None = None  # CPU: what MKL and oneDNN keep after the step's ops (None: not replayed)
 
 
 @dataclass

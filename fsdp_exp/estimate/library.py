@@ -1,0 +1,104 @@
+"""What a CPU rank's math libraries keep of their own after its first step.
+
+MKL, torch's BLAS on x86, keeps the buffers it packs matrices into for the next
+multiplication (6.6 MB after the CNN's 9216 x 128 layer at batch 32, 13% of that run's
+`peak_in_use_gb`); oneDNN, which runs the convolutions, keeps the code it generates for each
+shape and its scratch memory outside malloc (about 60 MB of data segment for a
+MobileNetV3 on 64 x 64 images, which memory.limit_gb counts). No trace of tensors sees them,
+and their size follows the shapes and the threads. So the trace records the library ops of
+each step it counts (`LibraryOps`) and runs each once for real, on zeros, with a rank's
+threads, and measures what stays allocated and how far the data segment grew
+(`kept`). Past REPLAY_FLOPS the replay is left out: a step that large holds far more than
+the libraries, and replaying it would take minutes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_exp.memory import map_large_blocks
+from fsdp_exp.metrics.peaks import heap_in_use_bytes, proc_status
+
+aten = torch.ops.aten
+# The ops that run in MKL or oneDNN on a CPU, by the positions of the two tensors whose
+# sizes set their work: matrices, or (input, weight) of a convolution.
+OPERANDS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
+            aten.baddbmm.default: (1, 2), aten.convolution.default: (0, 1),
+            aten.convolution_backward.default: (1, 2)}
+REPLAY_FLOPS = 2e10  # about a second on one core
+
+
+@dataclass
+class Kept:
+    in_use_bytes: int  # what stays allocated through malloc (peak_in_use_gb counts it)
+    data_bytes: int  # how far the data segment grew (what memory.limit_gb counts on CPU)
+
+
+class LibraryOps:
+    """The library ops seen, each (op, its arguments: tensors as shape, strides and dtype) once."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple, None] = {}
+
+    def see(self, func: object, args: tuple) -> None:
+        if func not in OPERANDS:
+            return
+        described = tuple((tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor)
+                          else tuple(a) if isinstance(a, list) else a for a in args)
+        self.seen.setdefault((func, described), None)
+
+    def flops(self) -> float:
+        """About their work: a multiplication's 2mkn; a convolution's 2 x (input positions) x
+        (weight), a bound for stride 1."""
+        total = 0.0
+        for func, args in self.seen:
+            first, second = (args[i][0] for i in OPERANDS[func])
+            if func in (aten.convolution.default, aten.convolution_backward.default):
+                total += 2 * math.prod(first) / first[1] * math.prod(second)
+            else:
+                *batch, m, k = first
+                total += 2 * m * k * second[-1] * (batch[0] if batch else 1)
+        return total
+
+
+def kept(ops: LibraryOps, threads: int) -> Kept | None:
+    """Each op run once, on zeros with `threads` threads: what the libraries keep (above what
+    this process held before; their buffers only grow, so batch sizes replayed in order each
+    get theirs when measured against the same start, as `Replay` does). None past
+    REPLAY_FLOPS or without glibc to count with."""
+    if ops.flops() > REPLAY_FLOPS or heap_in_use_bytes() is None:
+        return None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            for func, args in ops.seen:
+                real = [torch.empty_strided(a[0], a[1], dtype=a[2]).zero_() if is_tensor(a) else a for a in args]
+                func(*real)  # type: ignore[operator]
+                del real
+    finally:
+        torch.set_num_threads(before)
+    return Kept(heap_in_use_bytes() or 0, proc_status()["VmData:"] * 1024)
+
+
+def is_tensor(described: object) -> bool:
+    return isinstance(described, tuple) and len(described) == 3 and isinstance(described[2], torch.dtype)
+
+
+class Replay:
+    """The replays of a trace's steps, in order, each measured from the same start: glibc
+    returns every block over 64 KiB on free from here on (as under memory.limit_gb), so what
+    the zeros took is given back and only what the libraries keep stays."""
+
+    def __init__(self) -> None:
+        map_large_blocks()
+        self.start = Kept(heap_in_use_bytes() or 0, proc_status()["VmData:"] * 1024)
+
+    def kept(self, ops: LibraryOps, threads: int) -> Kept | None:
+        now = kept(ops, threads)
+        if now is None:
+            return None
+        return Kept(max(now.in_use_bytes - self.start.in_use_bytes, 0), max(now.data_bytes - self.start.data_bytes, 0))

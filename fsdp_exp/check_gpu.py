@@ -30,6 +30,7 @@ import torch
 
 from fsdp_exp.check_gpu_checks import RunResult, Setup, checks, runs, setup_for
 from fsdp_exp.errors import one_line
+from fsdp_exp.estimate.settle import settled_summary
 from fsdp_exp.metrics.environment import package_version
 
 RUN_TIMEOUT_S = 900
@@ -66,8 +67,8 @@ def run_fsdp_exp(overrides: list[str], out: Path, timeout_s: float = RUN_TIMEOUT
 def read_run(out: Path, stderr: str = "") -> RunResult:
     """A finished run as its files show it: the summary, the loss at each step (the last
     record of a step counts, as after a resume), and the full weights when exported."""
-    summary_file, metrics_file = out / "summary.json", out / "metrics.jsonl"
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
+    metrics_file = out / "metrics.jsonl"
+    summary = settled_summary(out)  # with the run's own estimate, which it does not wait for
     lines = metrics_file.read_text().splitlines() if metrics_file.is_file() else []
     records = [r for r in map(json.loads, lines) if "loss" in r]
     weights = None

@@ -114,17 +114,6 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def settled_summary(run_dir: Path, timeout: float = 300) -> dict:
-    """A run's summary.json once its own estimate is in it: a run does not wait for its
-    trace (`estimate: pending`), which adds it when it ends (fsdp_exp.estimate.beside)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        summary = read_json(Path(run_dir) / "summary.json")
-        if summary.get("estimate") != "pending" or time.monotonic() > deadline:
-            return summary
-        time.sleep(0.2)
-
-
 def rank_pid(log_file: Path) -> int | None:
     """The pid a rank writes at the top of its log ("rank 1 is pid 1234 on host")."""
     match = re.search(r"rank \d+ is pid (\d+)", log_file.read_text()) if log_file.is_file() else None

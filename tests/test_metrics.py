@@ -7,7 +7,6 @@ import logging
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest

@@ -20,9 +20,10 @@ from torch.utils.data import Dataset
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.compare import main as compare
 from fsdp_exp.driver.plan import prepare
-from fsdp_exp.estimate.beside import ESTIMATE_FILE, WAIT_S, EstimateBeside, at_idle_priority, checked, settle
+from fsdp_exp.estimate.beside import WAIT_S, EstimateBeside, at_idle_priority
+from fsdp_exp.estimate.settle import ESTIMATE_FILE, checked, settle, settled_summary
 from fsdp_exp.metrics.sinks import PENDING, write_json
-from tests.conftest import REPO, SMALL_VIT, read_json, run_cli, settled_summary
+from tests.conftest import REPO, SMALL_VIT, read_json, run_cli
 from tests.test_estimate import STACK
 
 RUN = [*SMALL_VIT, "device=cpu", "train.steps=3", "train.log_every=1", "metrics.warmup_steps=1"]

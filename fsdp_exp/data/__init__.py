@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -9,6 +10,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from fsdp_exp.errors import ConfigError, at_least
+
+WORKERS_START = "fork" if sys.platform == "linux" else None  # DataLoader workers: forked where Linux forks them
 
 
 @dataclass(kw_only=True)
@@ -128,6 +131,11 @@ class Batches:
                 # Its own generator: starting an epoch must not draw from the global RNG,
                 # or a resumed run's dropout would differ from an uninterrupted one.
                 generator=torch.Generator(),
+                # Workers forked from the rank, sharing its data set's pages, as Linux's
+                # DataLoader does: a rank started by spawn or a forkserver (every launcher
+                # here) would otherwise start each worker that way too, a fresh interpreter
+                # with its own copy of the data set (0.28 GB a worker for the default ViT).
+                multiprocessing_context=WORKERS_START if self.num_workers else None,
             )
             for batch in loader:
                 self.position += 1

@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING
 
 from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.predict import estimate
-from fsdp_exp.metrics.sinks import ESTIMATED, PENDING, estimate_ratio, estimated, read_json, write_json
+from fsdp_exp.estimate.settle import ESTIMATE_FILE, RECORD_FILE, checked
+from fsdp_exp.metrics.sinks import PENDING, read_json, write_json
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
 
-ESTIMATE_FILE = "estimate.json"
-SUMMARY_FILE = "summary.json"
 SETUP_FILE = ".estimate_setup.pickle"  # the setup, from the driver to the tracing process
 WAIT_S = 1.0  # rank 0's look for the record at the run's end
 POLL_S = 0.2
@@ -99,50 +98,10 @@ def awaited(path: Path, wait_s: float = WAIT_S) -> tuple[dict | None, float]:
         time.sleep(POLL_S)
 
 
-def checked(summary: dict, record: dict) -> dict:
-    """The estimate beside what the run measured: each figure of the record that the run
-    measured too (`ESTIMATED`: the record names them as the run does) as
-    `estimated_<figure>`, and estimated over measured as `estimate_ratio_<figure>`; the
-    first of those is `estimate_ratio`: on CPU what the allocations held where the step's
-    phases end (the resident peak also holds what glibc keeps of freed blocks), on a GPU
-    the allocator's peak. Or why there is none."""
-    if "error" in record:
-        return {"estimate_failed": record["error"]}
-    found: dict = {}
-    for _, measured in ESTIMATED:
-        if record.get(measured) is None or summary.get(measured) is None:
-            continue
-        found[estimated(measured)] = record[measured]
-        if summary[measured]:
-            found[estimate_ratio(measured)] = record[measured] / summary[measured]
-            found.setdefault("estimate_ratio", found[estimate_ratio(measured)])
-    return found
-
-
-def settle(run_dir: Path) -> bool:
-    """A summary that says `estimate: pending`, with the estimate checked against it, once
-    the record is there; True if it was."""
-    summary, record = read_json(run_dir / SUMMARY_FILE), read_json(run_dir / ESTIMATE_FILE)
-    if summary is None or record is None or summary.get("estimate") != PENDING:
-        return False
-    summary.pop("estimate")
-    write_json(run_dir / SUMMARY_FILE, summary | checked(summary, record))  # the driver wrote it once, before
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def main() -> None:
-    """The tracing process: the estimate, then the run's summary once the driver wrote it."""
-    run_dir, driver, started = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    """The tracing process: the estimate, then (fsdp_exp.estimate.settle) the run's summary
+    once the driver wrote it."""
+    run_dir = Path(sys.argv[1])
     at_idle_priority()
     setup = run_dir / SETUP_FILE
     exp, nproc, ranks_per_node = pickle.loads(setup.read_bytes())
@@ -151,16 +110,11 @@ def main() -> None:
         record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node)
     except Exception as err:  # noqa: BLE001 - recorded in one line; the run goes on
         record = {"error": one_line(err, limit=300)}
-    write_json(run_dir / ESTIMATE_FILE, record)
-    # The driver writes the summary once the ranks end: until then (or until it is gone)
-    # a summary older than this process is an earlier attempt's.
-    summary = run_dir / SUMMARY_FILE
-    while _alive(driver) and not (summary.exists() and summary.stat().st_mtime >= started - 1.0):
-        time.sleep(0.5)
-    settle(run_dir)
-    log = run_dir / "estimate.log"
-    if log.exists() and not log.stat().st_size:
-        log.unlink()
+    # What is left is to wait for the run's summary: done by a light process in this one's
+    # place, which puts the record in place as it starts, once this one's memory is gone.
+    write_json(run_dir / RECORD_FILE, record)
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "fsdp_exp.estimate.settle", *sys.argv[1:4]])
 
 
 if __name__ == "__main__":

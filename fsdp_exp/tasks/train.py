@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import resolve_resume, restart_count, resume_point
-from fsdp_exp.estimate.beside import EstimateBeside, awaited, checked
+from fsdp_exp.estimate.beside import EstimateBeside, awaited
+from fsdp_exp.estimate.settle import checked
 from fsdp_exp.memory import (
     OutOfMemory,
     allocation_failure,

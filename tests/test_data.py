@@ -10,7 +10,7 @@ import torch
 
 from fsdp_exp.data.images import _NORMALIZE, SyntheticImages, TorchvisionImages
 from fsdp_exp.errors import ConfigError
-from tests.conftest import read_json, run_cli
+from tests.conftest import REPO, read_json, run_cli
 
 
 def write_idx(raw: Path, split: str, images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -112,3 +112,40 @@ def test_batches_resume_at_another_world_size_with_the_same_global_batches() -> 
     assert state == {"epoch": 0, "samples": 24}
     rest, _ = global_batches(4, 2, 4, state)
     assert first + rest == whole
+
+
+class WhereItIsRead(torch.utils.data.Dataset):
+    """Each sample says whether the process reading it was forked (its command line is its
+    parent's) or started fresh (multiprocessing's spawn_main)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        started_by = Path("/proc/self/cmdline").read_text()
+        fresh = "spawn_main" in started_by or "forkserver" in started_by
+        return torch.tensor([0.0 if fresh else 1.0]), torch.tensor(0)
+
+
+WORKERS = """
+import multiprocessing
+multiprocessing.set_start_method("spawn", force=True)  # as in a rank started by spawn
+from torch.utils.data import DistributedSampler
+from fsdp_exp.data import Batches
+from tests.test_data import WhereItIsRead
+data = WhereItIsRead()
+batches = Batches(data, DistributedSampler(data, num_replicas=1, rank=0), batch_size=4, world_size=1, num_workers=1)
+print(next(iter(batches))[0].flatten().tolist())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads Linux's /proc")
+def test_data_workers_are_forked_from_their_rank_whatever_started_it() -> None:
+    """A rank started by spawn or a forkserver has that as its default start method; its
+    DataLoader workers would each be a fresh interpreter with a copy of the data set.
+    They are forked from the rank, sharing its pages, as Linux's DataLoader does."""
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-c", WORKERS], capture_output=True, text=True, cwd=REPO, check=True)
+    assert shown.stdout.split("\n")[0] == "[1.0, 1.0, 1.0, 1.0]", shown.stdout + shown.stderr[-2000:]

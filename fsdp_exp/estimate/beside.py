@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
 
 SETUP_FILE = ".estimate_setup.pickle"  # the setup, from the driver to the tracing process
-WAIT_S = 1.0  # rank 0's look for the record at the run's end
+WAIT_S = 0.8  # rank 0's look for the record at the run's end: under a second
 POLL_S = 0.2
 
 
@@ -95,7 +95,7 @@ def awaited(path: Path, wait_s: float = WAIT_S) -> tuple[dict | None, float]:
         waited = time.perf_counter() - start
         if record is not None or waited >= wait_s:
             return record, waited
-        time.sleep(POLL_S)
+        time.sleep(min(POLL_S, wait_s - waited))
 
 
 def main() -> None:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 from machine import header
 
+from fsdp_exp.estimate.settle import settled_summary
+
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["device=cpu", "launcher.nproc_per_node=2", "wandb.mode=disabled", "memory.limit_gb=10",
           "train.steps=3", "train.log_every=1", "metrics.warmup_steps=1"]
@@ -105,19 +107,9 @@ def run(overrides: list[str], out: Path, pythonpath: Path) -> dict:
                             cwd=REPO, capture_output=True, text=True, env=env_with(pythonpath))
     if result.returncode:
         sys.exit(f"failed: {' '.join(overrides)} (log: {out}/fsdp_exp.log)\n{result.stdout[-1500:]}{result.stderr[-1500:]}")
-    summary = settled(out)
+    summary = settled_summary(out, timeout_s=900)  # a run does not wait for its own estimate
     return summary | {"command_s": time.perf_counter() - start,
                       "estimate": json.loads((out / "estimate.json").read_text())}
-
-
-def settled(out: Path, timeout_s: float = 900) -> dict:
-    """The run's summary once its own estimate is in it (a run does not wait for its trace)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        summary = json.loads((out / "summary.json").read_text())
-        if summary.get("estimate") != "pending" or time.monotonic() > deadline:
-            return summary
-        time.sleep(0.5)
 
 
 def env_with(path: Path) -> dict:

@@ -52,11 +52,15 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
     for probe in [p for p in record["probes"] if p["status"] == "ok"]:
         assert read_json(out / probe["dir"] / "summary.json")["checkpoint_saves"] == 2  # at step 3, and the last
     assert not list(out.glob("*/*/checkpoints"))
-    # once, at the first size that trained, a 10-step run of the command measured what a run holds beyond a
-    # probe: 5 more steps' history (5 MB at 64), counted against every probe
+    # once, a 10-step run of the command measured what a run holds beyond a probe: at the first size that
+    # trained near the limit it ran out of memory (5 more steps' history), so at the smallest size that
+    # trained: 5 more steps' history (5 MB at 64), counted against every probe
     length = record["length_check"]
-    first = next(p for p in record["probes"] if p["status"] == "ok")
-    assert length["batch_size"] == first["batch_size"] and length["run"]["steps"] == 10
+    trained = [p for p in record["probes"] if p["status"] == "ok"]
+    near = next(p for p in trained if p["margin_gb"] + length["counted_gb"] <= 0.05 * 0.6)
+    assert length["near_limit"]["batch_size"] == near["batch_size"] and length["near_limit"]["status"] == "oom"
+    first = min(trained, key=lambda p: p["batch_size"])
+    assert length["batch_size"] == first["batch_size"] < near["batch_size"] and length["run"]["steps"] == 10
     history_gb = 5 * first["batch_size"] * KEPT_PER_SAMPLE * 4 / 2**30
     assert length["beyond_probe_gb"] == pytest.approx(history_gb, rel=0.3)
     assert record["run_beyond_probe_gb"] == length["counted_gb"] == length["beyond_probe_gb"]
@@ -107,11 +111,13 @@ def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tm
         assert held[0] - held[1] > 0.01  # rank 0 holds wandb's run (more than 10 MB) ...
     assert record["noise_band_gb"] < 0.005  # ... which the noise band does not take for noise
     (verified,) = record["verification"]["runs"]
-    length = record["length_check"]["run"]
-    for run in (verified, length):  # the command as it runs: wandb offline, a record at each train.log_every
-        assert list((out / run["dir"] / "wandb").glob("offline-run-*/run-*.wandb")), run["dir"]
-        assert run["steps"] == 4 and (out / run["dir"] / "metrics.jsonl").read_text().count('"step"') == 1
-    assert length["dir"] == f"verify/length_b{trained[0]['batch_size']}"
+    # the command as it runs: wandb offline, a record at each train.log_every
+    assert list((out / verified["dir"] / "wandb").glob("offline-run-*/run-*.wandb")), verified["dir"]
+    assert verified["steps"] == 4 and (out / verified["dir"] / "metrics.jsonl").read_text().count('"step"') == 1
+    assert verified["dir"] == "verify/01_b8"
+    # no probe came within 5% of the limit (the search stops at 8), so no run measured what a run holds beyond
+    # a probe: the verification ran at the answer all the same
+    assert all(p["margin_gb"] > 0.03 for p in trained) and record["length_check"] is None
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # and the search's own run, with its answer
 
 
@@ -182,9 +188,8 @@ VARIANTS = ["task=tune", "model=custom", f"model._target_={__name__}.VariantNet"
 
 def test_generated_data_bounds_the_search_at_each_ranks_share_and_one_run_verifies_it(tmp_path: Path) -> None:
     """data.num_samples=300 on 2 ranks: 150 a rank, far below what fits in 4 GB. The search,
-    its first probe placed by the estimate, answers 150, bounded by the data; the run that
-    measured what a run holds beyond a probe ran the command at 150 for the verification's
-    steps, so it verifies it."""
+    its first probe placed by the estimate, answers 150, bounded by the data, far under the
+    limit: one run of the command, at 150, verifies it."""
     out = tmp_path / "search"
     result = run_cli("task=max_batch", "memory.limit_gb=4", "model.num_layers=2", "data.num_samples=300",
                      "task.verify_steps=4", "wandb.mode=disabled", f"hydra.run.dir={out}",
@@ -194,7 +199,7 @@ def test_generated_data_bounds_the_search_at_each_ranks_share_and_one_run_verifi
     assert (record["max_batch_size"], record["bounded_by"], record["data_share_per_rank"]) == (150, "data", 150)
     assert record["probe_count"] <= 3 and max(p["batch_size"] for p in record["probes"]) == 150
     (run,) = record["verification"]["runs"]
-    assert record["verification"]["status"] == "completed" and run == record["length_check"]["run"]
-    assert [p.name for p in (out / "verify").iterdir()] == ["length_b150"]  # one run of the command, not two
+    assert record["verification"]["status"] == "completed" and record["length_check"] is None  # far from the limit
+    assert [p.name for p in (out / "verify").iterdir()] == ["01_b150"]  # one run of the command
     assert record["verify_wall_s"] == run["wall_s"]  # and its time counted once
     assert "max batch: 150 per rank on 2 rank(s), bounded by the data (150 samples a rank)" in result.stdout

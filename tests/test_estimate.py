@@ -434,6 +434,44 @@ print(len(linear.seen), linear.flops(), first.in_use_bytes, first.data_bytes, le
 """
 
 
+SWEEP_PROBE = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from fsdp_exp.estimate import library
+
+class Seen(TorchDispatchMode):
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = ops
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.see(func, args)
+        return func(*args, **(kwargs or {}))
+
+steps = {b: library.LibraryOps() for b in (8, 16, 64)}
+with FakeTensorMode():
+    for b, ops in steps.items():
+        with Seen(ops):
+            torch.nn.Linear(4096, 512)(torch.zeros(b, 4096, requires_grad=True)).sum().backward()
+swept = library.kept_by_step(list(steps), list(steps.values()), 1)
+alone = library.replayed_alone(steps[64], 1)
+one_process = library.Replay()
+after = [one_process.kept(ops, 1) for ops in steps.values()]
+print(swept[0].in_use_bytes, swept[1].in_use_bytes, swept[2].in_use_bytes, alone.in_use_bytes, after[2].in_use_bytes)
+"""
+
+
+def test_a_trace_of_several_batches_measures_each_as_a_rank_running_it_alone() -> None:
+    """The libraries keep buffers per shape: replayed one after another in one process, the
+    largest batch holds the smaller ones' too. A trace of several batches replays its largest
+    in a fresh process (as a rank that runs only it) and puts those between on the line."""
+    shown = subprocess.run([sys.executable, "-c", SWEEP_PROBE], capture_output=True, text=True, cwd=REPO, check=True)
+    first, middle, largest, alone, in_one_process = (int(x) for x in shown.stdout.split())
+    assert largest == pytest.approx(alone, rel=0.05, abs=64 * 1024), shown.stdout
+    assert in_one_process > alone + 2**19, shown.stdout  # what a sweep in one process would have said
+    assert middle == round(first + (16 - 8) / (64 - 8) * (largest - first))
+
+
 def test_what_the_math_libraries_keep_after_a_steps_ops_is_measured() -> None:
     """MKL keeps its packing buffers after a multiplication, oneDNN the code it generates for
     a convolution: the trace records a step's library ops (a 9216 x 128 layer's forward and

@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_exp.estimate.allocator import CachingAllocator, cuda_block
-from fsdp_exp.estimate.library import LibraryOps, Replay
+from fsdp_exp.estimate.library import LibraryOps, kept_by_step
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace, TracedPeak
 from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
 from fsdp_exp.launch.core import rank_threads
@@ -298,9 +298,8 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
                 for found in steps:
                     found.eval_forward_bytes = eval_forward_bytes(evaluated, sample, target, found.batch_size)
         if not on_gpu:  # what MKL and oneDNN keep of their own after a step (fsdp_exp.estimate.library)
-            replay = Replay()
-            for step, ops in zip(steps, library):
-                step.library = replay.kept(ops, rank_threads(world_size))
+            for step, kept in zip(steps, kept_by_step([s.batch_size for s in steps], library, rank_threads(world_size))):
+                step.library = kept
         params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole parameter's
         shard_count = sharding.shard_size(world_size) if sharding.shards_params else 1
         # Each rank builds the whole model, then sharding copies its shards out of it.

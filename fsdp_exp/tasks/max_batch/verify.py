@@ -20,6 +20,7 @@ from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
 log = logging.getLogger("fsdp_exp")
 
 STEP_DOWN = 0.05  # the first step down, as a share of the size that ran out of memory; doubled each time
+NEAR_LIMIT = 0.05  # a probe that left at most this share of the limit measures what a run holds beyond it
 
 
 def step_down(size: int, failures: int, resolution: int, smallest: int) -> int | None:
@@ -73,38 +74,54 @@ class Verification:
 @dataclass
 class LengthCheck:
     """What a run of the command holds over its whole length beyond a probe at the same size,
-    measured once per search: the first size that trained is run as the command runs it, for
-    the verification's steps (`<run>/verify/length_b<size>/`). A run's memory creeps on after
-    a probe has settled (here about 2 MB over 50 steps, on every rank: the allocator's
-    history, the loader, wandb's buffers), and the search counts that much against every
-    probe: the room a probe has is the limit less it. What grows with the batch on top of that
-    the verification catches."""
+    measured once per search: the first size that trained within NEAR_LIMIT of the limit is
+    run as the command runs it, for the verification's steps (`<run>/verify/length_b<size>/`).
+    A run's memory creeps on after a probe has settled (about 1 MB over 50 steps on each rank
+    of docs/max_batch.md's example: the allocator's history, the loader, wandb's buffers), by
+    more at small batches than near the limit (2.3 MB at batch 4, 1.1 at 420), so it is
+    measured near the limit, where the answer is. Where that run does not complete (a model
+    whose memory grows with every step at every batch), it is measured at the smallest size
+    that trained. The search counts it against every probe from then on: the room a probe has
+    is the limit less it. What grows with the batch on top of that the verification catches."""
 
     batch_size: int
     probe_peak_gb: float | None  # the probe's, as the search judges it (Probe.judged_peak_gb)
     run: Probe | None = None
+    near_limit: Probe | None = None  # the run near the limit, where it did not complete and a smaller one measured
+    probe_peaks_gb_per_rank: list[float] | None = None  # the probe's, each rank's
 
     def beyond_gb(self) -> float | None:
-        """The run's peak less the probe's; None where the run did not complete."""
+        """The run's peak less the probe's, on the rank that crept most (ranks creep alike, bar
+        the noise: each may creep as far as any did); None where the run did not complete."""
         if self.run is None or self.run.status != "ok" or self.probe_peak_gb is None:
             return None
         peak = self.run.judged_peak_gb()
+        ranks, probed = self.run.judged_peak_gb_per_rank(), self.probe_peaks_gb_per_rank or []
+        if len(ranks) == len(probed) > 0:
+            return max(r - p for r, p in zip(ranks, probed))
         return None if peak is None else peak - self.probe_peak_gb
 
     def counted_gb(self) -> float:
         """What the search counts against each probe: never less than nothing."""
         return max(0.0, self.beyond_gb() or 0.0)
 
+    def runs(self) -> list[Probe]:
+        return [r for r in (self.near_limit, self.run) if r is not None]
+
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "probe_peak_gb": self.probe_peak_gb, "run_peak_gb":
                 self.run.judged_peak_gb() if self.run else None, "beyond_probe_gb": self.beyond_gb(),
-                "counted_gb": self.counted_gb(), "run": self.run.to_json() if self.run else None}
+                "counted_gb": self.counted_gb(), "run": self.run.to_json() if self.run else None,
+                "near_limit": self.near_limit.to_json() if self.near_limit else None,
+                "probe_peaks_gb_per_rank": self.probe_peaks_gb_per_rank}
 
     @classmethod
     def from_json(cls, record: dict | None) -> LengthCheck | None:
         if not record or not record.get("run"):
             return None
-        return cls(record["batch_size"], record["probe_peak_gb"], Probe.from_json(record["run"]))
+        near = record.get("near_limit")
+        return cls(record["batch_size"], record["probe_peak_gb"], Probe.from_json(record["run"]),
+                   Probe.from_json(near) if near else None, record.get("probe_peaks_gb_per_rank"))
 
 
 class Verifying:
@@ -119,36 +136,53 @@ class Verifying:
 
     def commands_wall_s(self) -> float:
         """The time the runs of the command took: the verification's, and the length check's
-        unless it is one of them (`length_run_at`)."""
-        run = self.length.run if self.length else None
-        counted = run is not None and all(r.dir != run.dir for r in self.verification.runs)
-        return self.verification.wall_s() + (run.wall_s if counted else 0.0)
+        unless they are among them (`length_run_at`)."""
+        verified = {r.dir for r in self.verification.runs}
+        others = [r for r in (self.length.runs() if self.length else []) if r.dir not in verified]
+        return self.verification.wall_s() + sum(r.wall_s for r in others)
 
     def check_length(self) -> bool:
-        """Once per search, at the first size that trained: run the command there for the
-        verification's steps, and count what that run held beyond the probe against every
-        probe (LengthCheck). False when there is nothing to run: measured already, no probe
-        has trained yet, or task.verify_steps=0."""
+        """Once per search, at the first size that trained with at most NEAR_LIMIT of the
+        limit left: run the command there for the verification's steps, and count what that
+        run held beyond the probe against every probe (LengthCheck); where that run does not
+        complete, run it at the smallest size that trained instead. False when there is
+        nothing to run: measured already, no probe has trained that near the limit (the
+        verification then runs at the answer all the same), or task.verify_steps=0."""
         steps = self.verification.steps
-        first = next((p for p in self.probes if p.status == "ok" and not p.killed), None)
-        if self.length is not None or first is None or not steps:
+        trained = [p for p in self.probes if p.status == "ok" and not p.killed]
+        near = next((p for p in trained if self.near_limit(p)), None)
+        if self.length is not None or near is None or not steps:
             return False
-        size = first.batch_size
-        log.info("measuring what a %d-step run of the command holds beyond a probe: the command at batch %d",
-                 steps, size)
-        timeout_s = self.timeout_s * max(1.0, steps / self.steps)
-        run = run_probe(self.cfg, size, self.run_dir / "verify" / f"length_b{size}", self.launcher, self.nproc,
-                        steps, timeout_s, as_command="verify")
-        self.length = LengthCheck(size, first.judged_peak_gb(), run)
+        run = self.length_run(near, steps)
+        self.length = LengthCheck(near.batch_size, near.judged_peak_gb(), run,
+                                  probe_peaks_gb_per_rank=near.judged_peak_gb_per_rank())
+        smallest = min(trained, key=lambda p: p.batch_size)
+        if run.status == "oom" and smallest.batch_size < near.batch_size:
+            log.info("the %d-step run at batch %d ran out of memory; measuring at the smallest size that trained, %d",
+                     steps, near.batch_size, smallest.batch_size)
+            self.length = LengthCheck(smallest.batch_size, smallest.judged_peak_gb(), self.length_run(smallest, steps),
+                                      near_limit=run, probe_peaks_gb_per_rank=smallest.judged_peak_gb_per_rank())
         beyond = self.length.beyond_gb()
         if beyond is None:
             log.warning("the %d-step run at batch %d did not complete, so what a run holds beyond a probe is not "
-                        "counted: %s", steps, size, run.reason)
+                        "counted: %s", steps, self.length.batch_size, self.length.run.reason)
         else:
             log.info("the %d-step run: %s; %.1f MB more than its probe, counted against every probe", steps,
-                     run.line(), beyond / MB)
+                     self.length.run.line(), beyond / MB)
         self.save(None)
         return True
+
+    def length_run(self, probe: Probe, steps: int) -> Probe:
+        size = probe.batch_size
+        log.info("measuring what a %d-step run of the command holds beyond a probe: the command at batch %d",
+                 steps, size)
+        timeout_s = self.timeout_s * max(1.0, steps / self.steps)
+        return run_probe(self.cfg, size, self.run_dir / "verify" / f"length_b{size}", self.launcher, self.nproc,
+                         steps, timeout_s, as_command="verify")
+
+    def near_limit(self, probe: Probe) -> bool:
+        peak = probe.judged_peak_gb()
+        return self.limit_gb is not None and peak is not None and self.limit_gb - peak <= NEAR_LIMIT * self.limit_gb
 
     def verify(self, boundary: int) -> int:
         """The size at which a run of the command completed `verification.steps` steps: the
@@ -175,16 +209,17 @@ class Verifying:
         return 0
 
     def length_run_at(self, size: int) -> Probe | None:
-        """The length check's run, when it ran the command at `size` for the same steps: it
-        verifies that size as a run of its own would, so it counts as one."""
-        length = self.length
-        if length is None or length.run is None or length.batch_size != size:
+        """A run the length check made of the command at `size` for the same steps: it
+        verifies that size as a run of its own would (or ran out of memory there), so it
+        counts as one."""
+        run = next((r for r in (self.length.runs() if self.length else []) if r.batch_size == size), None)
+        if run is None:
             return None
-        self.verification.runs.append(length.run)
+        self.verification.runs.append(run)
         log.info("verify %d: the %d-step run that measured what a run holds beyond a probe: %s",
-                 len(self.verification.runs), self.verification.steps, length.run.line())
+                 len(self.verification.runs), self.verification.steps, run.line())
         self.save(None)
-        return length.run
+        return run
 
     def verify_run(self, size: int) -> Probe:
         """The command at `size`, run as it runs, for the verification's steps."""

@@ -92,7 +92,7 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
 
 
 def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tmp_path: Path) -> None:
-    """With wandb on, rank 0 holds wandb's run under the CPU limit (about 90 MB here), so a
+    """With wandb on, rank 0 holds wandb's run under the CPU limit (about 40 MB here), so a
     probe logs offline too, a record every step, while it trains on. What rank 0 alone holds
     is no noise: the noise band leaves it out."""
     out = tmp_path / "search"

@@ -119,7 +119,7 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
     the compiler), no profile or export.
     - On CPU, wandb logs as the run would, offline, in a run of its own, a record every step:
       rank 0 holds what wandb's first log takes while it trains on, as the run's rank 0 does
-      under the limit (about 90 MB, docs/max_batch.md). Disabled where the run's is, and on
+      under the limit (about 42 MB on the 2-layer ViT, docs/max_batch.md). Disabled where the run's is, and on
       GPU, whose cap counts the caching allocator alone, which wandb does not touch.
     - A checkpoint, where the run has one, is saved after `steps` steps, and the steps after
       it train beside what the save holds (async staging), as the run's do.

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import shutil
 
-import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    checkpoint_wrapper,
-)
-
 from fsdp_exp.errors import ConfigError
+from fsdp_exp.torch_private import CheckpointImpl, checkpoint_wrapper, is_dynamo_supported
 
 
 def block_names(model: nn.Module, blocks: tuple[type[nn.Module], ...]) -> list[str]:
@@ -48,7 +43,7 @@ def warmup_steps_to_skip(compile: bool) -> int:
 def check_compile(device_type: str) -> None:
     """Refuse train.compile=true where torch.compile cannot run."""
     problem = None
-    if not torch._dynamo.is_dynamo_supported():
+    if not is_dynamo_supported():
         problem = "torch.compile does not support this Python or platform"
     elif device_type == "cpu" and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         problem = "torch.compile on CPU needs a C++ compiler (g++ or clang++) on PATH"

@@ -104,7 +104,10 @@ def test_full_sharding_backward_peak_counted_by_hand():
         "unsharded_and_buffers": 3 * LAYER,  # 786,432
     }
     assert in_bytes(found.breakdown_gb) == expected
-    assert found.step_peak_gb * GB == pytest.approx(sum(expected.values()))
+    # and what the math libraries keep outside malloc, measured by replaying the step's ops (none
+    # where this process already ran them: it depends on the tests before)
+    library = result.steps[0].library.data_bytes if result.steps[0].library is not None else 0
+    assert found.step_peak_gb * GB == pytest.approx(sum(expected.values()) + library)
 
 
 def test_gradient_accumulation_under_full_sharding_is_traced_a_micro_batch_at_a_time():

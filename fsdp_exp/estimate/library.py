@@ -33,6 +33,7 @@ import torch
 
 from fsdp_exp.memory import map_large_blocks
 from fsdp_exp.metrics.peaks import heap_in_use_bytes, proc_status
+from fsdp_exp.torch_private import op, op_name
 
 aten = torch.ops.aten
 # The ops that run in MKL or oneDNN on a CPU, by the positions of the two tensors whose
@@ -140,7 +141,7 @@ def kept_by_step(batch_sizes: Sequence[int], ops: Sequence[LibraryOps], threads:
 
 def replayed_alone(ops: LibraryOps, threads: int) -> Kept | None:
     """`Replay().kept(ops, threads)` in a fresh process (None where it fails)."""
-    described = [((func._schema.name, func._overloadname), args) for func, args in ops.seen]  # type: ignore[attr-defined]
+    described = [(op_name(func), args) for func, args in ops.seen]
     try:
         done = subprocess.run([sys.executable, "-m", "fsdp_exp.estimate.library"], capture_output=True, timeout=300,
                               input=pickle.dumps((described, threads)), check=True)
@@ -155,7 +156,7 @@ def main() -> None:
     described, threads = pickle.loads(sys.stdin.buffer.read())
     ops = LibraryOps()
     for (name, overload), args in described:
-        func = getattr(getattr(torch.ops.aten, name.split("::", 1)[1]), overload)
+        func = op(name, overload)
         ops.seen.setdefault((func, args), None)
     kept = Replay().kept(ops, threads)
     print(json.dumps(None if kept is None else {"in_use_bytes": kept.in_use_bytes, "data_bytes": kept.data_bytes}))

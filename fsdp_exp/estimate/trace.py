@@ -38,13 +38,9 @@ import torch
 import torch.distributed as dist
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_exp.estimate.allocator import CachingAllocator, cuda_block
 from fsdp_exp.estimate.library import LibraryOps, kept_by_step
@@ -55,6 +51,14 @@ from fsdp_exp.rank.build import build_model_for_training
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
 from fsdp_exp.sharding import NoSharding
+from fsdp_exp.torch_private import (
+    FakeStore,
+    FakeTensorMode,
+    FSDPMemTracker,
+    MemTracker,
+    UpdateType,
+    flash_attention_for_cpu,
+)
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -123,14 +127,14 @@ class Counting:
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:  # noqa: ANN001
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)  # type: ignore[misc]
         category = str(winfo.reftype.value)
-        if u_type == _UpdateType.ADD:
+        if u_type == UpdateType.ADD:
             self.counts.allocate(winfo, category, winfo.mem_consumed)
-        elif u_type == _UpdateType.DEL:
+        elif u_type == UpdateType.DEL:
             self.counts.release(winfo, category, winfo.mem_consumed)
-        elif u_type == _UpdateType.REF:  # the same storage, counted under another category
+        elif u_type == UpdateType.REF:  # the same storage, counted under another category
             self.counts.change(str(old_reftype.value), winfo.mem_consumed, -1)
             self.counts.change(category, winfo.mem_consumed, +1)
-        elif u_type == _UpdateType.SIZE:
+        elif u_type == UpdateType.SIZE:
             self.counts.release(winfo, category, old_mem_consumed)
             self.counts.allocate(winfo, category, winfo.mem_consumed)
 
@@ -343,7 +347,7 @@ class AttentionAsOnGpu(TorchFunctionMode):
         query, key, value = call["query"], call["key"], call["value"]
         if call.get("enable_gqa") or not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
             return func(*args, **kwargs)  # grouped heads: as called
-        output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        output, _ = flash_attention_for_cpu(
             query, key, value, 0.0, bool(call.get("is_causal", False)), attn_mask=call.get("attn_mask"),
             scale=call.get("scale"))
         return output

@@ -10,14 +10,10 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    CheckpointWrapper,
-)
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_exp.models.gpt import GPT
+from fsdp_exp.torch_private import CheckpointImpl, CheckpointWrapper, TorchDispatchMode
 
 
 class DevicePeak(NamedTuple):

@@ -15,11 +15,11 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_exp.data import TrainData
 from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.models import ModelSpec
+from fsdp_exp.torch_private import TorchDispatchMode
 
 
 def check_logits(logits: object, targets: torch.Tensor, model: str, hint: str = "") -> None:

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
@@ -47,6 +46,7 @@ from fsdp_exp.run_context import RunContext
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
 from fsdp_exp.sharding.wrap import unit_sizes, units_line
+from fsdp_exp.torch_private import CHECKPOINT_PREFIX
 
 
 T = TypeVar("T")
@@ -141,7 +141,7 @@ def buffers_from_rank0(model: nn.Module, plain: nn.Module | None) -> None:
     ones; a buffer registered with `persistent=False` (a mask, a position table) is in no
     state dict, and `to_empty` leaves it uninitialised memory."""
     # Activation checkpointing's wrapper adds a level to the names; the plain build has none.
-    own = {name.replace(_CHECKPOINT_PREFIX, ""): b for name, b in model.named_buffers()}
+    own = {name.replace(CHECKPOINT_PREFIX, ""): b for name, b in model.named_buffers()}
     source = dict(plain.named_buffers()) if plain is not None else own
     with torch.no_grad():
         for name, buffer in own.items():

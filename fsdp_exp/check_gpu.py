@@ -14,7 +14,6 @@ Exit code 0 when every check passed, 1 when any failed, 2 without a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -32,6 +31,7 @@ from fsdp_exp.check_gpu_checks import RunResult, Setup, checks, runs, setup_for
 from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.settle import settled_summary
 from fsdp_exp.metrics.environment import package_version
+from fsdp_exp.metrics.sinks import METRICS, JsonLines
 
 RUN_TIMEOUT_S = 900
 EXIT_FAILED, EXIT_NO_GPU = 1, 2
@@ -67,10 +67,8 @@ def run_fsdp_exp(overrides: list[str], out: Path, timeout_s: float = RUN_TIMEOUT
 def read_run(out: Path, stderr: str = "") -> RunResult:
     """A finished run as its files show it: the summary, the loss at each step (the last
     record of a step counts, as after a resume), and the full weights when exported."""
-    metrics_file = out / "metrics.jsonl"
     summary = settled_summary(out)  # with the run's own estimate, which it does not wait for
-    lines = metrics_file.read_text().splitlines() if metrics_file.is_file() else []
-    records = [r for r in map(json.loads, lines) if "loss" in r]
+    records = [r for r in JsonLines.read(out / METRICS) if "loss" in r]
     weights = None
     if (out / "model.safetensors").is_file():
         from safetensors.torch import load_file

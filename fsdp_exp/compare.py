@@ -23,7 +23,7 @@ from typing import Any
 from fsdp_exp.errors import one_line
 from fsdp_exp.keys import MISSING, lookup
 from fsdp_exp.metrics.plots import none_fits, plot_comparison, plot_throughput_vs_memory
-from fsdp_exp.metrics.sinks import wandb_project
+from fsdp_exp.metrics.sinks import SUMMARY, wandb_project
 
 EXIT_BAD_INPUT = 2
 NOT_FINISHED = "no summary.json: the run did not finish (interrupted or still running)"
@@ -146,13 +146,13 @@ def collect(args: argparse.Namespace) -> tuple[list[Run], list[Skipped]]:
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / "summary.json").is_file() or (path / ".hydra").is_dir()
+    return (path / SUMMARY).is_file() or (path / ".hydra").is_dir()
 
 
 def find_run_dirs(path: Path) -> list[Path]:
     """`path` itself when it is a run, else every run below it, at any depth: `outputs/` holds
     single runs at <date>/<time> and sweeps' runs at multirun/<date>/<time>/<n>."""
-    if path.name == "summary.json" and path.is_file():
+    if path.name == SUMMARY and path.is_file():
         path = path.parent
     if not path.exists():
         raise CompareError(f"{path}: no such directory")
@@ -187,7 +187,7 @@ def subdirs(path: Path) -> list[Path]:
 
 
 def load_run(run_dir: Path) -> Run | Skipped:
-    path = run_dir / "summary.json"
+    path = run_dir / SUMMARY
     if not path.is_file():
         return Skipped(str(run_dir), NOT_FINISHED)
     try:

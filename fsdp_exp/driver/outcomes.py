@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -15,6 +14,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from fsdp_exp.errors import one_line
+from fsdp_exp.metrics.sinks import read_summary
 
 EXIT_RUN_FAILED = 1
 
@@ -64,8 +64,9 @@ class RunOutcomes(Callback):
         made = [p.parent for p in [*sweep.glob("*/.hydra"), *sweep.glob("*/*/.hydra")] if p.stat().st_mtime >= self.start]
         ended = []
         for run_dir in sorted(made, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]):
-            if (run_dir / "summary.json").is_file():
-                ended.append((str(run_dir), json.loads((run_dir / "summary.json").read_text())))
+            summary = read_summary(run_dir)
+            if summary is not None:
+                ended.append((str(run_dir), summary))
             else:
                 ended.append((str(run_dir), {"status": "failed", "error": "no summary.json: the run did not "
                                              "finish (see the launcher's logs)"}))

@@ -8,7 +8,6 @@ with status "failed" and the error, and a run stopped by Ctrl-C or SIGTERM one w
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import replace
@@ -26,7 +25,7 @@ from fsdp_exp.metrics.environment import (
     rank_environment,
     read_device_record,
 )
-from fsdp_exp.metrics.sinks import summary_table, write_summary
+from fsdp_exp.metrics.sinks import METRICS, SUMMARY, JsonLines, summary_table, write_summary
 from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")
@@ -74,30 +73,21 @@ def run_experiment(
         summary = {"status": "interrupted", "signal": signal_name, "steps_done": step, "world_size": nproc}
         if writes_files:
             write_summary(run_dir, {**summary, **record(), "wall_s": time.perf_counter() - start})
-            log.warning("interrupted (%s)%s; summary in %s", signal_name, at, run_dir / "summary.json")
+            log.warning("interrupted (%s)%s; summary in %s", signal_name, at, run_dir / SUMMARY)
         err.run_reported = True  # the command adds no line of its own (fsdp_exp.cli)
         raise
     summary.update(record(), wall_s=time.perf_counter() - start)
     if writes_files:
         write_summary(run_dir, summary)
         if summary["status"] == "ok":
-            log.info("%s\n%s", run_dir / "summary.json", summary_table(summary))
+            log.info("%s\n%s", run_dir / SUMMARY, summary_table(summary))
     return summary
 
 
 def last_logged_step(run_dir: Path) -> int | None:
     """The last step rank 0 wrote to metrics.jsonl (a line cut short by the stop is skipped)."""
-    try:
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "step" in record:
-            return int(record["step"])
+    steps = [r["step"] for r in JsonLines.read(Path(run_dir) / METRICS) if "step" in r]
+    return int(steps[-1]) if steps else None
     return None
 
 

@@ -14,11 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_exp.metrics.sinks import ESTIMATED, PENDING, estimate_ratio, estimated, read_json, write_json
+from fsdp_exp.metrics.sinks import ESTIMATED, PENDING, SUMMARY, estimate_ratio, estimated, read_json, write_json
 
 ESTIMATE_FILE = "estimate.json"
 RECORD_FILE = ".estimate_record.json"  # the record, written by the tracing process before it becomes this one
-SUMMARY_FILE = "summary.json"
 POLL_S = 0.2
 
 
@@ -45,11 +44,11 @@ def checked(summary: dict, record: dict) -> dict:
 def settle(run_dir: Path) -> bool:
     """A summary that says `estimate: pending`, with the estimate checked against it, once
     the record is there; True if it was."""
-    summary, record = read_json(run_dir / SUMMARY_FILE), read_json(run_dir / ESTIMATE_FILE)
+    summary, record = read_json(run_dir / SUMMARY), read_json(run_dir / ESTIMATE_FILE)
     if summary is None or record is None or summary.get("estimate") != PENDING:
         return False
     summary.pop("estimate")
-    write_json(run_dir / SUMMARY_FILE, summary | checked(summary, record))  # the driver wrote it once, before
+    write_json(run_dir / SUMMARY, summary | checked(summary, record))  # the driver wrote it once, before
     return True
 
 
@@ -59,7 +58,7 @@ def settled_summary(run_dir: Path, timeout_s: float = 300) -> dict | None:
     when the run wrote no summary."""
     deadline = time.monotonic() + timeout_s
     while True:
-        summary = read_json(Path(run_dir) / SUMMARY_FILE)
+        summary = read_json(Path(run_dir) / SUMMARY)
         if summary is None or summary.get("estimate") != PENDING or time.monotonic() > deadline:
             return summary
         time.sleep(POLL_S)
@@ -81,7 +80,7 @@ def main() -> None:
     complete it."""
     run_dir, driver, started = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     (run_dir / RECORD_FILE).replace(run_dir / ESTIMATE_FILE)
-    summary = run_dir / SUMMARY_FILE
+    summary = run_dir / SUMMARY
     while _alive(driver) and not (summary.exists() and summary.stat().st_mtime >= started - 1.0):
         time.sleep(0.5)
     settle(run_dir)

@@ -20,6 +20,7 @@ from fsdp_exp.checkpoint.files import LATEST, METADATA, latest, step_name
 from fsdp_exp.errors import one_line
 from fsdp_exp.launch.core import POLL_S
 from fsdp_exp.launch.tail import NewLines
+from fsdp_exp.metrics.sinks import METRICS
 from fsdp_exp.rank.worker import rank_variables, run_rank
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ class Reporter:
         # An earlier attempt's `latest` names a checkpoint this attempt will write again:
         # only one committed by this attempt (the marker replaced since) is reported.
         self.marker_before = marker(self.root)
-        self.metrics = run_dir / "metrics.jsonl"
+        self.metrics = run_dir / METRICS
         self.new_records = NewLines(self.metrics, size(self.metrics))  # not earlier attempts' records
         self.records: dict[int, dict] = {}
         self.done = threading.Event()

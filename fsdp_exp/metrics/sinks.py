@@ -20,6 +20,9 @@ from fsdp_exp.errors import Choice, ConfigError, one_line
 log = logging.getLogger("fsdp_exp")
 
 
+METRICS = "metrics.jsonl"  # a run directory's records, one a logged step, written by rank 0
+
+
 class JsonLines:
     """metrics.jsonl: one JSON object per logged step, flushed as it is written."""
 
@@ -31,6 +34,24 @@ class JsonLines:
 
     def close(self) -> None:
         self.file.close()
+
+    @staticmethod
+    def read(path: Path) -> list[dict]:
+        """The records a run wrote (none where there is no file); a line cut short (a run
+        killed while writing) says nothing and is skipped."""
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            return []
+        records = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
 
 
 def record_line(record: dict, total_steps: int) -> str:
@@ -273,8 +294,16 @@ def read_json(path: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+SUMMARY = "summary.json"  # a run directory's summary, written by its driver
+
+
 def write_summary(run_dir: Path, summary: dict) -> None:
-    write_json(Path(run_dir) / "summary.json", summary)
+    write_json(Path(run_dir) / SUMMARY, summary)
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    """A run directory's summary; None where there is none or it cannot be read."""
+    return read_json(Path(run_dir) / SUMMARY)
 
 
 SETUP_GROUPS = ("task", "model", "data", "sharding", "precision")

@@ -36,7 +36,7 @@ from fsdp_exp.metrics.flops import (
     peak_column,
     step_flops_figures,
 )
-from fsdp_exp.metrics.sinks import JsonLines, Progress, Wandb
+from fsdp_exp.metrics.sinks import METRICS, JsonLines, Progress, Wandb
 from fsdp_exp.models.contract import check_logits
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.distributed import Ranks
@@ -208,7 +208,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
                         "micro-batch, which runs eagerly while its FLOPs are counted, so the summary's "
                         "throughput includes the compiler; set metrics.warmup_steps=%d or more",
                         cfg.metrics.warmup_steps, compiled_warmup)
-        jsonl = JsonLines(run_dir / "metrics.jsonl")
+        jsonl = JsonLines(run_dir / METRICS)
         if resume is not None:  # earlier records stay; readers take the last record of a step
             jsonl.log({"event": "resumed", "step": start_step, "checkpoint": str(resume)})
 

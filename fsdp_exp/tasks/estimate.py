@@ -19,6 +19,7 @@ from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.estimate.breakdown import PARTS
 from fsdp_exp.estimate.gpu import Gpu, gpu_named
 from fsdp_exp.estimate.predict import estimate, fits
+from fsdp_exp.estimate.settle import ESTIMATE_FILE
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import device_memory_gb
 from fsdp_exp.metrics.plots import plot_tokens
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fsdp_exp")
 
-RECORD = "estimate.json"
+RECORD = ESTIMATE_FILE
 
 
 @dataclass

@@ -8,8 +8,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_exp.config import as_dict
 from fsdp_exp.metrics.plots import plot_max_batch
+from fsdp_exp.metrics.wandb_tables import log_record
 from fsdp_exp.tasks.max_batch.answer import answer_line
 
 if TYPE_CHECKING:
@@ -39,15 +39,12 @@ def summary_figures(record: dict) -> dict:
             "verification": record["verification"]["status"]}
 
 
+PROBE_COLUMNS = ("batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",
+                 "estimated_peak_under_limit_gb", "estimate_ratio", "peak_mem_gb", "samples_per_s", "alloc_retries",
+                 "wall_s", "reason")
+
+
 def log_to_wandb(cfg: Experiment, context: RunContext, run_dir: Path, record: dict, png: Path) -> None:
     """The probes as a wandb table, the plot as an image, the answer in the run summary."""
-    sink = cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)
-    if sink.run is None:
-        return
-    import wandb
-
-    columns = ["batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",
-               "estimated_peak_under_limit_gb", "estimate_ratio", "peak_mem_gb", "samples_per_s", "alloc_retries", "wall_s", "reason"]
-    table = wandb.Table(columns=columns, data=[[p[c] for c in columns] for p in record["probes"]])
-    sink.run.log({"probes": table, "max_batch": wandb.Image(str(png))})
-    sink.finish(summary_figures(record))
+    log_record(cfg, context, run_dir, "probes", PROBE_COLUMNS, record["probes"], {"max_batch": png},
+               summary_figures(record))

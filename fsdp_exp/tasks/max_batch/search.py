@@ -28,7 +28,7 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
     write_device_record,
 )
-from fsdp_exp.metrics.sinks import write_json
+from fsdp_exp.metrics.sinks import read_summary, write_json
 from fsdp_exp.rank.worker import rank_log_path
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.sharding.wrap import units_line
@@ -234,10 +234,7 @@ class MaxBatchSearch(Verifying):
         probe shards it alike, and a probe's own lines stay in its rank logs."""
         if self.units_told:
             return
-        try:
-            units = json.loads((probe_dir / "summary.json").read_text()).get("fsdp_units")
-        except (OSError, ValueError):
-            return
+        units = (read_summary(probe_dir) or {}).get("fsdp_units")
         if units:
             log.info("%s", units_line(units, rank_log_path(probe_dir, 0)))
             self.units_told = True

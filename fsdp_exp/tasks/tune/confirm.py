@@ -7,12 +7,12 @@ start (`confirmation_needs`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 from pathlib import Path
 from typing import Any
 
+from fsdp_exp.metrics.sinks import METRICS, JsonLines
 from fsdp_exp.tasks.max_batch.answer import speeds
 from fsdp_exp.tasks.max_batch.verify import step_down
 from fsdp_exp.tasks.tune.accumulation import speed_at
@@ -89,7 +89,7 @@ class Confirming:
             probe = self.extra_probe(entry, "confirm", best.batch_size, best.grad_accum)
             self.confirmed = {"status": probe.status, "samples_per_s": probe.samples_per_s,
                               "peak_gb": probe.limited_peak_gb(), "reason": probe.reason, "steps": steps,
-                              "step_spread": step_spread(entry.search.run_dir / probe.dir / "metrics.jsonl")
+                              "step_spread": step_spread(entry.search.run_dir / probe.dir / METRICS)
                               if probe.status == "ok" else None}
             if probe.status == "ok":
                 best.confirmed = True
@@ -132,14 +132,7 @@ def smaller(entry: Any, failures: int, resolution: int) -> tuple[int, float] | N
 def step_spread(metrics: Path) -> float | None:
     """How far a run's timed steps' samples/s stray from their median (half their range over
     it), from its metrics.jsonl with a record each step; None with fewer than 3 timed steps."""
-    if not metrics.is_file():
-        return None
-    records = []
-    for line in metrics.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short (a run killed while writing) says nothing
-            continue
+    records = JsonLines.read(metrics)
     speeds = [r["samples_per_s"] for r in records if not r.get("warmup") and r.get("samples_per_s")]
     if len(speeds) < 3:
         return None

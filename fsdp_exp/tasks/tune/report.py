@@ -10,8 +10,8 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_exp.config import as_dict
 from fsdp_exp.metrics.plots import plot_throughput_vs_memory
+from fsdp_exp.metrics.wandb_tables import log_record
 from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, ranked, table, ties, winner
 
 if TYPE_CHECKING:
@@ -145,16 +145,12 @@ def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) ->
     return {"task": "tune", **{k: record[k] for k in keys}}
 
 
-def log_to_wandb(exp: Experiment, context: RunContext, run_dir: Path, record: dict, png: Path | None) -> None:
-    sink = exp.wandb.sink({**as_dict(exp), "environment": context.environment}, run_dir)
-    if sink.run is None:
-        return
-    import wandb
+SETUP_COLUMNS = ("setup", "status", "how", "batch_size", "grad_accum", "samples_per_s", "tokens_per_s", "mfu",
+                 "peak_gb", "headroom_gb", "max_batch_size", "estimated_max_batch", "bound_samples_per_s", "probes",
+                 "winner")
 
-    columns = ["setup", "status", "how", "batch_size", "grad_accum", "samples_per_s", "tokens_per_s", "mfu", "peak_gb",
-               "headroom_gb", "max_batch_size", "estimated_max_batch", "bound_samples_per_s", "probes", "winner"]
-    logged: dict = {"setups": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in record["rows"]])}
-    if png is not None:
-        logged["tune"] = wandb.Image(str(png))
-    sink.run.log(logged)
-    sink.finish({k: record[k] for k in ("winner", "command", "batch_size", "samples_per_s", "probes")})
+
+def log_to_wandb(exp: Experiment, context: RunContext, run_dir: Path, record: dict, png: Path | None) -> None:
+    """The setups as a wandb table, the plot as an image, the winner in the run summary."""
+    log_record(exp, context, run_dir, "setups", SETUP_COLUMNS, record["rows"], {"tune": png},
+               {k: record[k] for k in ("winner", "command", "batch_size", "samples_per_s", "probes")})

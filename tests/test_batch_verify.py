@@ -5,6 +5,7 @@ gloo ranks, with a model whose memory keeps growing after a probe's steps."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,7 @@ def test_a_probe_saves_a_checkpoint_where_the_run_does_and_trains_on_beside_it()
     assert (probe.checkpoint.every, probe.checkpoint.dir, probe.checkpoint.mode) == (3, None, exp.checkpoint.mode)
     assert probe.train.steps == 20 and probe.train.log_every == 1 and probe.wandb.mode.value == "offline"
     assert probe.wandb.id is None and probe.wandb.job_type == "probe"
+    assert replace(probe.wandb, tags=["x"]).job_type == "probe"  # a setting: a copy keeps it
     # the verification: the command as it runs, at the answer, never in the user's checkpoint.dir
     run = command_config(exp, batch_size=8, steps=50, job_type="verify")
     assert (run.checkpoint.every, run.checkpoint.dir, run.train.log_every) == (exp.checkpoint.every, None, 10)

@@ -186,9 +186,9 @@ class WandbSettings:
     group: str | None = None  # None: the multirun sweep's directory, or none for a single run
     tags: list[str] = field(default_factory=list)  # the overrides are added
     id: str | None = None  # None: a new run id, kept by restarts and requeues; or a run to continue (online)
+    job_type: str | None = None  # None: the task (train, max_batch, ...); a max_batch probe's runs: probe, verify
 
     def __post_init__(self) -> None:
-        self.job_type = "train"  # the task, set by the driver
         if self.id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(self.id)):
             raise ConfigError(f"wandb.id={self.id}: at most 64 letters, digits, '-' or '_'")
 
@@ -203,13 +203,12 @@ class WandbSettings:
 
     def for_run(self, overrides: list[str], group: str | None, job_type: str) -> WandbSettings:
         """The run's tags (its overrides), its group (the sweep) and its job type (the task)."""
-        settings = replace(self, tags=[*self.tags, *overrides], group=self.group or group)
-        settings.job_type = job_type
-        return settings
+        return replace(self, tags=[*self.tags, *overrides], group=self.group or group,
+                       job_type=self.job_type or job_type)
 
     def sink(self, config: dict, run_dir: Path) -> Wandb:
         return Wandb(mode=self.mode, project=self.project, entity=self.entity, group=self.group, tags=self.tags,
-                     config=config, run_dir=run_dir, job_type=self.job_type, run_id=self.id)
+                     config=config, run_dir=run_dir, job_type=self.job_type or "train", run_id=self.id)
 
 
 def wandb_project() -> str:

@@ -130,8 +130,8 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
     warmup = warmup_steps_to_skip(cfg.train.compile)
     steps = max(steps, warmup + 1)
     logs = probes_log_wandb(cfg)
-    wandb = replace(cfg.wandb, mode=WandbMode.offline if logs else WandbMode.disabled, id=None, group=None)
-    wandb.job_type = "probe"
+    wandb = replace(cfg.wandb, mode=WandbMode.offline if logs else WandbMode.disabled, id=None, group=None,
+                    job_type="probe")
     total = max(steps, up_to_steps)
     checkpoint = cfg.checkpoint if isinstance(cfg.checkpoint, NoCheckpoint) else \
         replace(cfg.checkpoint, dir=None, every=steps)
@@ -167,8 +167,8 @@ def command_config(cfg: Experiment, batch_size: int, steps: int, job_type: str) 
     sinks, checkpoints and export, for `steps` steps, in a run directory of its
     own (checkpoint.dir is left to it, so no checkpoint of the user's is touched); wandb in
     the run's own mode, as a new run of `job_type`."""
-    wandb = replace(cfg.wandb, id=None if cfg.wandb.mode == WandbMode.disabled else uuid.uuid4().hex[:16])
-    wandb.job_type = job_type
+    wandb = replace(cfg.wandb, id=None if cfg.wandb.mode == WandbMode.disabled else uuid.uuid4().hex[:16],
+                    job_type=job_type)
     checkpoint = replace(cfg.checkpoint, dir=None) if getattr(cfg.checkpoint, "dir", None) else cfg.checkpoint
     return replace(cfg, train=replace(cfg.train, batch_size=batch_size, steps=steps), wandb=wandb,
                    checkpoint=checkpoint, task=Train())

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from fsdp_exp import torch_private
 from fsdp_exp.errors import ConfigError, at_least, one_line
-from fsdp_exp.torch_private import dump_snapshot, record_memory_history
 
 log = logging.getLogger("fsdp_exp")
 
@@ -33,7 +33,7 @@ def record_allocation_history(device: torch.device) -> bool:
     global _recording_history
     if device.type != "cuda" or _recording_history:
         return False
-    record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+    torch_private.record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
     _recording_history = True
     return True
 
@@ -41,7 +41,7 @@ def record_allocation_history(device: torch.device) -> bool:
 def stop_allocation_history(device: torch.device) -> None:
     global _recording_history
     if device.type == "cuda" and _recording_history:
-        record_memory_history(enabled=None)
+        torch_private.record_memory_history(enabled=None)
         _recording_history = False
 
 
@@ -132,7 +132,7 @@ def dump_cuda_snapshot(path: Path, device: torch.device) -> None:
     if device.type != "cuda":
         return
     try:
-        dump_snapshot(str(path))
+        torch_private.dump_snapshot(str(path))
     except Exception as err:  # noqa: BLE001 - e.g. a CUDA error left the device unusable
         log.warning("no memory snapshot at %s: %s", path, one_line(err, named=True, limit=200))
 

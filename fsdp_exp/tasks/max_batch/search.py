@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +57,15 @@ from fsdp_exp.tasks.max_batch.verify import LengthCheck, Verification, Verifying
 log = logging.getLogger("fsdp_exp")
 
 
-
-@dataclass
 class MaxBatchSearch(Verifying):
-    cfg: Experiment
-    run_dir: Path
-    launcher: Launcher
-    nproc: int
-    context: RunContext = field(default_factory=RunContext)  # the search's; the probes have their own
-    own_wandb_run: bool = True  # the search logs its answer to a wandb run (not a tune's setup: the tune does)
+    """One search, live: its settings (`cfg`, the run's with task=max_batch), where it writes,
+    how its probes start, and what it has learned so far."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, cfg: Experiment, run_dir: Path, launcher: Launcher, nproc: int,
+                 context: RunContext | None = None, own_wandb_run: bool = True) -> None:
+        self.cfg, self.run_dir, self.launcher, self.nproc = cfg, run_dir, launcher, nproc
+        self.context = context if context is not None else RunContext()  # the search's; the probes have their own
+        self.own_wandb_run = own_wandb_run  # the search logs its answer to a wandb run (not a tune's setup: the tune does)
         settings = self.cfg.task
         self.steps = settings.steps_per_probe
         self.timeout_s = settings.probe_timeout

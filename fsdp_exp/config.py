@@ -28,7 +28,6 @@ from fsdp_exp.metrics.sinks import WandbSettings
 from fsdp_exp.models import NO_BUILDER, ModelSpec
 from fsdp_exp.precision import Precision
 from fsdp_exp.schedule import LrSchedule
-from fsdp_exp.tasks.max_batch.settings import OldSearchSettings
 
 __all__ = ["ConfigError", "Experiment"]
 
@@ -97,7 +96,6 @@ class Experiment:
     optimizer: Any = MISSING  # open: a `_target_` with `_partial_: true`, given the parameters on each rank
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
-    max_batch: OldSearchSettings = field(default_factory=OldSearchSettings)  # task=max_batch's task.*, by their old names
 
     def __post_init__(self) -> None:
         # From the composed config, the model and the user's own data (`_target_`, fsdp_exp.data.custom)
@@ -131,9 +129,14 @@ def as_dict(exp: Experiment) -> dict:
     return json.loads(json.dumps(values, default=str))
 
 
-def unknown_key(key: str, schema: Any) -> ConfigError:
-    """The error for `key`, which the node's schema does not have: it lists the keys it does."""
+def unknown_key(key: str, schema: Any, typed: str | None = None) -> ConfigError:
+    """The error for `key`, which the node's schema does not have: it lists the keys it does.
+    `typed`: the key as the command line gave it (`key` or a key below it)."""
     parent = key.rpartition(".")[0] or "the top level"
+    typed = typed or key
+    if typed.split(".")[0] == "max_batch":  # where task=max_batch's settings were before 0.1.0
+        moved = typed.replace("max_batch", "task", 1)
+        return ConfigError(f"{typed}: task=max_batch's settings are task.*: write task=max_batch {moved}=...")
     if not is_dataclass(schema):  # a free-form node, such as optimizer
         return ConfigError(f"{key}: not in {parent}; add a new key with +{key}=...")
     allowed = sorted(f.name for f in fields(schema) if not f.name.startswith("_"))

@@ -121,7 +121,7 @@ def broken() -> Broken:
         (["memory.limit_gb=0"], "memory.limit_gb=0.0: must be greater than 0"),
         (["memory.limit_gb=100000"], "memory.limit_gb=100000.0: above the device's memory (2 ranks share"),
         (["optimizer.momentum=0.9"], "optimizer.momentum: not in optimizer; add a new key with +optimizer.momentum=..."),
-        (["foo=1"], "foo: unknown key; the top level has: checkpoint, data, device, launcher, max_batch, memory, metrics"),
+        (["foo=1"], "foo: unknown key; the top level has: checkpoint, data, device, launcher, memory, metrics, model"),
         (["sharding=full,grad_op"], "sharding=full,grad_op: a list of values is a sweep; add -m"),
         (["train.steps=[1"], "train.steps=[1: not a valid override"),
     ],
@@ -252,21 +252,17 @@ def test_the_readmes_estimate_command_is_accepted_as_typed() -> None:
     assert plan.exp.data.tokens_per_sample > 0
 
 
-def test_max_batchs_settings_are_task_keys_and_their_old_names_still_work(capsys: pytest.CaptureFixture) -> None:
-    """task=max_batch's settings moved from max_batch.* to task.*; the old names are read for
-    a release, with one line that says what to write instead (and, under another task,
-    ignored as before, with one line that says so)."""
-    (plan,) = precheck(["task=max_batch", "memory.limit_gb=1", "max_batch.resolution=8", "max_batch.estimate=false"]).values()
-    assert (plan.exp.task.resolution, plan.exp.task.estimate) == (8, False)
-    assert capsys.readouterr().err.strip() == (
-        "fsdp_exp: max_batch.resolution, max_batch.estimate moved under task.* of task=max_batch: write "
-        "task.resolution=8 task.estimate=false; the old names are read until the next release")
+def test_max_batchs_old_setting_names_are_refused_with_the_name_to_write(tmp_path: Path) -> None:
+    """task=max_batch's settings are task.*; max_batch.*, where they were before 0.1.0, is
+    refused in one line that names what to write instead, under any task."""
+    for args in (["task=max_batch", "memory.limit_gb=1", "max_batch.resolution=8"], ["max_batch.resolution=8"]):
+        result = refused_here(*args, cwd=tmp_path)
+        assert result.returncode == 2 and not (tmp_path / "outputs").exists(), result.stderr
+        assert result.stderr.strip().splitlines()[-1] == (
+            "fsdp_exp: max_batch.resolution: task=max_batch's settings are task.*: write task=max_batch "
+            "task.resolution=...")
     (plan,) = precheck(["task=max_batch", "memory.limit_gb=1", "task.resolution=8"]).values()
-    assert plan.exp.task.resolution == 8 and capsys.readouterr().err == ""
-    (plan,) = precheck(["max_batch.resolution=8"]).values()
-    assert type(plan.exp.task).__name__ == "Train" and capsys.readouterr().err.strip() == (
-        "fsdp_exp: max_batch.resolution: settings of task=max_batch (now task.*); task=train ignores them, "
-        "as it did, until the next release refuses them")
+    assert plan.exp.task.resolution == 8
 
 
 @pytest.mark.parametrize("refused", [True, False], ids=["refused", "valid"])

@@ -191,7 +191,8 @@ def explain(err: Exception) -> str:
             return f"{match.group(1)}: a list of values is a sweep; add -m (--multirun)"
         return first_line
     if "Could not override" in first_line or "Key '" in first_line:
-        return str(config.unknown_key(key, getattr(cause, "object_type", None)))
+        typed = re.search(r"Could not override '([^']+)'", str(err))  # the key as typed, maybe below the one missing
+        return str(config.unknown_key(key, getattr(cause, "object_type", None), typed.group(1) if typed else key))
     value = getattr(cause, "value", None)
     return f"{key}={'' if value is None else value}: {reason(first_line)}"
 

@@ -13,7 +13,6 @@ afterwards: what a run learns on its way is its RunContext (fsdp_exp.run_context
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,7 +26,6 @@ from fsdp_exp.memory import check_limit
 from fsdp_exp.launch.rank_server import in_a_fork
 from fsdp_exp.models.contract import DataShare, check_model, check_model_and_data, check_model_reads_data
 from fsdp_exp.models.hf import needs_gpu
-from fsdp_exp.tasks.max_batch.settings import OldSearchSettings, SearchSettings
 
 
 @dataclass
@@ -53,7 +51,7 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     so its losses are the reference the sharded runs must match. `world_size`: given by
     an external torchrun; otherwise the launcher decides.
     """
-    exp = settings_moved(config.build(cfg))
+    exp = config.build(cfg)
     in_driver = exp.task.runs_in_driver
     # task=eval and export run here, whatever the launcher: on a login node, on its CPU.
     gpus = local_gpus if in_driver else exp.launcher.gpus(local_gpus)
@@ -92,29 +90,6 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     exp.task.check_world(world)
     global_batch = exp.train.batch_size * (1 if exp.sharding.distributed else world)
     return RunPlan(replace(exp, train=replace(exp.train, batch_size=global_batch), wandb=exp.wandb.resolved()), nproc)
-
-
-def settings_moved(exp: Experiment) -> Experiment:
-    """task=max_batch's settings are task.*; max_batch.*, their old names, are still read,
-    with a one-line note, until the next release."""
-    given = exp.max_batch.given()
-    if not given:
-        return exp
-    old = ", ".join(f"max_batch.{key}" for key in given)
-    searches = isinstance(exp.task, SearchSettings)
-    new = " ".join(f"task.{key}={str(value).lower() if isinstance(value, bool) else value}"
-                   for key, value in given.items())
-    note = (f"{old} moved under task.* of task=max_batch: write {new}; the old names are read until the next release"
-            if searches else f"{old}: settings of task=max_batch (now task.*); task={type(exp.task).__name__.lower()} "
-            "ignores them, as it did, until the next release refuses them")
-    if note not in _noted:  # once per command, not once per run of a sweep
-        _noted.add(note)
-        print(f"fsdp_exp: {note}", file=sys.stderr)
-    task = replace(exp.task, **given) if searches else exp.task
-    return replace(exp, task=task, max_batch=OldSearchSettings())
-
-
-_noted: set[str] = set()
 
 
 def prepare_in_driver(exp: Experiment) -> RunPlan:

@@ -4,7 +4,7 @@ importing the search."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from fsdp_exp.errors import ConfigError
 
@@ -49,19 +49,3 @@ class SearchSettings:
         """The verification's steps: task.verify_steps, or the run's train.steps and at least
         VERIFY_AT_LEAST (0: none)."""
         return max(train_steps, VERIFY_AT_LEAST) if self.verify_steps is None else self.verify_steps
-
-
-@dataclass
-class OldSearchSettings:
-    """max_batch.*: where task=max_batch's settings were until they moved under task.*.
-    Still read, with a one-line note, for one more release (fsdp_exp.driver.plan)."""
-
-    steps_per_probe: int | None = None
-    probe_timeout: float | None = None
-    resolution: int | None = None
-    margin: float | None = None
-    search_up_to: int | None = None
-    estimate: bool | None = None
-
-    def given(self) -> dict:
-        return {key: value for key, value in asdict(self).items() if value is not None}

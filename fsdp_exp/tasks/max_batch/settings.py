@@ -1,6 +1,5 @@
-"""task.*: how task=max_batch searches, and max_batch.*, their old home. Apart from the
-search, so that the experiment's schema (fsdp_exp.config) can hold the old names without
-importing the search."""
+"""task.*: how task=max_batch searches. Apart from the search, so that task=tune's settings
+(fsdp_exp.tasks.tune.settings) can take them without importing the search."""
 
 from __future__ import annotations
 

@@ -10,13 +10,14 @@ import torch
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.estimate.allocator import CachingAllocator, OutOfMemory, least_cap, replay, segment_size
+from fsdp_exp.estimate.allocator import CachingAllocator, OutOfMemory, replay, segment_size
 from fsdp_exp.estimate.breakdown import estimate_batch
 from fsdp_exp.estimate.gpu import cublas_workspaces, gpu_named, outside_allocator_gb
 from fsdp_exp.estimate.predict import fits
 from fsdp_exp.estimate.trace import Counts, trace
 from fsdp_exp.estimate.traced import StepTrace, TracedPeak
 from fsdp_exp.sharding import FullyShard, HybridShard
+from tests.counting import least_cap
 
 MIB = 2**20
 

@@ -25,11 +25,12 @@ from fsdp_exp.config import ConfigError
 from fsdp_exp.data.tokens import SyntheticTokens
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.driver.run import run_experiment
-from fsdp_exp.metrics.flops import count_step_flops, flops_per_token
+from fsdp_exp.metrics.flops import flops_per_token
 from fsdp_exp.models import ModelSpec, build_model
 from fsdp_exp.models.hf import build_hf, transformers_state_dict
 from fsdp_exp.sharding.wrap import select_units
 from fsdp_exp.tasks.export import plain_model
+from tests.counting import count_step_flops
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 172,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

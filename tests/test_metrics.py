@@ -245,12 +245,9 @@ def test_analytic_flops_come_from_the_built_model_and_match_the_counted_ones_on_
     does not count the CPU attention kernel (torch 2.14), and the ratio would be 0.79."""
     import torch.nn.functional as F
 
-    from fsdp_exp.metrics.flops import (
-        count_step_flops,
-        flops_per_token,
-        gpt_flops_per_token,
-    )
+    from fsdp_exp.metrics.flops import flops_per_token, gpt_flops_per_token
     from fsdp_exp.models.gpt import build_gpt
+    from tests.counting import count_step_flops
 
     model = build_gpt("tiny", vocab_size=256, block_size=128)
     analytic = flops_per_token(model, 128)

@@ -17,7 +17,6 @@ from fsdp_exp.blocks import block_names, checkpoint_blocks
 from fsdp_exp.metrics.flops import (
     PEAKS,
     PeakChoice,
-    count_step_flops,
     device_peak,
     find_peak,
     flops_per_token,
@@ -29,6 +28,7 @@ from fsdp_exp.models.gpt import build_gpt
 from fsdp_exp.models.vit import build_vit
 from fsdp_exp.precision import Precision
 from tests.conftest import SMALL_VIT, read_json, run_cli
+from tests.counting import count_step_flops
 
 # --- the peak table -------------------------------------------------------------------
 

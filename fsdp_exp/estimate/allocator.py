@@ -172,19 +172,3 @@ def replay(events: Iterable[Event], cap: int | None = None) -> CachingAllocator:
         else:
             allocator.malloc(key, nbytes, stream)
     return allocator
-
-
-def least_cap(events: list[Event]) -> int:
-    """The smallest cap, to 2 MiB, under which the events run without running out of memory:
-    what the segments need when the allocator releases its cache as torch's does."""
-    high = replay(events).peak_reserved
-    low = 0
-    while high - low > ROUND_LARGE:
-        mid = (low + high) // 2
-        try:
-            replay(events, mid)
-        except OutOfMemory:
-            low = mid
-        else:
-            high = mid
-    return high

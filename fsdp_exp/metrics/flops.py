@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -224,18 +224,6 @@ def counting_flops(model: nn.Module, formulas: dict = ATTENTION_FORMULAS) -> Ite
     hardware = counter.get_total_flops()
     model_flops = hardware - sum(c.get_total_flops() for c in recomputed)
     count.step = StepFlops(model=model_flops, hardware=hardware, uncounted=sorted(uncounted.ops))
-
-
-def count_step_flops(model: nn.Module, loss_of: Callable[[], torch.Tensor],
-                     formulas: dict = ATTENTION_FORMULAS) -> StepFlops:
-    """`counting_flops` of one forward and backward, `loss_of().backward()`, outside
-    training: the gradients it leaves are cleared; the weights are not touched."""
-    with counting_flops(model, formulas) as count:
-        loss_of().backward()
-    for p in model.parameters():
-        p.grad = None
-    assert count.step is not None
-    return count.step
 
 
 def step_flops_figures(counted: StepFlops, analytic: int | None, micro_batches: int = 1) -> dict:

@@ -13,21 +13,17 @@ import argparse
 import csv
 import json
 import os
-import re
 import sys
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fsdp_exp.errors import one_line
+from fsdp_exp.finished_runs import CompareError, Run, Skipped, find_run_dirs, is_run_dir, load_run, wandb_runs
 from fsdp_exp.keys import MISSING, lookup
 from fsdp_exp.metrics.plots import none_fits, plot_comparison, plot_throughput_vs_memory
-from fsdp_exp.metrics.sinks import SUMMARY, wandb_project
+from fsdp_exp.metrics.sinks import wandb_project
 
 EXIT_BAD_INPUT = 2
-NOT_FINISHED = "no summary.json: the run did not finish (interrupted or still running)"
-INTERRUPTED = "interrupted: the run was stopped before it finished"
 COLUMNS = ["setup", "task", "status", "max_batch_size", "fastest_batch_size", "near_fastest_batch_size",
            "batch_size", "samples_per_s", "peak_mem_gb", "estimated_peak_mem_gb", "peak_in_use_gb", "estimate_error", "limit_gb",
            "peak_under_limit_gb", "world_size", "mfu", "final_loss", "eval_loss", "eval_accuracy", "note", "run_dir"]
@@ -52,24 +48,6 @@ FORMATS = {"max_batch_size": ",d", "fastest_batch_size": ",d", "near_fastest_bat
            "eval_accuracy": ".2%"}
 # A failure's reason in a table cell; the CSV and comparison.md keep the whole first line.
 REASON_CHARS = 120
-
-
-class CompareError(Exception):
-    """Input the user can fix; the message is the one line they see."""
-
-
-@dataclass
-class Run:
-    source: str  # the run directory, or the wandb run's URL
-    summary: dict
-    overrides: list[str]
-    config: dict  # the experiment's config when known: train.batch_size, values not overridden
-
-
-@dataclass
-class Skipped:
-    source: str
-    reason: str
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,105 +121,6 @@ def collect(args: argparse.Namespace) -> tuple[list[Run], list[Skipped]]:
         runs += from_wandb
         skipped += skipped_on_wandb
     return runs, skipped
-
-
-def is_run_dir(path: Path) -> bool:
-    return (path / SUMMARY).is_file() or (path / ".hydra").is_dir()
-
-
-def find_run_dirs(path: Path) -> list[Path]:
-    """`path` itself when it is a run, else every run below it, at any depth: `outputs/` holds
-    single runs at <date>/<time> and sweeps' runs at multirun/<date>/<time>/<n>."""
-    if path.name == SUMMARY and path.is_file():
-        path = path.parent
-    if not path.exists():
-        raise CompareError(f"{path}: no such directory")
-    if not path.is_dir():
-        raise CompareError(f"{path}: not a directory; give a run directory or a directory of runs")
-    if is_run_dir(path):
-        return [path]
-    found = runs_below(path, {path.resolve()})
-    if not found:
-        raise CompareError(f"{path}: holds no runs (no summary.json or .hydra/ in it or anywhere below it)")
-    return found
-
-
-def runs_below(path: Path, visited: set[Path]) -> list[Path]:
-    """The runs under `path`, not looking inside a run: a max_batch run's probes have summaries
-    of their own. `visited` guards against a symlink back up the tree."""
-    found = []
-    for child in subdirs(path):
-        if child.resolve() in visited:
-            continue
-        visited.add(child.resolve())
-        found += [child] if is_run_dir(child) else runs_below(child, visited)
-    return found
-
-
-def subdirs(path: Path) -> list[Path]:
-    """Subdirectories in the order a person expects: 2 before 10."""
-    def natural(p: Path) -> list:
-        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", p.name)]
-
-    return sorted((p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")), key=natural)
-
-
-def load_run(run_dir: Path) -> Run | Skipped:
-    path = run_dir / SUMMARY
-    if not path.is_file():
-        return Skipped(str(run_dir), NOT_FINISHED)
-    try:
-        summary = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        return Skipped(str(run_dir), f"summary.json is not valid JSON ({err.msg}, line {err.lineno})")
-    except (OSError, UnicodeDecodeError) as err:
-        return Skipped(str(run_dir), f"summary.json cannot be read ({err})")
-    if not isinstance(summary, dict) or "status" not in summary:
-        return Skipped(str(run_dir), "summary.json has no run status")
-    if summary["status"] == "interrupted":
-        return Skipped(str(run_dir), INTERRUPTED)
-    overrides = summary["overrides"] if "overrides" in summary else read_yaml(run_dir / ".hydra" / "overrides.yaml")
-    config = read_yaml(run_dir / ".hydra" / "config.yaml")
-    return Run(str(run_dir), summary, list(overrides or []), config if isinstance(config, dict) else {})
-
-
-def read_yaml(path: Path) -> Any:
-    """The file's content, or None when it is missing or not YAML: it only adds detail."""
-    import yaml
-
-    try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-
-
-def wandb_runs(group: str, project: str, entity: str | None) -> tuple[list[Run], list[Skipped]]:
-    """The runs of a wandb group, as the same Runs a run directory gives."""
-    where = f"{entity}/{project}" if entity else project
-    try:
-        import wandb
-
-        found = list(wandb.Api(timeout=30).runs(where, filters={"group": group}))
-        loaded = [wandb_run(run) for run in found]
-    except Exception as err:  # noqa: BLE001 - no key, no network, no project: all one line for the user
-        raise CompareError(f"--wandb {group}: could not read the group's runs from wandb project {where} "
-                           f"({one_line(err, named=True)})") from None
-    if not found:
-        raise CompareError(f"--wandb {group}: wandb project {where} has no runs in group {group!r}")
-    return [r for r in loaded if isinstance(r, Run)], [r for r in loaded if isinstance(r, Skipped)]
-
-
-def wandb_run(run: Any) -> Run | Skipped:
-    if run.state == "running":
-        return Skipped(run.url, "still running on wandb")
-    if run.state == "killed":
-        return Skipped(run.url, INTERRUPTED)
-    summary = {k: v for k, v in run.summary.items() if not k.startswith("_")}
-    config = dict(run.config)
-    # wandb keeps no list or dict in its summary, so the status and task come from the run itself.
-    summary.setdefault("status", "ok" if run.state == "finished" else "failed")
-    summary["choices"] = {"task": summary.get("task") or run.job_type or "train"}
-    return Run(run.url, summary, [t for t in run.tags if "=" in t], config)
 
 
 def memory_points(rows: list[dict]) -> list[tuple[str, float, float]]:

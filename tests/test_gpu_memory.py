@@ -14,7 +14,8 @@ from fsdp_exp.estimate.allocator import CachingAllocator, OutOfMemory, replay, s
 from fsdp_exp.estimate.breakdown import estimate_batch
 from fsdp_exp.estimate.gpu import cublas_workspaces, gpu_named, outside_allocator_gb
 from fsdp_exp.estimate.predict import fits
-from fsdp_exp.estimate.trace import Counts, trace
+from fsdp_exp.estimate.counting import Counts
+from fsdp_exp.estimate.trace import trace
 from fsdp_exp.estimate.traced import StepTrace, TracedPeak
 from fsdp_exp.sharding import FullyShard, HybridShard
 from tests.counting import least_cap

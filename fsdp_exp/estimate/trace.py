@@ -38,137 +38,22 @@ import torch
 import torch.distributed as dist
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
-from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
-from fsdp_exp.estimate.allocator import CachingAllocator, cuda_block
-from fsdp_exp.estimate.library import LibraryOps, kept_by_step
-from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace, TracedPeak
+from fsdp_exp.estimate.counting import Counts, PlainTracker, ShardedTracker, tracker
+from fsdp_exp.estimate.library import kept_by_step
+from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace
 from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
 from fsdp_exp.launch.core import rank_threads
 from fsdp_exp.rank.build import build_model_for_training
 from fsdp_exp.rank.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
 from fsdp_exp.sharding import NoSharding
-from fsdp_exp.torch_private import (
-    FakeStore,
-    FakeTensorMode,
-    FSDPMemTracker,
-    MemTracker,
-    UpdateType,
-    flash_attention_for_cpu,
-)
+from fsdp_exp.torch_private import FakeStore, FakeTensorMode, flash_attention_for_cpu
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
-
-class Counts:
-    """Live bytes by tracker category, two ways: as stored (the CPU) and in the CUDA
-    allocator's 512-byte blocks, and the peaks of each; and the storages on a GPU's device
-    replayed through the caching allocator (`device`), whose reserved memory is the
-    `segments` peak. The CPU peak counts every category, the GPU's all but the `offloaded`
-    ones (in host memory there).
-
-    The caching allocator caches freed blocks per stream, so each allocation goes to the
-    replay on the stream it was made on: FSDP2 runs its all-gather copy-in and its
-    reduce-scatter on streams of its own (`torch.cpu.Stream`s in the trace, as
-    `torch.cuda.Stream`s on a GPU), and the tracker sees the current one. cuBLAS's
-    workspaces (`workspaces`, bytes each) are held from the first matmul on, on the compute
-    stream."""
-
-    def __init__(self, offloaded: tuple[str, ...], workspaces: tuple[int, ...] = ()):
-        self.offloaded = offloaded
-        self.now: dict[str, dict[str, int]] = {"stored": {}, "blocks": {}}
-        self.peaks = {"cpu": TracedPeak(), "blocks": TracedPeak(), "segments": TracedPeak()}
-        self.device = CachingAllocator()
-        self.streams: dict[object, int] = {torch.cpu.current_stream(): 0}
-        for n, nbytes in enumerate(workspaces):
-            self.device.malloc(("cuBLAS workspace", n), nbytes, 0)
-        self.phase = ""
-        self.at_phase_ends = 0  # the most the storages held where a phase started or ended
-        self.library = LibraryOps()  # the ops MKL and oneDNN ran (fsdp_exp.estimate.library)
-
-    def phase_end(self) -> None:
-        self.at_phase_ends = max(self.at_phase_ends, sum(self.now["stored"].values()))
-
-    def allocate(self, key: object, category: str, nbytes: int) -> None:
-        self.change(category, nbytes, +1)
-        if category not in self.offloaded and nbytes:  # a request of 0 bytes takes no block
-            stream = self.streams.setdefault(torch.cpu.current_stream(), len(self.streams))
-            self.device.malloc(key, nbytes, stream)
-
-    def release(self, key: object, category: str, nbytes: int) -> None:
-        self.change(category, nbytes, -1)
-        if key in self.device.live:
-            self.device.free(key)
-
-    def change(self, category: str, nbytes: int, sign: int) -> None:
-        for kind, size in (("stored", nbytes), ("blocks", cuda_block(nbytes))):
-            bucket = self.now[kind]
-            bucket[category] = bucket.get(category, 0) + sign * size
-
-    def see(self) -> None:
-        stored = self.now["stored"]
-        self.peaks["cpu"].see(sum(stored.values()), stored, self.phase)
-        on_device = {k: v for k, v in self.now["blocks"].items() if k not in self.offloaded}
-        self.peaks["blocks"].see(sum(on_device.values()), on_device, self.phase)
-        self.peaks["segments"].see(self.device.reserved, on_device, self.phase)
-
-
-class Counting:
-    """Mixed into torch's trackers: every change of the live storages goes to `counts`,
-    and every op's result is seen against the peaks (the trackers keep one peak, of all
-    categories together)."""
-
-    counts: Counts
-    attention: list[tuple[int, ...]]  # the query shape of every attention call
-
-    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:  # noqa: ANN001
-        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)  # type: ignore[misc]
-        category = str(winfo.reftype.value)
-        if u_type == UpdateType.ADD:
-            self.counts.allocate(winfo, category, winfo.mem_consumed)
-        elif u_type == UpdateType.DEL:
-            self.counts.release(winfo, category, winfo.mem_consumed)
-        elif u_type == UpdateType.REF:  # the same storage, counted under another category
-            self.counts.change(str(old_reftype.value), winfo.mem_consumed, -1)
-            self.counts.change(category, winfo.mem_consumed, +1)
-        elif u_type == UpdateType.SIZE:
-            self.counts.release(winfo, category, old_mem_consumed)
-            self.counts.allocate(winfo, category, winfo.mem_consumed)
-
-    def _update_peak_stats(self, peak_state) -> None:  # noqa: ANN001
-        super()._update_peak_stats(peak_state)  # type: ignore[misc]
-        self.counts.see()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        result = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
-        self.counts.library.see(func, args)
-        if result is not NotImplemented and "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
-            self.attention.append(tuple(args[0].shape))
-        return result
-
-
-class ShardedTracker(Counting, FSDPMemTracker):
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, counts: Counts):
-        FSDPMemTracker.__init__(self, model, optimizer)
-        self.counts, self.attention = counts, []
-
-
-class PlainTracker(Counting, MemTracker):
-    def __init__(self, counts: Counts):
-        MemTracker.__init__(self)
-        self.counts, self.attention = counts, []
-
-
-def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, counts: Counts) -> MemTracker:
-    if isinstance(model, FSDPModule):
-        return ShardedTracker(model, optimizer, counts)
-    made = PlainTracker(counts)
-    made.track_external(model, optimizer)
-    return made
-
 
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
@@ -378,7 +263,7 @@ class Phases:
     backward, optimizer_step) the counts are in."""
 
     counts: Counts | None = None
-    tracker: MemTracker | None = None  # the step's, while it counts
+    tracker: PlainTracker | ShardedTracker | None = None  # the step's, while it counts
 
     def start_phase(self, name: str) -> None:
         if self.counts is not None:

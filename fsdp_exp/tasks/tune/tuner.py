@@ -24,10 +24,9 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fsdp_exp.config import as_dict
 from fsdp_exp.driver.check import check_run
@@ -43,9 +42,10 @@ from fsdp_exp.tasks.max_batch.policy import PRIOR_ERROR
 from fsdp_exp.tasks.max_batch.prior import prior
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
-from fsdp_exp.tasks.max_batch.settings import SearchSettings
 from fsdp_exp.tasks.tune.accumulation import fastest_splits
+from fsdp_exp.tasks.tune.command import base_overrides, search_command, search_path_overrides
 from fsdp_exp.tasks.tune.confirm import Confirming
+from fsdp_exp.tasks.tune.side_by_side import SetupsSideBySide
 from fsdp_exp.tasks.tune.ranking import Row, can_win, speed_bound
 from fsdp_exp.tasks.tune.space import Setup, setups
 
@@ -77,7 +77,7 @@ class Entry:
     extra_probes: int = 0  # beside its search: task.global_batch's splits, the winner's confirmation
 
 
-class Tuner(Confirming):
+class Tuner(Confirming, SetupsSideBySide):
     def __init__(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int):
         self.exp, self.context, self.run_dir, self.launcher, self.nproc = exp, context, Path(run_dir), launcher, nproc
         self.settings = exp.task
@@ -187,39 +187,6 @@ class Tuner(Confirming):
             pass
         if not self.stopped:
             self.settle_searched(entry)
-
-    # --- side by side (launcher.max_parallel: slurm, ray) ---
-
-    def runs(self) -> SideBySide | None:
-        """The setups in flight, when the launcher runs more than one at a time."""
-        if self.parallel <= 1:
-            return None
-        if self.in_flight is None:
-            self.in_flight = SideBySide()
-        return self.in_flight
-
-    def side_by_side(self, entries: list[Entry], work: Callable[[Entry], None], at_once: int,
-                     runs: SideBySide | None) -> None:
-        """`work(entry)` for each entry until the budget is spent: one after another, or up to
-        `at_once` at a time in `runs`."""
-        for entry in entries:
-            if runs is not None:
-                runs.wait(lambda: runs.in_flight() < at_once)
-            if self.spent():
-                break
-            if runs is None:
-                work(entry)
-            else:
-                runs.start(entry.setup.name, self.run_dir / entry.row.dir, at_once, lambda entry=entry: work(entry))
-        if runs is not None:
-            self.wait(runs)
-
-    def wait(self, runs: SideBySide) -> None:
-        """Until every setup in flight has ended; an error in one is raised here, after the others ended."""
-        runs.wait(lambda: runs.in_flight() == 0)
-        for _, future in runs.runs:
-            future.result()
-        runs.runs.clear()
 
     # --- one setup ---
 
@@ -433,14 +400,7 @@ class Tuner(Confirming):
             self.search_those_that_can_win()
 
     def setup_overrides(self, setup: Setup) -> list[str]:
-        """The command line of one setup's search: the tune's, its own options, and the tune's
-        search settings as task=max_batch's. wandb as the tune's: its probes log as the run
-        would (fsdp_exp.tasks.max_batch.probe), its search to no run of its own."""
-        search = [f"task.{f.name}={value_text(getattr(self.settings, f.name))}" for f in fields(SearchSettings)
-                  if f.name != "verify_steps"]
-        # The tune confirms its winner itself (confirm), at the batch it hands over.
-        return [*self.command, *setup.overrides, "task=max_batch", *search, "task.verify_steps=0",
-                *search_path_overrides()]
+        return search_command(self.command, setup.overrides, self.settings)
 
     def prefix(self) -> list[str]:
         """The printed command line's words before the setup's own."""
@@ -475,22 +435,3 @@ class Tuner(Confirming):
             confirmed=self.confirmed)
         write_json(self.run_dir / RECORD, record)
         return record
-
-
-def base_overrides(command_line: list[str]) -> list[str]:
-    """The command line without the tune's own keys (task=tune, task.*)."""
-    return [o for o in command_line if o.split("=", 1)[0].lstrip("+~") != "task"
-            and not o.lstrip("+~").startswith("task.")]
-
-
-def value_text(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def search_path_overrides() -> list[str]:
-    """The command's hydra.searchpath, so that a setup finds the user's config folder too."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return []
-    return [o for o in HydraConfig.get().overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath"]

@@ -29,13 +29,13 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config, options
-from fsdp_exp.driver.compose import CONF_DIR, check_search_path, compose_config
 from fsdp_exp.driver.check import BadInput, Refused, check_run, explain, swept_values, take_plan
+from fsdp_exp.driver.compose import CONF_DIR, check_search_path, compose_config
+from fsdp_exp.driver.external_torchrun import run_as_worker
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import stop_on_signals, stop_signal
-from fsdp_exp.launch.external import run_as_worker
 from fsdp_exp.metrics.sinks import write_summary
 from fsdp_exp.metrics.startup import process_started
 

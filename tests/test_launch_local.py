@@ -115,7 +115,7 @@ WORKER = """
 import os, sys
 from pathlib import Path
 from fsdp_exp.cli import compose_config
-from fsdp_exp.launch.external import run_as_worker
+from fsdp_exp.driver.external_torchrun import run_as_worker
 
 def counted(argv):
     Path(sys.argv[1], "composed_by_rank" + os.environ["RANK"]).touch()

@@ -19,11 +19,13 @@ class Task:
     memory checks apply (task=estimate only traces, for any device and world size).
     `runs_in_driver`: it runs in the command's own process, on this machine's device, with
     no launcher (eval, export). `trains_at_the_batch`: its ranks train at train.batch_size
-    (task=train), so each rank's share of the data must hold a batch."""
+    (task=train), so each rank's share of the data must hold a batch. `runs_as_torchruns_ranks`:
+    it can run in the ranks an external torchrun started (fsdp_exp.driver.external_torchrun)."""
 
     uses_the_device: ClassVar[bool] = True
     runs_in_driver: ClassVar[bool] = False
     trains_at_the_batch: ClassVar[bool] = False
+    runs_as_torchruns_ranks: ClassVar[bool] = False
 
     def check(self, exp: Experiment) -> None:
         """Refuse what the task cannot do with these settings, in one ConfigError line."""

@@ -43,6 +43,7 @@ log = logging.getLogger("fsdp_exp")
 @dataclass
 class Train(Task):
     trains_at_the_batch = True
+    runs_as_torchruns_ranks = True
 
     def check(self, exp: Experiment) -> None:
         """The checkpoint to resume from, when one is named, must be usable."""

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_exp.metrics.plots import plot_max_batch
-from fsdp_exp.metrics.wandb_tables import log_record
+from fsdp_exp.tasks.wandb_record import log_record
 from fsdp_exp.tasks.max_batch.answer import answer_line
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_exp.metrics.plots import plot_throughput_vs_memory
-from fsdp_exp.metrics.wandb_tables import log_record
+from fsdp_exp.tasks.wandb_record import log_record
 from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, ranked, table, ties, winner
 
 if TYPE_CHECKING:

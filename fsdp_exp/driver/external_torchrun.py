@@ -32,7 +32,6 @@ from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.rank import distributed
 from fsdp_exp.rank.worker import rank_log_path, run_rank
-from fsdp_exp.tasks.train import Train
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -143,7 +142,7 @@ def plan_here(argv: list[str], compose: Callable[[list[str]], DictConfig],
         plan = prepare(cfg, torch.cuda.device_count(), world_size=world_size)
         if plan.nproc == 1 and world_size > 1:
             raise ConfigError("sharding=none: runs one process; start it without torchrun")
-        if not isinstance(plan.task, Train):
+        if not plan.task.runs_as_torchruns_ranks:
             task = choices.get("task", "")
             why = "starts fresh ranks for every probe" if task == "max_batch" else "does not train as torchrun's ranks"
             raise ConfigError(f"task={task}: {why}, so it cannot run under torchrun; "

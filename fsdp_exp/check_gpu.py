@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_exp.check_gpu_checks import RunResult, Setup, checks, runs, setup_for
+from fsdp_exp.check_gpu_checks import CheckSetup, RunResult, checks, runs, setup_for
 from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.settle import settled_summary
 from fsdp_exp.metrics.environment import package_version
@@ -78,7 +78,7 @@ def read_run(out: Path, stderr: str = "") -> RunResult:
     return RunResult(out, summary, {r["step"]: r["loss"] for r in records}, records, error, weights)
 
 
-def title(setup: Setup) -> str:
+def title(setup: CheckSetup) -> str:
     where = (f"{setup.ranks} GPU(s) visible, one rank each (nccl)" if setup.device == "cuda" else
              f"CPU, {setup.ranks} gloo ranks: a development run of the checks, which says nothing of a GPU")
     return (f"fsdp_exp.check_gpu  {date.today()}  {platform.node()}  fsdp_exp {package_version() or '-'}  "
@@ -92,7 +92,7 @@ def table_row(*cells: object) -> str:
 TABLE_HEAD = table_row("check", "result", "detail", "s") + "\n" + table_row("---", "---", "---", "---:")
 
 
-def check_all(setup: Setup, workdir: Path, run=run_fsdp_exp, out=print) -> bool:
+def check_all(setup: CheckSetup, workdir: Path, run=run_fsdp_exp, out=print) -> bool:
     """Run every check in order, printing its row as it ends; whether all passed. A run
     two checks read (the GPT run: MFU and the device) runs once."""
     plan, done, all_passed = runs(setup, workdir), {}, True

@@ -27,7 +27,7 @@ class RunResult:
 
 
 @dataclass(frozen=True)
-class Setup:
+class CheckSetup:
     """Where the checks run, and the sizes that suit it."""
 
     device: str  # cuda; cpu only for development
@@ -60,7 +60,7 @@ OUTSIDE_ALLOCATOR_GB = 1.5  # the CUDA context and NCCL's buffers (0.5-0.7 GB a 
 MAX_LIMIT_GB = 8.0
 
 
-def setup_for(device: str, gpus: int, peak_tflops: float | None = None, memory_gb: float = 80.0) -> Setup:
+def setup_for(device: str, gpus: int, peak_tflops: float | None = None, memory_gb: float = 80.0) -> CheckSetup:
     """The checks' sizes for `gpus` GPUs of `memory_gb` each (the smallest, when they differ)."""
     if device == "cuda":
         gpt = ("model=gpt", "model.size=small", "data=synthetic_tokens", "data.vocab_size=50257",
@@ -73,14 +73,14 @@ def setup_for(device: str, gpus: int, peak_tflops: float | None = None, memory_g
         # the largest batch that leaves an eighth of the limit free, by the estimate
         limit_batch = max((b for b, need in GPT2_SMALL_FP32_GB.items() if need <= 0.875 * limit_gb), default=0)
         if limit_batch:
-            return Setup("cuda", max(gpus, 1), 1e-4, gpt, mfu_batch=mfu_batch, limit_gb=limit_gb,
+            return CheckSetup("cuda", max(gpus, 1), 1e-4, gpt, mfu_batch=mfu_batch, limit_gb=limit_gb,
                          limit_batch=limit_batch, oom_batch=64, peak_tflops=peak_tflops)
         # under 8 GB a card: the memory checks on the development run's small GPT
-        return Setup("cuda", max(gpus, 1), 1e-4, gpt, mfu_batch=mfu_batch, limit_gb=min(1.5, limit_gb),
+        return CheckSetup("cuda", max(gpus, 1), 1e-4, gpt, mfu_batch=mfu_batch, limit_gb=min(1.5, limit_gb),
                      limit_batch=4, oom_batch=2048, peak_tflops=peak_tflops, memory_gpt=TINY_GPT)
     # A CPU has no peak TFLOP/s; a nominal 1 keeps the MFU plumbing running, and the summary
     # names it as metrics.peak_tflops.
-    return Setup("cpu", 2, 1e-5, TINY_GPT, mfu_batch=4, limit_gb=1.5, limit_batch=4, oom_batch=2048,
+    return CheckSetup("cpu", 2, 1e-5, TINY_GPT, mfu_batch=4, limit_gb=1.5, limit_batch=4, oom_batch=2048,
                  peak_tflops=peak_tflops or 1.0)
 
 
@@ -99,7 +99,7 @@ RESNET = ["model=resnet", "sharding=full", "offload=true", "train.batch_size=8",
 Overrides = list[str] | Callable[[dict[str, RunResult]], list[str] | None]  # a run made from earlier runs' results
 
 
-def runs(setup: Setup, workdir: Path) -> dict[str, Overrides]:
+def runs(setup: CheckSetup, workdir: Path) -> dict[str, Overrides]:
     """Every run the checks read, by name: the overrides of `python -m fsdp_exp`, or how to
     make them from the runs before it (None: it cannot run)."""
     common = [f"device={setup.device}", f"launcher.nproc_per_node={setup.ranks}", "wandb.mode=disabled"]
@@ -153,7 +153,7 @@ class Check:
     judge: Callable[..., tuple[bool, str]] = field(repr=False)
 
 
-def checks(setup: Setup) -> list[Check]:
+def checks(setup: CheckSetup) -> list[Check]:
     tol = setup.tolerance
     return [
         *(Check(f"parity: {s} = none", ("none", s), lambda ref, run: parity(ref, run, tol))

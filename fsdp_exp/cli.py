@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config, options
-from fsdp_exp.driver.check import BadInput, Refused, check_run, explain, swept_values, take_plan
+from fsdp_exp.driver.check import BadInput, Refused, check_run, config_error_line, swept_values, take_plan
 from fsdp_exp.driver.compose import CONF_DIR, check_search_path, compose_config
 from fsdp_exp.driver.external_torchrun import run_as_worker
 from fsdp_exp.driver.run import run_experiment
@@ -66,7 +66,7 @@ def main() -> None:
         if shown:  # Hydra printed it without the checks a run makes: a refused one ends in its line
             check_run(compose_config(overrides_of(sys.argv[1:])))
     except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
-        line = str(err) if isinstance(err, (ConfigError, BadInput)) else explain(err)
+        line = str(err) if isinstance(err, (ConfigError, BadInput)) else config_error_line(err)
         line = model_key_line(line, sys.argv[1:])
         print(f"fsdp_exp: {line}{swept_group_hint(line, sys.argv[1:])}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)

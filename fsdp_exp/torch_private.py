@@ -40,7 +40,7 @@ PLACES = {
 }
 
 # What the uses rely on beyond a name: the parameters of the methods the estimate overrides
-# (fsdp_exp.estimate.counting.Counting) and of the calls made with keywords.
+# (fsdp_exp.estimate.counting.CountingTracker) and of the calls made with keywords.
 PARAMETERS = {
     "MemTracker._update_snap": ("self", "u_type", "winfo", "old_mem_consumed", "old_reftype"),
     "MemTracker._update_peak_stats": ("self", "peak_state"),

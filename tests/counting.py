@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fsdp_exp.estimate.allocator import ROUND_LARGE, Event, OutOfMemory, replay
+from fsdp_exp.estimate.allocator import ROUND_LARGE, Event, PastTheCap, replay
 from fsdp_exp.metrics.flops import ATTENTION_FORMULAS, StepFlops, counting_flops
 
 
@@ -32,7 +32,7 @@ def least_cap(events: list[Event]) -> int:
         mid = (low + high) // 2
         try:
             replay(events, mid)
-        except OutOfMemory:
+        except PastTheCap:
             low = mid
         else:
             high = mid

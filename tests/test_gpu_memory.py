@@ -10,11 +10,11 @@ import torch
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.estimate.allocator import CachingAllocator, OutOfMemory, replay, segment_size
+from fsdp_exp.estimate.allocator import CachingAllocator, PastTheCap, replay, segment_size
 from fsdp_exp.estimate.breakdown import estimate_batch
 from fsdp_exp.estimate.gpu import cublas_workspaces, gpu_named, outside_allocator_gb
 from fsdp_exp.estimate.predict import fits
-from fsdp_exp.estimate.counting import Counts
+from fsdp_exp.estimate.counting import LiveBytes
 from fsdp_exp.estimate.trace import trace
 from fsdp_exp.estimate.traced import StepTrace, TracedPeak
 from fsdp_exp.sharding import FullyShard, HybridShard
@@ -83,7 +83,7 @@ def test_a_new_segment_past_the_cap_first_releases_the_wholly_free_ones() -> Non
     assert uncapped.reserved == 32 * MIB  # stream 1 cannot use stream 0's cached 20 MiB
     capped = replay(events, cap=20 * MIB)
     assert capped.reserved == 12 * MIB  # the cached segment went back first
-    with pytest.raises(OutOfMemory):
+    with pytest.raises(PastTheCap):
         replay(events, cap=10 * MIB)
     assert least_cap(events) == 20 * MIB
 
@@ -98,7 +98,7 @@ def test_a_segment_holding_a_live_block_is_not_released() -> None:
 
 
 def test_each_allocation_goes_to_the_replay_on_the_stream_it_was_made_on() -> None:
-    counts = Counts(offloaded=("OptState",), workspaces=(32 * MIB,))
+    counts = LiveBytes(offloaded=("OptState",), workspaces=(32 * MIB,))
     assert counts.device.reserved == 32 * MIB  # cuBLAS's workspace, from the start
     with torch.cpu.stream(torch.cpu.Stream()):  # as FSDP2's all-gather copy-in stream
         counts.allocate("gathered", "Activation", 5 * MIB)  # a 20 MiB segment of that stream

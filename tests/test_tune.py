@@ -92,7 +92,7 @@ def test_the_budget_keeps_room_for_the_winners_confirmation_from_the_start(tmp_p
                  "task.space.offload=[false]", "task.budget=5m")
     tune.entries = [tune.prepare(s) for s in setups(tune.settings.space, tune.command, tune.nproc, 1,
                                                     as_dict(tune.exp))]
-    assert tune.confirmation_needs() == (1, 0.0) and not tune.spent()  # no winner yet: nothing to time
+    assert tune.confirmation_needs() == (1, 0.0) and not tune.budget_spent()  # no winner yet: nothing to time
     full = tune.entries[0]
     full.search.probes += [Probe(100, "ok", samples_per_s=250.0, wall_s=20.0, startup_s=8.0),
                            Probe(100, "ok", samples_per_s=240.0, wall_s=26.0, startup_s=8.0)]
@@ -100,13 +100,13 @@ def test_the_budget_keeps_room_for_the_winners_confirmation_from_the_start(tmp_p
     full.row.status = "measured"
     # the slower probe: 8 s to start, 18 s for 3 steps: 8 + 18 * 50 / 3 = 308 s, over the 5 minutes
     assert tune.confirmation_needs() == (1, pytest.approx(308.0))
-    assert tune.spent() and tune.stopped
+    assert tune.budget_spent() and tune.stopped
     roomy = tuner(tmp_path, "task.space.sharding=[full]", "task.budget=6m")
     roomy.entries = [full]
-    assert not roomy.spent()
+    assert not roomy.budget_spent()
     counted = tuner(tmp_path, "task.space.sharding=[full]", "task.budget=3")
     counted.entries, counted.probes_run = [full], 2
-    assert counted.spent()  # the third probe is the confirmation's
+    assert counted.budget_spent()  # the third probe is the confirmation's
 
 
 def test_the_budget_is_spent_by_probes_or_by_time():

@@ -171,10 +171,10 @@ def composed(compose: Callable[[], T]) -> T:
     try:
         return compose()
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(explain(err)) from None
+        raise ConfigError(config_error_line(err)) from None
 
 
-def explain(err: Exception) -> str:
+def config_error_line(err: Exception) -> str:
     """One line from a Hydra or OmegaConf composition error: the key, and what is allowed."""
     if isinstance(err, OverrideParseException):
         return f"{err.override}: not a valid override ({err.message.strip().splitlines()[0]})"

@@ -47,7 +47,7 @@ def segment_size(block: int) -> int:
     return math.ceil(block / ROUND_LARGE) * ROUND_LARGE
 
 
-class OutOfMemory(Exception):
+class PastTheCap(Exception):
     """A new segment does not fit under the cap, even with the cached ones released."""
 
 
@@ -122,7 +122,7 @@ class CachingAllocator:
         if self.cap is not None and self.reserved + bytes_ > self.cap:
             self._release_cached()
             if self.reserved + bytes_ > self.cap:
-                raise OutOfMemory(f"a segment of {bytes_} bytes over {self.reserved} reserved passes the cap {self.cap}")
+                raise PastTheCap(f"a segment of {bytes_} bytes over {self.reserved} reserved passes the cap {self.cap}")
         segment = next(self._ids)
         block = Block(bytes_, stream, segment, 0, small)
         self._segments[segment] = [block]
@@ -164,7 +164,7 @@ Event = tuple[object, int, int]  # (key, bytes, stream) allocates; (key, -1, 0) 
 
 
 def replay(events: Iterable[Event], cap: int | None = None) -> CachingAllocator:
-    """The allocator after `events`; OutOfMemory if a segment passes `cap`."""
+    """The allocator after `events`; PastTheCap if a segment passes `cap`."""
     allocator = CachingAllocator(cap)
     for key, nbytes, stream in events:
         if nbytes < 0:

@@ -86,7 +86,7 @@ def at_idle_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-def awaited(path: Path, wait_s: float = WAIT_S) -> tuple[dict | None, float]:
+def wait_for_estimate(path: Path, wait_s: float = WAIT_S) -> tuple[dict | None, float]:
     """Rank 0: the driver's estimate record if it is written within `wait_s`, and how long
     it looked."""
     start = time.perf_counter()

@@ -14,7 +14,7 @@ from fsdp_exp.estimate.traced import TracedPeak
 from fsdp_exp.torch_private import FSDPMemTracker, MemTracker, UpdateType
 
 
-class Counts:
+class LiveBytes:
     """Live bytes by tracker category, two ways: as stored (the CPU) and in the CUDA
     allocator's 512-byte blocks, and the peaks of each; and the storages on a GPU's device
     replayed through the caching allocator (`device`), whose reserved memory is the
@@ -67,12 +67,12 @@ class Counts:
         self.peaks["segments"].see(self.device.reserved, on_device, self.phase)
 
 
-class Counting:
+class CountingTracker:
     """Mixed into torch's trackers: every change of the live storages goes to `counts`,
     and every op's result is seen against the peaks (the trackers keep one peak, of all
     categories together)."""
 
-    counts: Counts
+    counts: LiveBytes
     attention: list[tuple[int, ...]]  # the query shape of every attention call
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:  # noqa: ANN001
@@ -101,19 +101,19 @@ class Counting:
         return result
 
 
-class ShardedTracker(Counting, FSDPMemTracker):
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, counts: Counts):
+class ShardedTracker(CountingTracker, FSDPMemTracker):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, counts: LiveBytes):
         FSDPMemTracker.__init__(self, model, optimizer)
         self.counts, self.attention = counts, []
 
 
-class PlainTracker(Counting, MemTracker):
-    def __init__(self, counts: Counts):
+class PlainTracker(CountingTracker, MemTracker):
+    def __init__(self, counts: LiveBytes):
         MemTracker.__init__(self)
         self.counts, self.attention = counts, []
 
 
-def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, counts: Counts) -> MemTracker:
+def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, counts: LiveBytes) -> MemTracker:
     if isinstance(model, FSDPModule):
         return ShardedTracker(model, optimizer, counts)
     made = PlainTracker(counts)

@@ -41,7 +41,7 @@ from omegaconf import OmegaConf
 from torch.nn import functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
-from fsdp_exp.estimate.counting import Counts, PlainTracker, ShardedTracker, tracker
+from fsdp_exp.estimate.counting import LiveBytes, PlainTracker, ShardedTracker, tracker
 from fsdp_exp.estimate.library import kept_by_step
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace
 from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
@@ -171,7 +171,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             buckets = ddp_buckets(model) if replicates(exp.sharding) else 0
             steps, library = [], []
             for batch_size in batch_sizes:
-                counts = phases.counts = Counts(offloaded, workspaces)
+                counts = phases.counts = LiveBytes(offloaded, workspaces)
                 batches = fake_batches(sample, target, batch_size // traced.train.grad_accum)
                 mem = phases.tracker = tracker(model, optimizer, counts)
                 with mem:
@@ -203,7 +203,7 @@ def eval_forward_bytes(model: torch.nn.Module, sample: torch.Tensor, target: tor
     """The peak of task=eval's forward (`fsdp_exp.tasks.eval`) of the whole, unsharded
     model at `batch_size`, without gradients: its inputs, activations while they are
     needed, the logits in fp32 and the loss, above the model itself."""
-    counts = Counts(())
+    counts = LiveBytes(())
     mem = PlainTracker(counts)
     with mem, torch.no_grad():
         inputs, targets = next(fake_batches(sample, target, batch_size))
@@ -262,7 +262,7 @@ class Phases:
     """In the trainer's memory monitor's place: names the phase of the step (forward,
     backward, optimizer_step) the counts are in."""
 
-    counts: Counts | None = None
+    counts: LiveBytes | None = None
     tracker: PlainTracker | ShardedTracker | None = None  # the step's, while it counts
 
     def start_phase(self, name: str) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import resolve_resume, restart_count, resume_point
-from fsdp_exp.estimate.beside import EstimateBeside, awaited
+from fsdp_exp.estimate.beside import EstimateBeside, wait_for_estimate
 from fsdp_exp.estimate.settle import checked
 from fsdp_exp.memory import (
     OutOfMemory,
@@ -75,7 +75,7 @@ class Train(Task):
 def estimate_checked(summary: dict, path: Path) -> dict:
     """Rank 0: the driver's estimate of this run beside what it measured, if it is traced
     by now (fsdp_exp.estimate.beside); nothing if not (it is added to summary.json later)."""
-    record, waited = awaited(path)
+    record, waited = wait_for_estimate(path)
     if record is None:
         log.info("the estimate of this run is still tracing: %s", ESTIMATE_LATER)
         return {"estimate_wait_s": waited}

@@ -59,7 +59,7 @@ class Confirming:
         runs = {id(e): [e.row.samples_per_s] for e in entries}
         for round_ in range(REMATCHES):
             for entry in entries if round_ % 2 == 0 else entries[::-1]:
-                if self.spent():
+                if self.budget_spent():
                     break
                 probe = self.extra_probe(entry, f"rematch{round_ + 1}", entry.row.batch_size, entry.row.grad_accum)
                 if probe.status == "ok" and probe.samples_per_s:
@@ -81,7 +81,7 @@ class Confirming:
         failures: dict[str, int] = {}
         steps = self.settings.steps_to_verify(self.exp.train.steps)
         while (best := winner([e.row for e in self.entries])) is not None and best.batch_size is not None:
-            if self.confirming and self.spent():
+            if self.confirming and self.budget_spent():
                 return
             self.confirming = True
             entry = next(e for e in self.entries if e.row is best)
@@ -94,7 +94,7 @@ class Confirming:
             if probe.status == "ok":
                 best.confirmed = True
                 if failures.get(best.setup):  # at a size no probe timed: the run's own figures
-                    self.fill(best, probe, entry.search.limit_gb)
+                    self.fill_row(best, probe, entry.search.limit_gb)
                 self.save()
                 return
             failures[best.setup] = failures.get(best.setup, 0) + 1

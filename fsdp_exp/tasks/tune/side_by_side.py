@@ -10,7 +10,7 @@ from typing import Any
 
 from fsdp_exp.driver.sweep import SideBySide
 
-Entry = Any  # fsdp_exp.tasks.tune.tuner.Entry: a setup on its way (its setup's name, its row's directory)
+TunedSetup = Any  # fsdp_exp.tasks.tune.tuner.TunedSetup: a setup on its way (its setup's name, its row's directory)
 
 
 class SetupsSideBySide:
@@ -21,7 +21,7 @@ class SetupsSideBySide:
     in_flight: SideBySide | None
     run_dir: Path
 
-    def spent(self) -> bool:
+    def budget_spent(self) -> bool:
         raise NotImplementedError
 
     def runs(self) -> SideBySide | None:
@@ -32,14 +32,14 @@ class SetupsSideBySide:
             self.in_flight = SideBySide()
         return self.in_flight
 
-    def side_by_side(self, entries: list[Entry], work: Callable[[Entry], None], at_once: int,
+    def side_by_side(self, entries: list[TunedSetup], work: Callable[[TunedSetup], None], at_once: int,
                      runs: SideBySide | None) -> None:
         """`work(entry)` for each entry until the budget is spent: one after another, or up to
         `at_once` at a time in `runs`."""
         for entry in entries:
             if runs is not None:
                 runs.wait(lambda: runs.in_flight() < at_once)
-            if self.spent():
+            if self.budget_spent():
                 break
             if runs is None:
                 work(entry)

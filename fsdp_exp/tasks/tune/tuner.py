@@ -66,7 +66,7 @@ TRACES_AT_ONCE = 8  # estimates traced side by side, one process and one core ea
 
 
 @dataclass
-class Entry:
+class TunedSetup:
     """One setup on its way: its row, and its plan and search once it composed."""
 
     setup: Setup
@@ -86,8 +86,8 @@ class Tuner(Confirming, SetupsSideBySide):
         self.start = time.perf_counter()
         self.probes_run = 0
         self.stopped = False  # the budget ran out
-        self.entries: list[Entry] = []
-        self.speaking: Entry | None = None  # the setup whose search logged last
+        self.entries: list[TunedSetup] = []
+        self.speaking: TunedSetup | None = None  # the setup whose search logged last
         self.parallel = max(1, launcher.max_parallel)  # setups in flight at once (launcher=slurm, ray)
         self.in_flight: SideBySide | None = None
         self.confirmed: dict | None = None  # the winner's command line, run (confirm)
@@ -105,19 +105,19 @@ class Tuner(Confirming, SetupsSideBySide):
                  self.budget)
         self.entries = [self.prepare(setup) for setup in made]
         self.save()
-        self.estimate_all(self.live())
+        self.estimate_all(self.unsettled())
         if self.parallel > 1:
             self.launcher.connect(self.nproc, self.parallel)
-        self.side_by_side(self.live(), self.first_speed, self.parallel, self.runs())
+        self.side_by_side(self.unsettled(), self.first_speed, self.parallel, self.runs())
         self.search_those_that_can_win()
         self.stop_unfinished()
         self.rematch()
         self.confirm()
         return self.finish()
 
-    def prepare(self, setup: Setup) -> Entry:
+    def prepare(self, setup: Setup) -> TunedSetup:
         """The setup composed and checked as its command line would be; refused, a row that says why."""
-        entry = Entry(setup, Row(setup.name, list(setup.overrides), dir=f"setups/{setup.dir_name}"))
+        entry = TunedSetup(setup, Row(setup.name, list(setup.overrides), dir=f"setups/{setup.dir_name}"))
         try:
             entry.plan = check_run(compose_config(self.setup_overrides(setup)))
         except ConfigError as err:
@@ -131,13 +131,13 @@ class Tuner(Confirming, SetupsSideBySide):
         entry.search.start_or_resume()
         return entry
 
-    def estimate_all(self, entries: list[Entry]) -> None:
+    def estimate_all(self, entries: list[TunedSetup]) -> None:
         """Each setup's estimate. A trace is a process of its own that keeps one core busy, so
         as many run at once as this machine has cores (TRACES_AT_ONCE at most)."""
         at_once = min(len(entries), TRACES_AT_ONCE, len(os.sched_getaffinity(0)))
         self.side_by_side(entries, self.estimate, at_once, SideBySide() if at_once > 1 else None)
 
-    def estimate(self, entry: Entry) -> None:
+    def estimate(self, entry: TunedSetup) -> None:
         """Prune a setup whose smallest batch the estimate puts over the limit; note where it
         puts the largest."""
         search = entry.search
@@ -154,7 +154,7 @@ class Tuner(Confirming, SetupsSideBySide):
         crossing = min(curve.crossing(search.limit_gb - search.noise_gb()), search.up_to())
         entry.row.estimated_max_batch = math.floor(crossing) if math.isfinite(crossing) else None
 
-    def first_speed(self, entry: Entry) -> None:
+    def first_speed(self, entry: TunedSetup) -> None:
         """Probe until the setup has a speed (its search's first probe, placed by the estimate
         near its largest batch), or its search ends."""
         while not self.trained(entry) and not self.stopped:
@@ -167,7 +167,7 @@ class Tuner(Confirming, SetupsSideBySide):
         """Search to the fastest batch each setup whose bound can still beat the best, most
         promising first; bound the others. Side by side, a setup is judged when a place is free."""
         runs = self.runs()
-        for entry in sorted(self.live(), key=lambda e: -(self.bound(e) or 0.0)):
+        for entry in sorted(self.unsettled(), key=lambda e: -(self.bound(e) or 0.0)):
             if runs is not None:
                 runs.wait(lambda: runs.in_flight() < self.parallel)
             if self.stopped:
@@ -182,7 +182,7 @@ class Tuner(Confirming, SetupsSideBySide):
         if runs is not None:
             self.wait(runs)
 
-    def search_whole(self, entry: Entry) -> None:
+    def search_whole(self, entry: TunedSetup) -> None:
         while self.step(entry):
             pass
         if not self.stopped:
@@ -190,11 +190,11 @@ class Tuner(Confirming, SetupsSideBySide):
 
     # --- one setup ---
 
-    def step(self, entry: Entry) -> bool:
+    def step(self, entry: TunedSetup) -> bool:
         """The setup's next probe; False when its search is done or the budget is spent."""
         search = entry.search
         assert search is not None
-        if self.spent():
+        if self.budget_spent():
             return False
         before = len(search.probes)
         self.announce(entry)
@@ -205,7 +205,7 @@ class Tuner(Confirming, SetupsSideBySide):
             self.save()
         return ran
 
-    def spent(self) -> bool:
+    def budget_spent(self) -> bool:
         """Whether the budget is spent (said once), keeping room for the winner's confirmation
         until it starts."""
         with self.lock:
@@ -217,18 +217,18 @@ class Tuner(Confirming, SetupsSideBySide):
                 self.stopped = True
             return self.stopped
 
-    def announce(self, entry: Entry) -> None:
+    def announce(self, entry: TunedSetup) -> None:
         """One at a time, the setup whose probes the next lines are (side by side, each line says it)."""
         if self.parallel <= 1 and self.speaking is not entry:
             log.info("setup %d of %d: %s", self.entries.index(entry) + 1, len(self.entries), entry.setup.name)
             self.speaking = entry
 
-    def trained(self, entry: Entry) -> list[Probe]:
+    def trained(self, entry: TunedSetup) -> list[Probe]:
         search = entry.search
         return [] if search is None else [p for p in search.probes if p.status == "ok" and p.samples_per_s
                                           and not p.killed]
 
-    def largest(self, entry: Entry) -> float:
+    def largest(self, entry: TunedSetup) -> float:
         """The largest batch this setup could reach: below its smallest size that ran out of
         memory, within the search's range, and, with the estimate moved through its largest
         probe that trained, within that curve's crossing widened by the error of its growth."""
@@ -248,19 +248,19 @@ class Tuner(Confirming, SetupsSideBySide):
                 largest = min(largest, top.batch_size + max(crossing - top.batch_size, 0.0) * (1 + PRIOR_ERROR))
         return largest
 
-    def bound(self, entry: Entry) -> float | None:
+    def bound(self, entry: TunedSetup) -> float | None:
         fit = self.trained(entry)
         if not fit:
             return None
         largest = self.largest(entry)
         return max(speed_bound(p.samples_per_s or 0.0, p.batch_size, largest) for p in fit)
 
-    def bounded_words(self, entry: Entry) -> str:
+    def bounded_words(self, entry: TunedSetup) -> str:
         fit = max(self.trained(entry), key=lambda p: p.samples_per_s or 0.0)
         return (f"{fit.samples_per_s:,.1f} samples/s at batch {fit.batch_size}: at most {self.bound(entry):,.1f} "
                 f"up to batch {self.largest(entry):.0f}, below the best's {self.best_speed():,.1f}")
 
-    def update(self, entry: Entry) -> None:
+    def update(self, entry: TunedSetup) -> None:
         """The row's figures from the setup's probes so far: its fastest that trained."""
         row, search = entry.row, entry.search
         assert search is not None
@@ -269,17 +269,17 @@ class Tuner(Confirming, SetupsSideBySide):
         if not fit:
             return
         best = max(fit, key=lambda p: p.samples_per_s or 0.0)
-        self.fill(row, best, search.limit_gb)
+        self.fill_row(row, best, search.limit_gb)
         row.bound_samples_per_s = self.bound(entry)
 
-    def fill(self, row: Row, probe: Probe, limit_gb: float | None) -> None:
+    def fill_row(self, row: Row, probe: Probe, limit_gb: float | None) -> None:
         row.batch_size, row.samples_per_s, row.mfu = probe.batch_size, probe.samples_per_s, probe.mfu
         tokens = self.exp.data.tokens_per_sample
         row.tokens_per_s = probe.samples_per_s * tokens if tokens and probe.samples_per_s else None
         row.peak_gb = probe.limited_peak_gb()
         row.headroom_gb = None if limit_gb is None or row.peak_gb is None else limit_gb - row.peak_gb
 
-    def settle_searched(self, entry: Entry) -> None:
+    def settle_searched(self, entry: TunedSetup) -> None:
         """A setup whose search ended: its answer, or the one line of why it has none."""
         search = entry.search
         assert search is not None
@@ -296,7 +296,7 @@ class Tuner(Confirming, SetupsSideBySide):
             return
         fastest = figures["fastest_batch_size"]
         probe = max((p for p in self.trained(entry) if p.batch_size == fastest), key=lambda p: p.samples_per_s or 0.0)
-        self.fill(entry.row, probe, search.limit_gb)
+        self.fill_row(entry.row, probe, search.limit_gb)
         how = f"fastest of {entry.row.probes} probes; max batch {figures['max_batch_size']}"
         above = figures["max_batch_size"] + self.settings.resolution
         failed = next((p for p in search.probes if p.batch_size == above and p.status == "failed"), None)
@@ -307,7 +307,7 @@ class Tuner(Confirming, SetupsSideBySide):
         else:
             self.split(entry, figures["max_batch_size"], how)
 
-    def split(self, entry: Entry, largest: int, how: str) -> None:
+    def split(self, entry: TunedSetup, largest: int, how: str) -> None:
         """task.global_batch: the setup's fastest micro-batch and accumulation under its largest
         batch, by its probes' speeds, confirmed by a probe of that split (the next one, should it
         run out of memory)."""
@@ -315,11 +315,11 @@ class Tuner(Confirming, SetupsSideBySide):
         assert search is not None and plan is not None and global_batch is not None
         tried = []
         for micro, accum in fastest_splits(global_batch, plan.nproc, largest, speeds(search.probes, largest)):
-            if self.spent():
+            if self.budget_spent():
                 return
             probe = self.extra_probe(entry, "split", micro, accum)
             if probe.status == "ok" and probe.samples_per_s:
-                self.fill(entry.row, probe, search.limit_gb)
+                self.fill_row(entry.row, probe, search.limit_gb)
                 entry.row.batch_size, entry.row.grad_accum = micro, accum
                 entry.row.step_s = global_batch / probe.samples_per_s
                 self.settle(entry, "measured", f"{how}; task.global_batch={global_batch} as {micro} x {accum} "
@@ -334,7 +334,7 @@ class Tuner(Confirming, SetupsSideBySide):
         self.settle(entry, "does not fit", f"no split of task.global_batch={global_batch} into micro-batches "
                     f"under {largest} trained" + (f" (tried {', '.join(tried)})" if tried else ""))
 
-    def extra_probe(self, entry: Entry, kind: str, micro: int, accum: int) -> Probe:
+    def extra_probe(self, entry: TunedSetup, kind: str, micro: int, accum: int) -> Probe:
         """A probe of `micro` at train.grad_accum=`accum` beside the setup's search (`kind`:
         "split", task.global_batch's; "confirm", the winner run again), in `<setup>/<kind>/`,
         recorded in the setup's folder (extra_probes.json) and reused from there by a tune run
@@ -372,7 +372,7 @@ class Tuner(Confirming, SetupsSideBySide):
             self.save()
         return probe
 
-    def settle(self, entry: Entry, status: str, how: str) -> None:
+    def settle(self, entry: TunedSetup, status: str, how: str) -> None:
         with self.lock:
             entry.row.status, entry.row.how, entry.done = status, how, True
             self.save()
@@ -380,7 +380,7 @@ class Tuner(Confirming, SetupsSideBySide):
 
     # --- the tune as a whole ---
 
-    def live(self) -> list[Entry]:
+    def unsettled(self) -> list[TunedSetup]:
         return [e for e in self.entries if not e.done]
 
     def best_speed(self) -> float | None:

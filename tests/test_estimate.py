@@ -409,7 +409,8 @@ def test_a_build_that_loads_pretrained_weights_is_named_so():
     assert "rank 0 alone loads them" in OUTGROWING["pretrained load"][1]
 
 
-LIBRARY_PROBE = """
+# The library ops a step runs, recorded under fake tensors as the trace records them
+SEEN = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -422,7 +423,9 @@ class Seen(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.see(func, args)
         return func(*args, **(kwargs or {}))
+"""
 
+LIBRARY_PROBE = SEEN + """
 linear, conv = library.LibraryOps(), library.LibraryOps()
 with FakeTensorMode():
     with Seen(linear):
@@ -437,20 +440,7 @@ print(len(linear.seen), linear.flops(), first.in_use_bytes, first.data_bytes, le
 """
 
 
-SWEEP_PROBE = """
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from fsdp_exp.estimate import library
-
-class Seen(TorchDispatchMode):
-    def __init__(self, ops):
-        super().__init__()
-        self.ops = ops
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.see(func, args)
-        return func(*args, **(kwargs or {}))
-
+SWEEP_PROBE = SEEN + """
 steps = {b: library.LibraryOps() for b in (8, 16, 64)}
 with FakeTensorMode():
     for b, ops in steps.items():

@@ -163,3 +163,29 @@ def test_outside_launched_ranks_refuse_bad_input_in_one_line_from_rank_0(tmp_pat
     assert rank0.stderr.strip() == "fsdp_exp: train.steps=0: must be at least 1", rank0.stderr
     assert rank1.stderr.strip() == "" and not list(tmp_path.glob("outputs"))
     assert sorted(p.name for p in tmp_path.glob("composed_by_rank*")) == ["composed_by_rank0"]
+
+
+def ranks_handler_after_its_task(run_dir: str, sent) -> None:  # noqa: ANN001 - a multiprocessing child
+    import signal
+
+    from fsdp_exp.rank.worker import run_rank
+
+    os.environ["RANK"] = "0"
+    before = signal.getsignal(signal.SIGINT)
+    run_rank(lambda cfg, path: None, None, run_dir)
+    sent.send((before == signal.SIG_IGN, signal.getsignal(signal.SIGINT) == signal.SIG_IGN))
+
+
+def test_a_rank_whose_work_is_done_ignores_a_second_ctrl_c(tmp_path: Path) -> None:
+    """A rank of launcher=local waits, once its task has returned, for the launcher to read
+    what it returned; the user's Ctrl-C passed on again then must not print multiprocessing's
+    KeyboardInterrupt traceback (seen once in test_interrupt under load)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    received, sent = context.Pipe(duplex=False)
+    process = context.Process(target=ranks_handler_after_its_task, args=(str(tmp_path), sent))
+    process.start()
+    assert received.recv() == (False, True)
+    process.join(30)
+    assert process.exitcode == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -159,3 +160,8 @@ def run_rank(task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: 
         raise
     finally:
         signal.alarm(0)
+        if multiprocessing.parent_process() is not None:
+            # A rank of launcher=local or torchrun, its work done or stopped, waits for the
+            # launcher to read what it returned: a second Ctrl-C there (the launcher passing the
+            # user's on) would print a KeyboardInterrupt traceback from multiprocessing.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)

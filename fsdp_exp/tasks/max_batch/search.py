@@ -207,8 +207,11 @@ class MaxBatchSearch(Verifying):
 
     def probe(self, size: int, limit_gb: Any = "same", for_fastest: bool = False) -> Probe:
         probe_dir = self.run_dir / "probes" / f"{len(self.probe_dirs()) + 1:02d}_b{size}"
+        # Before the first probe has told the device's memory (no memory.limit_gb on a GPU), there
+        # is no noise band to settle within: that probe, at task.resolution, runs its steps.
+        settle_gb = self.noise_gb() if self.limit_gb is not None else None
         probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb,
-                          settle_gb=self.noise_gb())
+                          settle_gb=settle_gb)
         probe.for_fastest = for_fastest
         probe.set_estimate(self.estimated_peak_under_limit_gb(size))
         self.tell_units(probe_dir)

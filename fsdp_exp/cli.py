@@ -18,10 +18,9 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import hydra
 from hydra.errors import HydraException
@@ -29,9 +28,10 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config, options
-from fsdp_exp.driver.check import BadInput, Refused, check_run, config_error_line, swept_values, take_plan
+from fsdp_exp.driver.check import BadInput, Plans, Refused, check_run, config_error_line, run_key, swept_values
 from fsdp_exp.driver.compose import CONF_DIR, check_search_path, compose_config
 from fsdp_exp.driver.external_torchrun import run_as_worker
+from fsdp_exp.driver.plan import RunPlan
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
@@ -62,7 +62,7 @@ def main() -> None:
         shown = shown_config(sys.argv[1:])
         # CheckRun and the sweeper (conf/config.yaml) check each run before it starts;
         # RunOutcomes ends the process with EXIT_RUN_FAILED when a run failed.
-        hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(run_function(side_by_side))()
+        hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(RunTask(side_by_side))()
         if shown:  # Hydra printed it without the checks a run makes: a refused one ends in its line
             check_run(compose_config(overrides_of(sys.argv[1:])))
     except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
@@ -169,13 +169,27 @@ def swept_group_hint(line: str, argv: list[str]) -> str:
             f"write ++{given} to set it in every run of the sweep)")
 
 
-def run_function(side_by_side: SideBySide) -> Callable[[DictConfig], Any]:
-    """Hydra's task function: one run, from the plan its check made (fsdp_exp.driver.check);
+class RunTask:
+    """Hydra's task function: one run, from the plan its check made and handed over
+    (fsdp_exp.driver.check: `CheckRun` for a single run, the sweeper for a -m sweep);
     checked here only where the check did not see the run (a run that Hydra's launcher
     plugin starts in another process). A sweep's run on a launcher with `max_parallel` > 1
     starts beside the others (fsdp_exp.driver.sweep): its future summary is what it returns."""
 
-    def run(cfg: DictConfig) -> dict | Future:
+    def __init__(self, side_by_side: SideBySide) -> None:
+        self.side_by_side = side_by_side
+        self.plans: dict[tuple[str, ...], RunPlan | Refused] = {}
+        self.swept: set[str] = set()  # the keys a sweep varies, which name its runs
+
+    def take_plans(self, plans: Plans, swept: set[str]) -> None:
+        self.plans.update(plans)
+        self.swept = swept or self.swept
+
+    def __getstate__(self) -> dict:
+        """To a launcher plugin's process, which checks its run there again: without the plans."""
+        return {**self.__dict__, "plans": {}}
+
+    def __call__(self, cfg: DictConfig) -> dict | Future:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
@@ -186,7 +200,7 @@ def run_function(side_by_side: SideBySide) -> Callable[[DictConfig], Any]:
         overrides = list(hc.overrides.task)
         run_dir = Path(hc.runtime.output_dir)
         try:
-            plan = take_plan(overrides) or check_run(cfg, hydra=hc)
+            plan = self.plans.pop(run_key(overrides), None) or check_run(cfg, hydra=hc)
         except ConfigError as err:
             plan = Refused(str(err))
         if isinstance(plan, Refused):  # one bad combination of a sweep: a row of its own, the others run
@@ -199,12 +213,11 @@ def run_function(side_by_side: SideBySide) -> Callable[[DictConfig], Any]:
                                             and str(hc.launcher._target_).endswith(".BasicLauncher")):
             return run_experiment(plan, run_dir, overrides, choices, group, startup=startup)
         launcher.connect(plan.nproc, launcher.max_parallel)
-        shown = swept_values(overrides)
+        shown = swept_values(overrides, self.swept)
         name = f"run {hc.job.num} ({' '.join(shown)})" if shown else f"run {hc.job.num}"
-        return side_by_side.start(name, run_dir, launcher.max_parallel,
-                                  lambda: run_experiment(plan, run_dir, overrides, choices, group, startup=startup))
-
-    return run
+        return self.side_by_side.start(name, run_dir, launcher.max_parallel,
+                                       lambda: run_experiment(plan, run_dir, overrides, choices, group,
+                                                              startup=startup))
 
 
 def compose_checked(overrides: list[str], config_name: str = "config") -> DictConfig:

@@ -24,7 +24,7 @@ def precheck(argv: list[str]) -> dict:
     of each run launched (a RunPlan, or Refused for a run of a sweep). A refusal of the
     command as the ConfigError whose line it prints."""
     from fsdp_exp.cli import compose_config
-    from fsdp_exp.driver.check import BadInput, check_run, check_sweep, combinations, parse_overrides, run_key, take_plan
+    from fsdp_exp.driver.check import BadInput, check_run, check_sweep, combinations, parse_overrides, run_key
     from fsdp_exp.errors import ConfigError
 
     multirun = any(a in ("-m", "--multirun") for a in argv)
@@ -32,10 +32,10 @@ def precheck(argv: list[str]) -> dict:
     if not multirun:
         return {run_key(args): check_run(compose_config(args))}
     try:
-        launched = check_sweep(combinations(parse_overrides(args)), compose_config)
+        checked = check_sweep(combinations(parse_overrides(args)), compose_config)
     except BadInput as err:
         raise ConfigError(str(err)) from None
-    return {run_key(run): take_plan(run) for run in launched}
+    return {run_key(run): checked.plans.get(run_key(run)) for run in checked.launch}
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 240, extra_env: dict | None = None,

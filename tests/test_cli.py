@@ -12,8 +12,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from fsdp_exp.cli import CONF_DIR
-from fsdp_exp.driver.check import check_sweep, combinations, parse_overrides
+from fsdp_exp.cli import CONF_DIR, RunTask, compose_config
+from fsdp_exp.driver.check import CheckRun, check_sweep, combinations, parse_overrides, run_key
+from fsdp_exp.driver.sweep import SideBySide
 from hydra_plugins.fsdp_exp_sweeper.fsdp_exp_sweeper import ComposedOnce
 from fsdp_exp.errors import ConfigError
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, refused_here, run_cli
@@ -172,7 +173,7 @@ def test_the_sweeper_hands_the_launcher_each_run_as_the_check_composed_it() -> N
         master = counting.loader.load_configuration("config", [], run_mode=RunMode.MULTIRUN)
         once = ComposedOnce(counting)
         runs = combinations(parse_overrides(["sharding=full,ddp", *SMALL_VIT], counting.loader))
-        launch = check_sweep(runs, lambda overrides: once.compose(master, overrides))
+        launch = check_sweep(runs, lambda overrides: once.compose(master, overrides)).launch
         checked = dict(once.composed)
         given = [once.load_sweep_config(master, overrides) for overrides in launch]
         assert counting.calls == 2 and [checked[tuple(o)] for o in launch] == given
@@ -180,6 +181,21 @@ def test_the_sweeper_hands_the_launcher_each_run_as_the_check_composed_it() -> N
         again = once.load_sweep_config(master, launch[0])  # not kept twice: composed anew
         assert counting.calls == 3 and again is not given[0] and again == given[0]
         assert pickle.loads(pickle.dumps(ComposedOnce(None))).composed == {}  # a launcher plugin pickles it
+
+
+def test_a_single_runs_plan_is_handed_to_the_task_function_as_its_check_made_it() -> None:
+    """Hydra's callback checks the run before its directory is made, then hands the plan to
+    the task function when the job starts; nothing of it stays behind in the callback."""
+    cfg = compose_config([*SMALL_VIT, "train.steps=7"])
+    check, task = CheckRun(), RunTask(SideBySide())
+    check.on_run_start(cfg)
+    (plan,) = check.checked.values()
+    assert plan.exp.train.steps == 7
+    check.on_job_start(cfg, task_function=task)
+    assert task.plans == {run_key(list(cfg.hydra.overrides.task)): plan} and check.checked == {}
+    assert task.plans[run_key(list(cfg.hydra.overrides.task))] is plan
+    # a launcher plugin's process checks its run there again: the plans do not travel with it
+    assert pickle.loads(pickle.dumps(task)).plans == {}
 
 
 DRIVER = """

@@ -1,11 +1,13 @@
 """Every run is checked before the first starts, on the config Hydra composed for it.
 
 Hydra composes each run once; the check builds its plan (fsdp_exp.driver.plan) from that
-config, and the task function runs the plan it finds here. A single run is checked by
-`CheckRun`, Hydra's callback at the start of a run, before Hydra makes its directory; a
--m sweep by its sweeper (hydra_plugins/fsdp_exp_sweeper), which composes every
-combination and checks it before it hands any to the launcher. Bad input ends the command
-with one line and exit 2 (fsdp_exp.cli), and nothing is written.
+config and hands it to the task function, which runs it. A single run is checked by
+`CheckRun`, Hydra's callback at the start of a run, before Hydra makes its directory; the
+callback hands the plan over when the job starts (`on_job_start` is given the task
+function). A -m sweep is checked by its sweeper (hydra_plugins/fsdp_exp_sweeper), which
+composes every combination, checks it before it hands any to the launcher, and hands the
+plans to the task function it was given. Bad input ends the command with one line and
+exit 2 (fsdp_exp.cli), and nothing is written.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import itertools
 import re
 import shutil
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -47,15 +49,25 @@ class Refused:
     reason: str
 
 
-# The plans the check made in this process, by run (`run_key`), for the task function (a
-# run that a launcher plugin starts in another process is checked there again), and the
-# keys the sweep varies, which name its runs.
-_checked: dict[tuple[str, ...], RunPlan | Refused] = {}
-_swept: set[str] = set()
+Plans = Mapping[tuple[str, ...], RunPlan | Refused]
 
 
-def take_plan(overrides: Sequence[str]) -> RunPlan | Refused | None:
-    return _checked.pop(run_key(overrides), None)
+@dataclass
+class CheckedSweep:
+    """What checking a sweep found: the runs to launch, the plan of each by run (`run_key`),
+    and the keys the sweep varies, which name its runs."""
+
+    launch: list[list[str]] = field(default_factory=list)
+    plans: dict[tuple[str, ...], RunPlan | Refused] = field(default_factory=dict)
+    swept: set[str] = field(default_factory=set)
+
+
+@runtime_checkable
+class TakesPlans(Protocol):
+    """A task function that runs the plans the check made (fsdp_exp.cli's `RunTask`); a run
+    whose plan it was not handed (a launcher plugin's, in another process) it checks itself."""
+
+    def take_plans(self, plans: Plans, swept: set[str]) -> None: ...
 
 
 def run_key(overrides: Sequence[str]) -> tuple[str, ...]:
@@ -63,9 +75,9 @@ def run_key(overrides: Sequence[str]) -> tuple[str, ...]:
     return tuple(o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/")))
 
 
-def swept_values(overrides: Sequence[str]) -> list[str]:
-    """A run's overrides of the keys its sweep varies: its name among the sweep's runs."""
-    return [o for o in overrides if o.partition("=")[0] in _swept]
+def swept_values(overrides: Sequence[str], swept: set[str]) -> list[str]:
+    """A run's overrides of the keys its sweep varies (`swept`): its name among the sweep's runs."""
+    return [o for o in overrides if o.partition("=")[0] in swept]
 
 
 def swept_keys(runs: Sequence[Sequence[str]]) -> set[str]:
@@ -88,45 +100,50 @@ def check_run(cfg: DictConfig, hydra: DictConfig | None = None) -> RunPlan:
     return plan
 
 
-def check_sweep(runs: Sequence[Sequence[str]], compose: Callable[[list[str]], DictConfig]) -> list[list[str]]:
-    """Compose (`compose`) and check every run of a sweep; the runs to launch. A run whose
-    check refused it is launched too, as a row of its own (`Refused`); one that does not
-    compose is named here and left out. When every run is refused: BadInput, with the
-    first one's reason."""
+def check_sweep(runs: Sequence[Sequence[str]], compose: Callable[[list[str]], DictConfig]) -> CheckedSweep:
+    """Compose (`compose`) and check every run of a sweep. A run whose check refused it is
+    launched too, as a row of its own (`Refused`); one that does not compose is named here
+    and left out. When every run is refused: BadInput, with the first one's reason."""
     refused: list[tuple[Sequence[str], ConfigError]] = []
-    launch: list[list[str]] = []
-    _swept.clear()
-    _swept.update(swept_keys(runs))
+    checked = CheckedSweep(swept=swept_keys(runs))
     for overrides in runs:
         try:
             cfg = composed(lambda: compose(list(overrides)))
         except ConfigError as err:
             refused.append((overrides, err))
             continue
-        launch.append(list(overrides))
+        checked.launch.append(list(overrides))
         try:
-            _checked[run_key(overrides)] = check_run(cfg)
+            checked.plans[run_key(overrides)] = check_run(cfg)
         except ConfigError as err:
-            _checked[run_key(overrides)] = Refused(str(err))
+            checked.plans[run_key(overrides)] = Refused(str(err))
             refused.append((overrides, err))
     if len(refused) == len(runs):
         raise BadInput(refused[0][1])
     for overrides, err in refused:
-        shown = " ".join(swept_values(overrides))
+        shown = " ".join(swept_values(overrides, checked.swept))
         print(f"fsdp_exp: refused {shown}: {err}; the sweep runs the other {len(runs) - len(refused)}",
               file=sys.stderr)
-    return launch
+    return checked
 
 
 class CheckRun(Callback):
     """Hydra's callback (conf/config.yaml): a single run is checked before Hydra makes its
-    directory."""
+    directory, and its plan handed to the task function when the job starts."""
+
+    def __init__(self) -> None:
+        self.checked: dict[tuple[str, ...], RunPlan] = {}
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            _checked[run_key(list(config.hydra.overrides.task))] = check_run(config)
+            self.checked = {run_key(list(config.hydra.overrides.task)): check_run(config)}
         except ConfigError as err:
             raise BadInput(err) from None
+
+    def on_job_start(self, config: DictConfig, *, task_function: Any, **kwargs: Any) -> None:
+        if self.checked and isinstance(task_function, TakesPlans):  # a sweep's plans come from its sweeper
+            task_function.take_plans(self.checked, set())
+        self.checked = {}
 
 
 def parse_overrides(texts: Sequence[str], config_loader: Any = None) -> list[Override]:

@@ -1,5 +1,6 @@
 """hydra/sweeper=fsdp_exp: a -m sweep whose every run is composed and checked before the
-first starts (fsdp_exp.driver.check), then handed to Hydra's launcher as one batch.
+first starts (fsdp_exp.driver.check), then handed to Hydra's launcher as one batch; the
+plans the check made go to the task function (fsdp_exp.cli's `RunTask`), which runs them.
 
 Hydra finds sweepers in the hydra_plugins namespace package (and loads this module
 outside sys.modules, so its annotations are not postponed); this one is the default of
@@ -18,7 +19,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from fsdp_exp.driver.check import check_sweep, combinations, parse_overrides
+from fsdp_exp.driver.check import TakesPlans, check_sweep, combinations, parse_overrides
 
 
 @dataclass
@@ -60,9 +61,10 @@ class CheckingSweeper(Sweeper):
         self.hydra_context: Optional[HydraContext] = None
         self.launcher: Any = None
         self.loader: Optional[ComposedOnce] = None
+        self.task_function: Optional[TaskFunction] = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.config, self.hydra_context = config, hydra_context
+        self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
         self.loader = ComposedOnce(hydra_context.config_loader)
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=HydraContext(config_loader=self.loader, callbacks=hydra_context.callbacks),
@@ -71,11 +73,13 @@ class CheckingSweeper(Sweeper):
     def sweep(self, arguments: List[str]) -> Any:
         assert self.config is not None and self.loader is not None
         runs = combinations(parse_overrides(arguments, self.loader.loader))
-        launch = check_sweep(runs, lambda overrides: self.loader.compose(self.config, overrides))
+        checked = check_sweep(runs, lambda overrides: self.loader.compose(self.config, overrides))
+        if isinstance(self.task_function, TakesPlans):
+            self.task_function.take_plans(checked.plans, checked.swept)
         sweep_dir = Path(self.config.hydra.sweep.dir)  # as Hydra's basic sweeper keeps it, once checked
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        results = self.launcher.launch(launch, initial_job_idx=0)
+        results = self.launcher.launch(checked.launch, initial_job_idx=0)
         for result in results:
             _ = result.return_value  # raises a run's exception, as Hydra's basic sweeper does
         return [results]

@@ -73,16 +73,14 @@ def test_each_phase_has_its_peak_unless_turned_off(one_rank_group: Ranks, phase_
         assert phases == {} and summary["peak_mem_gb"] > 0 and "peak_in_use_gb" not in summary
 
 
-def test_in_use_is_what_the_allocations_hold_where_a_phase_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_use_is_what_the_allocations_hold_where_a_phase_ends() -> None:
     """peak_in_use_gb on CPU: glibc's count of what malloc handed out and was not freed,
     less what the rank held before its model, read where each phase starts and ends; a
     tensor freed within the phase it was made in is not seen."""
     from fsdp_exp.metrics import peaks as memory
 
-    monkeypatch.setattr(memory, "_runtime_in_use_bytes", 0)  # mark_runtime sets it: restored after the test
     cpu = torch.device("cpu")
-    memory.mark_runtime(cpu)
-    monitor = memory.MemoryMonitor(cpu)
+    monitor = memory.MemoryMonitor(cpu, runtime=memory.mark_runtime(cpu))
     monitor.start_run()
     monitor.start_phase("forward")
     held = torch.ones(16 * 2**20)  # 64 MiB, held past the phase's end
@@ -99,17 +97,16 @@ def test_in_use_is_what_the_allocations_hold_where_a_phase_ends(monkeypatch: pyt
     assert monitor.window_peaks()["peak_in_use_gb"] < 0.01
 
 
-def test_the_primary_peak_leaves_out_what_the_rank_held_before_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_primary_peak_leaves_out_what_the_rank_held_before_its_model() -> None:
     """peak_mem_gb on CPU: the resident peak less the runtime marked before the model is
     built; the whole process's peak is peak_resident_gb."""
     from fsdp_exp.metrics import peaks as memory
 
-    monkeypatch.setattr(memory, "_runtime_bytes", 0)  # mark_runtime sets both: restored after the test
-    monkeypatch.setattr(memory, "_runtime_file_bytes", 0)
     runtime = torch.ones(48 * 2**20)  # 192 MiB held before the "model", as torch's own memory is
     cpu = torch.device("cpu")
-    held_gb = memory.mark_runtime(cpu)
-    monitor = memory.MemoryMonitor(cpu)
+    marked = memory.mark_runtime(cpu)
+    held_gb = marked.gb
+    monitor = memory.MemoryMonitor(cpu, runtime=marked)
     monitor.start_run()
     run = torch.ones(64 * 2**20)  # the run's own 256 MiB
     peaks = monitor.window_peaks()

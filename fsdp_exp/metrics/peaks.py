@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,9 +41,20 @@ from fsdp_exp.memory import peak_under_limit_gb
 
 GB = 2**30
 
-_runtime_bytes = 0  # CPU: what this rank held before it built its model (mark_runtime)
-_runtime_file_bytes = 0  # of which library code and other files mapped in
-_runtime_in_use_bytes = 0  # of which its allocations held (heap_in_use_bytes)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a CPU rank held before it built its model (`mark_runtime`), which peak_mem_gb
+    leaves out; none on a GPU, where the runtime is outside the allocator."""
+
+    resident_bytes: int = 0
+    file_bytes: int = 0  # of which library code and other files mapped in
+    in_use_bytes: int = 0  # of which its allocations held (heap_in_use_bytes)
+
+    @property
+    def gb(self) -> float:
+        return self.resident_bytes / GB
 
 
 class _MallInfo2(ctypes.Structure):
@@ -75,18 +87,15 @@ def heap_in_use_bytes() -> int | None:
     return info.uordblks + info.hblkhd
 
 
-def mark_runtime(device: torch.device) -> float:
-    """Take what this CPU rank holds now, before it builds its model, as its runtime, which
-    peak_mem_gb leaves out. Returns it in GB (0 on GPU, where the runtime is outside the
-    allocator and peak_mem_gb counts tensors only)."""
-    global _runtime_bytes, _runtime_file_bytes, _runtime_in_use_bytes
-    _runtime_bytes = _runtime_file_bytes = _runtime_in_use_bytes = 0
-    if device.type == "cpu":
-        _trim_heap()  # as start_run will: what was freed is no part of the runtime
-        status = proc_status()
-        _runtime_bytes, _runtime_file_bytes = status["VmRSS:"] * 1024, file_bytes(status)
-        _runtime_in_use_bytes = heap_in_use_bytes() or 0
-    return _runtime_bytes / GB
+def mark_runtime(device: torch.device) -> Runtime:
+    """What this CPU rank holds now, before it builds its model: its runtime, which its
+    MemoryMonitor leaves out of peak_mem_gb (none on GPU, where the runtime is outside
+    the allocator and peak_mem_gb counts tensors only)."""
+    if device.type != "cpu":
+        return Runtime()
+    _trim_heap()  # as start_run will: what was freed is no part of the runtime
+    status = proc_status()
+    return Runtime(status["VmRSS:"] * 1024, file_bytes(status), heap_in_use_bytes() or 0)
 
 
 def device_used_gb(device: torch.device, peak_reserved_gb: float) -> float | None:
@@ -106,9 +115,11 @@ def device_used_gb(device: torch.device, peak_reserved_gb: float) -> float | Non
 class MemoryMonitor:
     COUNTS = ("alloc_retries", "ooms")  # events within a window: a run's figure is their sum, not the largest
 
-    def __init__(self, device: torch.device, phase_peaks: bool = True):
-        """`phase_peaks`: also each phase's peak (metrics.phase_peaks)."""
+    def __init__(self, device: torch.device, phase_peaks: bool = True, runtime: Runtime = Runtime()):
+        """`phase_peaks`: also each phase's peak (metrics.phase_peaks). `runtime`: what the
+        rank held before it built its model (`mark_runtime`), left out of peak_mem_gb."""
         self.device = device
+        self.runtime = runtime
         self.cpu_resets = device.type == "cpu" and reset_resident_peak()
         self.phase_peaks = phase_peaks and (device.type == "cuda" or self.cpu_resets)
         self.window: dict[str, float] = {}  # the window's peaks over the phases that ended
@@ -196,11 +207,11 @@ class MemoryMonitor:
         resident = _cpu_peak_bytes(status)
         # Library code paged in since the mark is the runtime's too: how much of it a rank
         # already had depends on what started it.
-        runtime = _runtime_bytes + max(file_bytes(status) - _runtime_file_bytes, 0)
+        runtime = self.runtime.resident_bytes + max(file_bytes(status) - self.runtime.file_bytes, 0)
         peaks = {"peak_mem_gb": (resident - runtime) / GB, "peak_resident_gb": resident / GB}
         in_use = heap_in_use_bytes() if self.phase_peaks else None
         if in_use is not None:  # read where each phase starts and ends: what the step holds there
-            peaks["peak_in_use_gb"] = (in_use - _runtime_in_use_bytes) / GB
+            peaks["peak_in_use_gb"] = (in_use - self.runtime.in_use_bytes) / GB
         return peaks, status
 
     def held_gb(self) -> float:

@@ -37,6 +37,7 @@ from fsdp_exp.metrics.flops import (
     step_flops_figures,
 )
 from fsdp_exp.metrics.sinks import METRICS, JsonLines, Progress, Wandb
+from fsdp_exp.metrics.peaks import MemoryMonitor, Runtime
 from fsdp_exp.models.contract import check_logits
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.distributed import Ranks
@@ -161,12 +162,13 @@ def start_wandb(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContex
 
 def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext,
                      checkpoint_dir: Path | None = None, resume: Path | None = None, probe: bool = False,
-                     wandb: Wandb | None = None) -> Built:
+                     wandb: Wandb | None = None, runtime: Runtime = Runtime()) -> Built:
     """Every object of the run on this rank, saving its checkpoints into `checkpoint_dir`;
     with `resume`, restored from that checkpoint. `context`: the run's, which gets the
     mark of the build's end. `probe`: a probe of task=max_batch, which draws no progress
     bar of its own. `wandb`: rank 0's wandb run, started before the runtime was marked
-    (`start_wandb`)."""
+    (`start_wandb`). `runtime`: what this rank held before it built its model, which its
+    peak_mem_gb leaves out (`mark_runtime`)."""
     model, fsdp_units = build_model_for_training(cfg, ranks)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
 
@@ -228,7 +230,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
         batch_size=train.batch_size,
         log_every=train.log_every,
         warmup_steps=cfg.metrics.warmup_steps,
-        phase_peaks=cfg.metrics.phase_peaks,
+        memory=MemoryMonitor(ranks.device, cfg.metrics.phase_peaks, runtime),
         grad_accum=train.grad_accum,
         grad_scaler=grad_scaler,
         lr_schedule=schedule,

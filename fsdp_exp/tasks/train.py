@@ -108,7 +108,7 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
     # is runtime under every launcher, not part of the run's own peak.
     cfg.model.builder()
     wandb = start_wandb(cfg, ranks, run_dir, context)
-    runtime_gb = mark_runtime(ranks.device)
+    runtime = mark_runtime(ranks.device)
     try:
         apply_limit(limit_gb, ranks.device)
         if ranks.is_main:
@@ -118,12 +118,12 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
         resume = resume_point(ckpt_dir, settled, restarts, restored)
         if restarts and ranks.is_main:
             log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
-        exp = build_experiment(cfg, ranks, run_dir, context, ckpt_dir, resume, probe, wandb)
+        exp = build_experiment(cfg, ranks, run_dir, context, ckpt_dir, resume, probe, wandb, runtime)
         context.startup["ready"] = time.time()
         try:
             summary = exp.trainer.fit() | exp.figures | {"startup": in_order(context.startup)}
             if ranks.device.type == "cpu":  # left out of peak_mem_gb (fsdp_exp.metrics.peaks)
-                summary["runtime_gb"] = max(distributed.gather(runtime_gb, ranks.device))
+                summary["runtime_gb"] = max(distributed.gather(runtime.gb, ranks.device))
             counted = held = None
             mine = peak_under_limit_gb()
             if mine is not None:  # CPU under a limit, on every rank alike

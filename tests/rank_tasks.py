@@ -25,7 +25,7 @@ def report_rank(cfg: dict, run_dir: Path) -> dict:
 def train_then_rank1_dies_once(cfg: dict, run_dir: Path, context: object) -> dict:
     """The real training rank; on the first attempt rank 1 then dies before it returns, as a
     rank killed after the final checkpoint (or a job preempted there) does."""
-    from fsdp_exp.tasks.train import train_rank
+    from fsdp_exp.rank.train import train_rank
 
     summary = train_rank(cfg, run_dir, context)
     if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
@@ -82,7 +82,7 @@ def state_after_build(cfg, run_dir: Path) -> None:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from fsdp_exp.rank import distributed
+    from fsdp_exp import distributed
     from fsdp_exp.rank.build import build_model_for_training
     from fsdp_exp.sharding import unwrap
 

@@ -183,7 +183,7 @@ import os, sys, torch
 from pathlib import Path
 from torch import nn
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=sys.argv[3])
-from fsdp_exp.rank import distributed
+from fsdp_exp import distributed
 from fsdp_exp.checkpoint import DCPCheckpoint, TrainState
 from fsdp_exp.checkpoint.files import latest
 ranks = distributed.init("cpu")
@@ -229,7 +229,7 @@ from pathlib import Path
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=sys.argv[2])
-from fsdp_exp.rank import distributed
+from fsdp_exp import distributed
 from fsdp_exp.checkpoint import DCPCheckpoint, TrainState
 from fsdp_exp.checkpoint.files import latest
 ranks = distributed.init("cpu")

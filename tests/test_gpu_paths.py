@@ -23,7 +23,7 @@ from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import allocation_failure, is_out_of_memory, records_history
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.peaks import GB, MemoryMonitor, device_used_gb
-from fsdp_exp.rank import distributed
+from fsdp_exp import distributed
 from fsdp_exp.rank.trainer import Trainer
 
 # ---- a CPU tensor in a GPU run's process group --------------------------------------------

@@ -100,6 +100,26 @@ def test_the_package_has_no_import_circle() -> None:
     assert circles({module: set(imported) for module, imported in graph.items()}) == []
 
 
+def folder_of(module: str) -> str:
+    """A module's layer: its folder under fsdp_exp (fsdp_exp.rank.train: fsdp_exp.rank), or
+    the module itself at the top (fsdp_exp.memory)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_the_folders_import_one_another_without_a_circle() -> None:
+    """No import runs from a lower layer back up to a higher one: rank/ imports nothing of
+    checkpoint/ that imports rank/, and a launcher imports nothing of the driver or the
+    tasks that use it."""
+    folders: dict[str, set[str]] = {}
+    for module, imported in import_graph().items():
+        folders.setdefault(folder_of(module), set()).update(
+            folder_of(i) for i in imported if folder_of(i) != folder_of(module))
+    assert {"fsdp_exp.checkpoint", "fsdp_exp.distributed"} <= folders["fsdp_exp.rank"]
+    assert circles(folders) == []
+    assert not {"fsdp_exp.driver", "fsdp_exp.tasks", "fsdp_exp.cli"} & folders["fsdp_exp.launch"]
+
+
 def test_no_import_is_put_in_a_function_but_the_named_few() -> None:
     late = {(module, imported) for module, imports in import_graph().items()
             for imported, inside in imports.items() if inside}

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 from fsdp_exp.checkpoint.files import mark_latest, prune, step_name
 from fsdp_exp.checkpoint.state import TrainState
 from fsdp_exp.errors import ConfigError, choice
-from fsdp_exp.rank import distributed
+from fsdp_exp import distributed
 
 log = logging.getLogger("fsdp_exp")
 Mode = choice("Mode", ("sync", "async", "async_pinned"), __name__)

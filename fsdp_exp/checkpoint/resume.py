@@ -18,7 +18,7 @@ from fsdp_exp.checkpoint.files import (
 )
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.models import ModelSpec
-from fsdp_exp.rank import distributed
+from fsdp_exp import distributed
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

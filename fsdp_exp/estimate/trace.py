@@ -47,7 +47,7 @@ from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace
 from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
 from fsdp_exp.launch.core import rank_threads
 from fsdp_exp.rank.build import build_model_for_training
-from fsdp_exp.rank.distributed import Ranks
+from fsdp_exp.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
 from fsdp_exp.sharding import NoSharding
 from fsdp_exp.torch_private import FakeStore, FakeTensorMode, flash_attention_for_cpu

@@ -35,7 +35,7 @@ from fsdp_exp.launch.core import (
     watch,
 )
 from fsdp_exp.launch.ray_worker import RayJob, _train_loop, size
-from fsdp_exp.rank.distributed import backend_for
+from fsdp_exp.distributed import backend_for
 from fsdp_exp.rank.worker import rank_log_path
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fsdp_exp")
 
-PROCESS_GROUP_TIMEOUT_S = 600  # as fsdp_exp.rank.distributed.init's
+PROCESS_GROUP_TIMEOUT_S = 600  # as fsdp_exp.distributed.init's
 TRAIN_EXTRA = ("pandas", "pyarrow", "fsspec")  # what ray[train] adds to ray, found without importing
 
 

@@ -40,7 +40,7 @@ from fsdp_exp.metrics.sinks import METRICS, JsonLines, Progress, Wandb
 from fsdp_exp.metrics.peaks import MemoryMonitor, Runtime
 from fsdp_exp.models.contract import check_logits
 from fsdp_exp.rank import worker
-from fsdp_exp.rank.distributed import Ranks
+from fsdp_exp.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
 from fsdp_exp.rank.settle import PeakSettled
 from fsdp_exp.run_context import RunContext

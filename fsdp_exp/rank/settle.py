@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_exp.memory import peak_under_limit_gb
-from fsdp_exp.rank import distributed
+from fsdp_exp import distributed
 
 log = logging.getLogger("fsdp_exp")
 

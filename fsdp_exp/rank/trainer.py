@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_exp.metrics.peaks import MemoryMonitor
-from fsdp_exp.rank import distributed
-from fsdp_exp.rank.distributed import Ranks
+from fsdp_exp import distributed
+from fsdp_exp.distributed import Ranks
 from fsdp_exp.sharding import gradient_sync
 
 log = logging.getLogger("fsdp_exp")

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_exp.errors import one_line
-from fsdp_exp.rank.distributed import DEVICE_VARIABLE
+from fsdp_exp.distributed import DEVICE_VARIABLE
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -37,7 +37,7 @@ def rank_variables(rank: int, local_rank: int, world_size: int, local_world_size
                    device: str | None = None, restarts: int = 0, restored: str | None = None) -> dict[str, str]:
     """What a rank reads from its environment, for a launcher other than torch's elastic
     one (which sets RANK to MASTER_PORT and TORCHELASTIC_RESTART_COUNT itself). `device`:
-    the rank's GPU, where the launcher knows it (see `fsdp_exp.rank.distributed.gpu_index`)."""
+    the rank's GPU, where the launcher knows it (see `fsdp_exp.distributed.gpu_index`)."""
     variables = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
                  "LOCAL_WORLD_SIZE": str(local_world_size), RESTARTS_VARIABLE: str(restarts)}
     optional = {"MASTER_ADDR": master_addr, "MASTER_PORT": master_port, DEVICE_VARIABLE: device,

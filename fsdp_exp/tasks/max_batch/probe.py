@@ -23,9 +23,10 @@ from fsdp_exp.config import Device, Experiment, as_dict
 from fsdp_exp.launch.core import Launcher, RunFailed
 from fsdp_exp.metrics.sinks import WandbMode, write_summary
 from fsdp_exp.profile import NoProfile
+from fsdp_exp.rank.train import train_rank
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.max_batch.policy import Outcome
-from fsdp_exp.tasks.train import Train, train_rank
+from fsdp_exp.tasks.train import Train
 
 
 
@@ -174,11 +175,6 @@ def command_config(cfg: Experiment, batch_size: int, steps: int, job_type: str) 
                    checkpoint=checkpoint, task=Train())
 
 
-def probe_rank(cfg: Experiment, run_dir: Path, context: RunContext) -> dict:
-    """One rank of a probe: a training run that knows it is one (`train_rank`'s `probe`)."""
-    return train_rank(cfg, run_dir, context, probe=True)
-
-
 def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
     """Probes made under the same fingerprint can be reused: same setup but the batch."""
 
@@ -215,7 +211,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
         run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb)
     start = time.perf_counter()
     try:
-        figures = launcher.launch(partial(probe_rank, context=context), run_cfg, probe_dir, world_size,
+        figures = launcher.launch(partial(train_rank, context=context, probe=True), run_cfg, probe_dir, world_size,
                                   time_limit_s=timeout_s)
         probe = Probe(
             batch_size, "ok",

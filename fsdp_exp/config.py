@@ -7,8 +7,10 @@ differs from its defaults. OmegaConf refuses unknown keys and wrong types while 
 `OmegaConf.to_object` builds the dataclasses, whose `__post_init__` checks their own
 values. Checks that span groups live in `fsdp_exp.driver.plan`.
 
-The model group is open: its own keys are typed by `fsdp_exp.models.ModelSpec`, the rest
-go to the user's builder.
+Each closed group is typed by its base (fsdp_exp.groups): an option of the group must
+extend one of its schemas. The model group is open: its own keys are typed by
+`fsdp_exp.models.ModelSpec`, the rest go to the user's builder; so is the data group (a
+user's own `_target_`, fsdp_exp.data.custom) and the optimizer (a `_target_`).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from collections.abc import Mapping
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from fsdp_exp.data.custom import CustomData
 from fsdp_exp.errors import Choice, ConfigError, at_least
+from fsdp_exp.groups import CheckpointOption, LauncherOption, ProfileOption, ShardingOption, TaskOption
 from fsdp_exp.memory import MemorySettings
 from fsdp_exp.metrics.sinks import WandbSettings
 from fsdp_exp.models import NO_BUILDER, ModelSpec
@@ -80,13 +84,13 @@ class Experiment:
     """One experiment: an option of every group, built, and the settings every run has."""
 
     model: Any = MISSING  # a ModelSpec once built: the group is open (see fsdp_exp.models)
-    data: Any = MISSING
-    sharding: Any = MISSING
+    data: Any = MISSING  # open too: one of fsdp_exp.data's, or a user's own `_target_`
+    sharding: ShardingOption = MISSING
     precision: Precision = MISSING
-    checkpoint: Any = MISSING
-    launcher: Any = MISSING
-    task: Any = MISSING
-    profile: Any = MISSING
+    checkpoint: CheckpointOption = MISSING
+    launcher: LauncherOption = MISSING
+    task: TaskOption = MISSING
+    profile: ProfileOption = MISSING
     wandb: WandbSettings = MISSING
     seed: int = 0
     offload: bool = False  # CPU offload of sharded params, grads and optimizer state
@@ -119,7 +123,23 @@ def build(cfg: DictConfig) -> Experiment:
             raise ConfigError(NO_BUILDER) from None
         raise ConfigError(f"{err.full_key}: must be set (it has no default); set {err.full_key}=...") from None
     assert isinstance(built, Experiment)
+    for f in fields(built):
+        option = getattr(built, f.name)
+        if type(option) in GROUP_BASES:  # an option's file that extends no schema, and sets nothing
+            raise extends_no_schema(f.name)
     return built
+
+
+GROUP_BASES = (CheckpointOption, LauncherOption, ProfileOption, ShardingOption, TaskOption)
+
+
+def extends_no_schema(group: str, key: str | None = None) -> ConfigError:
+    """An option of a closed group whose file does not extend one of the group's schemas."""
+    schemas = sorted(name.removesuffix(".yaml") for name in ConfigStore.instance().list(group)
+                     if name.startswith("schema_"))
+    names = ", ".join(name.removeprefix("schema_") for name in schemas)
+    return ConfigError(f"{key or group}: the option extends none of the {group} group's schemas, which give an "
+                       f"option its keys; begin its file with `defaults: [schema_<name>]`, <name> one of: {names}")
 
 
 def as_dict(exp: Experiment) -> dict:
@@ -137,10 +157,26 @@ def unknown_key(key: str, schema: Any, typed: str | None = None) -> ConfigError:
     if typed.split(".")[0] == "max_batch":  # where task=max_batch's settings were before 0.1.0
         moved = typed.replace("max_batch", "task", 1)
         return ConfigError(f"{typed}: task=max_batch's settings are task.*: write task=max_batch {moved}=...")
+    if isinstance(schema, type) and schema in GROUP_BASES:
+        return extends_no_schema(schema.group, key)
     if not is_dataclass(schema):  # a free-form node, such as optimizer
         return ConfigError(f"{key}: not in {parent}; add a new key with +{key}=...")
     allowed = sorted(f.name for f in fields(schema) if not f.name.startswith("_"))
     return ConfigError(f"{key}: unknown key; {parent} has: {', '.join(allowed)}")
+
+
+def unknown_key_in_option(option: str, key: str, schema_name: str) -> ConfigError:
+    """A key that an option's file (`option`: sharding/mine) sets and its schema, named
+    `schema_name` in OmegaConf's message, does not have."""
+    group = option.partition("/")[0]
+    base = next((b for b in GROUP_BASES if b.__name__ == schema_name), None)
+    if base is not None:
+        return extends_no_schema(group, f"{option}.yaml: {key}")
+    store = ConfigStore.instance()
+    schemas = (OmegaConf.get_type(store.load(f"{group}/{name}").node) for name in store.list(group)
+               if name.startswith("schema_"))
+    schema = next((s for s in schemas if getattr(s, "__name__", None) == schema_name), None)
+    return ConfigError(f"{option}.yaml: {unknown_key(key, schema)}")
 
 
 def _refuse_unknown_keys(node: DictConfig, path: str = "") -> None:

@@ -18,6 +18,7 @@ import torch
 
 from fsdp_exp import torch_private
 from fsdp_exp.errors import ConfigError, at_least, one_line
+from fsdp_exp.groups import ProfileOption
 
 log = logging.getLogger("fsdp_exp")
 
@@ -46,7 +47,7 @@ def stop_allocation_history(device: torch.device) -> None:
 
 
 @dataclass
-class NoProfile:
+class NoProfile(ProfileOption):
     def check(self, train_steps: int) -> None:
         pass
 

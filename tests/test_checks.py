@@ -302,6 +302,30 @@ def test_a_users_option_named_like_one_of_fsdp_exps_is_refused_naming_both_files
     assert cfg.model._target_ == "torchvision.models.resnet18"
 
 
+@pytest.mark.parametrize("group, text, key", [
+    ("sharding", "reshard_after_forward: false\n", "sharding/mine.yaml: sharding.reshard_after_forward"),
+    ("launcher", "", "launcher"),  # sets nothing: composes, and is still no launcher
+    ("sharding", "defaults:\n  - schema_fully_shard\nreshard_after_fwd: false\n", None),
+], ids=["a key without a schema", "an empty file", "a key its schema lacks"])
+def test_a_users_option_of_a_closed_group_must_extend_one_of_its_schemas(group: str, text: str, key: str | None,
+                                                                        tmp_path: Path) -> None:
+    """Experiment types each closed group by its base (fsdp_exp.groups): a user's option that
+    extends no schema is one line naming the schemas, not a traceback at the first use."""
+    (tmp_path / "conf" / group).mkdir(parents=True)
+    (tmp_path / "conf" / group / "mine.yaml").write_text(text)
+    result = refused_here(f"{group}=mine", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    if key is None:
+        assert line == ("fsdp_exp: sharding/mine.yaml: sharding.reshard_after_fwd: unknown key; sharding has: "
+                        "min_params, reshard_after_forward, wrap")
+    else:
+        assert line.startswith(f"fsdp_exp: {key}: the option extends none of the {group} group's schemas")
+        options = line.rpartition("one of: ")[2].split(", ")
+        assert ("fully_shard" if group == "sharding" else "slurm") in options and "mine" not in options
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_a_model_key_the_option_lacks_is_refused_with_what_its_builder_takes(tmp_path: Path) -> None:
     """`model.n_head=8`: Hydra says to add it with `+`, which helps only when the builder takes
     it. For GPT's builder, which does not, the line lists what it takes; for one that does

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fsdp_exp import distributed
 from fsdp_exp import profile
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.config import Device
@@ -23,7 +24,6 @@ from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import allocation_failure, is_out_of_memory, records_history
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.peaks import GB, MemoryMonitor, device_used_gb
-from fsdp_exp import distributed
 from fsdp_exp.rank.trainer import Trainer
 
 # ---- a CPU tensor in a GPU run's process group --------------------------------------------

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_exp.data.images import SyntheticImages
+from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.sinks import Progress, record_line, summary_table
 from fsdp_exp.models.vit import build_vit
-from fsdp_exp.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, refused_here, run_cli
 

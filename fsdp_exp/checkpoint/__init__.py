@@ -15,10 +15,11 @@ import torch
 from fsdp_exp.checkpoint.dcp import DCPCheckpoint
 from fsdp_exp.checkpoint.files import CheckpointError
 from fsdp_exp.checkpoint.state import TrainState
+from fsdp_exp.groups import CheckpointOption
 
 
 @dataclass
-class NoCheckpoint:
+class NoCheckpoint(CheckpointOption):
     """checkpoint=none: nothing saved during training."""
 
     export_full: bool = False  # at the end, write the full unsharded weights to model.safetensors

@@ -28,15 +28,16 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 
 from fsdp_exp.checkpoint.files import mark_latest, prune, step_name
 from fsdp_exp.checkpoint.state import TrainState
-from fsdp_exp.errors import ConfigError, choice
 from fsdp_exp import distributed
+from fsdp_exp.errors import ConfigError, choice
+from fsdp_exp.groups import CheckpointOption
 
 log = logging.getLogger("fsdp_exp")
 Mode = choice("Mode", ("sync", "async", "async_pinned"), __name__)
 
 
 @dataclass
-class DCPCheckpoint:
+class DCPCheckpoint(CheckpointOption):
     mode: Mode = Mode["sync"]  # sync | async | async_pinned
     every: int = 100  # steps between saves; the last step is always saved
     keep: int | None = 3  # the newest K checkpoints are kept, older ones removed; None keeps all

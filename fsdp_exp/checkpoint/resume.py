@@ -16,9 +16,9 @@ from fsdp_exp.checkpoint.files import (
     model_differences,
     open_checkpoint,
 )
+from fsdp_exp import distributed
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.models import ModelSpec
-from fsdp_exp import distributed
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

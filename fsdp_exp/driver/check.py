@@ -199,6 +199,9 @@ def config_error_line(err: Exception) -> str:
         group, _, name = (err.missing_cfg_file or "").rpartition("/")
         options = [o for o in err.options if not o.startswith("schema_")]  # schemas, not options
         return f"{group}={name}: no such option; choose one of: {', '.join(options)}"
+    in_option = re.search(r"^In '([^']+)': ConfigKeyError.*?Key '[^']+' not in '(\w+)'\s+full_key: (\S+)", str(err), re.S)
+    if in_option:  # a key that an option's file sets (Hydra's message chains no cause)
+        return str(config.unknown_key_in_option(in_option.group(1), in_option.group(3), in_option.group(2)))
     cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
     key = getattr(cause, "full_key", None)
     first_line = str(getattr(cause, "msg", None) or cause).strip().split("\n")[0]

@@ -26,11 +26,11 @@ import torch.distributed as dist
 from hydra.core.utils import setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from fsdp_exp import distributed
 from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launch.core import RunFailed
-from fsdp_exp import distributed
 from fsdp_exp.rank.worker import rank_log_path, run_rank
 
 if TYPE_CHECKING:

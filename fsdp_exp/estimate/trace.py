@@ -41,13 +41,13 @@ from omegaconf import OmegaConf
 from torch.nn import functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
+from fsdp_exp.distributed import Ranks
 from fsdp_exp.estimate.counting import LiveBytes, PlainTracker, ShardedTracker, tracker
 from fsdp_exp.estimate.library import kept_by_step
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace
 from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
 from fsdp_exp.launch.core import rank_threads
 from fsdp_exp.rank.build import build_model_for_training
-from fsdp_exp.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
 from fsdp_exp.sharding import NoSharding
 from fsdp_exp.torch_private import FakeStore, FakeTensorMode, flash_attention_for_cpu

@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdp_exp.errors import ConfigError, at_least, choice
+from fsdp_exp.groups import LauncherOption
 from fsdp_exp.launch.core import (
     Interrupted,
     RankOutcome,
@@ -41,7 +42,7 @@ StartMethod = choice("StartMethod", ("forkserver", "spawn"), __name__)
 
 
 @dataclass
-class LocalLauncher:
+class LocalLauncher(LauncherOption):
     nproc_per_node: Any = "auto"  # auto: one rank per GPU, or 2 on a CPU-only machine
     max_restarts: int = 0  # restarts of all ranks after one fails (they resume from the latest checkpoint)
     # forkserver: the ranks are forked from a process that imported torch once (fsdp_exp.launch.rank_server);

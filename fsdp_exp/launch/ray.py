@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_exp.distributed import backend_for
 from fsdp_exp.errors import ConfigError, at_least, one_line
+from fsdp_exp.groups import LauncherOption
 from fsdp_exp.launch.core import (
     Echo,
     RankOutcome,
@@ -35,7 +37,6 @@ from fsdp_exp.launch.core import (
     watch,
 )
 from fsdp_exp.launch.ray_worker import RayJob, _train_loop, size
-from fsdp_exp.distributed import backend_for
 from fsdp_exp.rank.worker import rank_log_path
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ TRAIN_EXTRA = ("pandas", "pyarrow", "fsspec")  # what ray[train] adds to ray, fo
 
 
 @dataclass
-class RayLauncher:
+class RayLauncher(LauncherOption):
     num_workers: int = 2  # the world size: one rank per Ray Train worker
     use_gpu: bool = False  # true: one GPU per worker (nccl); false: CPU workers (gloo)
     # What Ray reserves for each worker (with use_gpu, GPU: 1 is added); CPU is also each

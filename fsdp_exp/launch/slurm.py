@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.errors import ConfigError, at_least, choice
+from fsdp_exp.groups import LauncherOption
 from fsdp_exp.launch.core import (
     POLL_S,
     Echo,
@@ -51,7 +52,7 @@ RESULT_WAIT_S = 15  # on a cluster, how long result files may take to appear on 
 
 
 @dataclass
-class SlurmLauncher:
+class SlurmLauncher(LauncherOption):
     cluster: Cluster = Cluster["slurm"]  # slurm: sbatch on this cluster | local: submitit's local executor, here
     nproc_per_node: Any = "auto"  # ranks (SLURM tasks) per node; auto: gpus_per_node, or 2 when it is 0
     nodes: int = 1  # the world size is nodes x nproc_per_node; local: 1

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks, warmup_steps_to_skip
 from fsdp_exp.checkpoint import TrainState
 from fsdp_exp.config import Experiment, as_dict
+from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.flops import (
     counting_flops,
     device_peak,
@@ -40,7 +41,6 @@ from fsdp_exp.metrics.sinks import METRICS, JsonLines, Progress, Wandb
 from fsdp_exp.metrics.peaks import MemoryMonitor, Runtime
 from fsdp_exp.models.contract import check_logits
 from fsdp_exp.rank import worker
-from fsdp_exp.distributed import Ranks
 from fsdp_exp.rank.trainer import Trainer
 from fsdp_exp.rank.settle import PeakSettled
 from fsdp_exp.run_context import RunContext

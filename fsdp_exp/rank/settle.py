@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_exp.memory import peak_under_limit_gb
 from fsdp_exp import distributed
+from fsdp_exp.memory import peak_under_limit_gb
 
 log = logging.getLogger("fsdp_exp")
 

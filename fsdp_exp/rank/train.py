@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import restart_count, resume_point
+from fsdp_exp import distributed
 from fsdp_exp.memory import (
     OutOfMemory,
     allocation_failure,
@@ -26,7 +27,6 @@ from fsdp_exp.metrics.environment import rank_environment, write_device_record
 from fsdp_exp.metrics.peaks import device_used_gb, mark_runtime
 from fsdp_exp.metrics.startup import in_order, process_started
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
-from fsdp_exp import distributed
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.build import build_experiment, start_wandb
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_exp.metrics.peaks import MemoryMonitor
 from fsdp_exp import distributed
+from fsdp_exp.metrics.peaks import MemoryMonitor
 from fsdp_exp.distributed import Ranks
 from fsdp_exp.sharding import gradient_sync
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fsdp_exp.errors import one_line
 from fsdp_exp.distributed import DEVICE_VARIABLE
+from fsdp_exp.errors import one_line
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

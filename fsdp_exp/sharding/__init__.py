@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_exp.errors import ConfigError, choice
+from fsdp_exp.groups import ShardingOption
 from fsdp_exp.precision import Precision
 from fsdp_exp.sharding.wrap import WRAP_POLICIES, select_units
 
@@ -32,7 +33,7 @@ WrapPolicy = choice("WrapPolicy", WRAP_POLICIES, __name__)
 
 
 @dataclass
-class FullyShard:
+class FullyShard(ShardingOption):
     """FSDP2 on a 1-D mesh: `fully_shard` each unit (see `sharding.wrap`), then the root.
 
     reshard_after_forward: True is ZeRO-3 (`full`), False is ZeRO-2 (`grad_op`), an int
@@ -126,7 +127,7 @@ class HybridShard(FullyShard):
 
 
 @dataclass
-class DDP:
+class DDP(ShardingOption):
     """PyTorch DistributedDataParallel: a full replica per rank, gradients all-reduced."""
 
     shards_params = False

@@ -5,13 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from fsdp_exp.groups import TaskOption
+
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
     from fsdp_exp.launch.core import Launcher
     from fsdp_exp.run_context import RunContext
 
 
-class Task:
+class Task(TaskOption):
     """What every conf/task option is: its settings (a dataclass of its own keys, task.*),
     `check`, run by the driver before anything starts, and `run`.
 

@@ -1,0 +1,44 @@
+"""The base class of each config group's options. `Experiment` (fsdp_exp.config) types each
+group by its base, as Hydra's structured configs do, so a group's node holds one of the
+group's options and nothing else; every option's schema subclasses it. What an option does
+is said in its group's home: fsdp_exp.sharding, fsdp_exp.checkpoint, fsdp_exp.launch
+(`Launcher`), fsdp_exp.tasks (`Task`) and fsdp_exp.profile.
+
+The model, data and optimizer groups are open (a user's own `_target_` and its keys) and
+have no base.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass
+class GroupOption:
+    group: ClassVar[str] = ""  # the config group whose options subclass this base
+
+
+@dataclass
+class ShardingOption(GroupOption):
+    group = "sharding"
+
+
+@dataclass
+class CheckpointOption(GroupOption):
+    group = "checkpoint"
+
+
+@dataclass
+class LauncherOption(GroupOption):
+    group = "launcher"
+
+
+@dataclass
+class TaskOption(GroupOption):
+    group = "task"
+
+
+@dataclass
+class ProfileOption(GroupOption):
+    group = "profile"

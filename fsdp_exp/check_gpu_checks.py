@@ -206,8 +206,7 @@ def same_losses(reference: dict[int, float], losses: dict[int, float], tolerance
 def parity(reference: RunResult, run: RunResult, tolerance: float) -> tuple[bool, str]:
     """As tests/test_parity.py: the loss at every step and every final weight within
     `tolerance` of the unsharded run on the same global batch."""
-    problem = not_ok(reference, "sharding=none") or not_ok(run)
-    if problem:
+    if problem := not_ok(reference, "sharding=none") or not_ok(run):
         return False, problem
     ref = reference.losses
     if len(ref) < 2 or not ref[max(ref)] < ref[min(ref)]:
@@ -231,8 +230,7 @@ def parity(reference: RunResult, run: RunResult, tolerance: float) -> tuple[bool
 
 def trains(run: RunResult) -> tuple[bool, str]:
     """Every loss finite, the last below the first; fp16 reports its loss scale."""
-    problem = not_ok(run)
-    if problem:
+    if problem := not_ok(run):
         return False, problem
     steps = sorted(run.losses)
     if not steps or not all(math.isfinite(run.losses[s]) for s in steps):
@@ -263,8 +261,8 @@ def trains_on_every_gpu(run: RunResult, gpus: int) -> tuple[bool, str]:
 def resumes(uninterrupted: RunResult, first_half: RunResult, resumed: RunResult, tolerance: float) -> tuple[bool, str]:
     """The run resumed from the first half's checkpoint logs the uninterrupted run's loss at
     every step after it."""
-    problem = not_ok(uninterrupted, "uninterrupted") or not_ok(first_half, "first half") or not_ok(resumed, "resumed")
-    if problem:
+    if problem := (not_ok(uninterrupted, "uninterrupted") or not_ok(first_half, "first half")
+                   or not_ok(resumed, "resumed")):
         return False, problem
     saved_at = first_half.summary.get("steps")
     if resumed.summary.get("resumed_from_step") != saved_at:
@@ -278,8 +276,7 @@ def resumes(uninterrupted: RunResult, first_half: RunResult, resumed: RunResult,
 
 def mfu(run: RunResult) -> tuple[bool, str]:
     """MFU within (0, 1), and the FLOPs counted by FlopCounterMode within 10% of 6N."""
-    problem = not_ok(run)
-    if problem:
+    if problem := not_ok(run):
         return False, problem
     s = run.summary
     counted = s.get("flops_per_step_counted", s.get("flops_per_step"))
@@ -302,8 +299,7 @@ def estimated(run: RunResult, estimate: RunResult) -> tuple[bool, str]:
     and what the whole device held (torch.cuda.mem_get_info), shown beside its estimate. On
     the CPU development run only the figures are checked for: the CPU's accuracy is
     bench/estimate_accuracy.py's (docs/BENCHMARKS.md), and its tiny model misses by a constant."""
-    problem = not_ok(run, "run") or not_ok(estimate, "estimate")
-    if problem:
+    if problem := not_ok(run, "run") or not_ok(estimate, "estimate"):
         return False, problem
     s, e = run.summary, estimate.summary
     pairs = [("peak", e.get("peak_mem_gb"), s.get("peak_mem_gb"))]
@@ -339,8 +335,7 @@ def limited_peak(summary: dict) -> tuple[float | None, str]:
 
 
 def under_limit(run: RunResult, limit_gb: float) -> tuple[bool, str]:
-    problem = not_ok(run)
-    if problem:
+    if problem := not_ok(run):
         return False, problem
     peak, what = limited_peak(run.summary)
     if peak is None:
@@ -350,8 +345,7 @@ def under_limit(run: RunResult, limit_gb: float) -> tuple[bool, str]:
 
 def same_training(reference: RunResult, run: RunResult, tolerance: float) -> tuple[bool, str]:
     """The run logs the reference's loss at every step, and learns."""
-    problem = not_ok(reference, "reference") or not_ok(run)
-    if problem:
+    if problem := not_ok(reference, "reference") or not_ok(run):
         return False, problem
     worst, problem = same_losses(reference.losses, run.losses, tolerance)
     if problem:
@@ -363,14 +357,12 @@ def same_training(reference: RunResult, run: RunResult, tolerance: float) -> tup
 def answer_trains(search: RunResult, run: RunResult, limit_gb: float) -> tuple[bool, str]:
     """task=max_batch found a size bounded by memory (oom, noise, or a verification run that ran out of it),
     and training at it fits under the limit."""
-    problem = not_ok(search, "task=max_batch")
-    if problem:
+    if problem := not_ok(search, "task=max_batch"):
         return False, problem
     size, bounded_by = search.summary.get("max_batch_size"), search.summary.get("bounded_by")
     if not size:
         return False, f"task=max_batch found no size that fits under memory.limit_gb={limit_gb:g}"
-    problem = not_ok(run, f"train.batch_size={size}")
-    if problem:
+    if problem := not_ok(run, f"train.batch_size={size}"):
         return False, problem
     fits, detail = under_limit(run, limit_gb)
     # bounded by memory: the next size ran out of it, or fit only inside the noise band
@@ -399,8 +391,7 @@ def device(run: RunResult, expected: str) -> tuple[bool, str]:
 def limit_recorded(run: RunResult, limit_gb: float) -> tuple[bool, str]:
     """Under memory.limit_gb the summary holds the limit and the peak it caps, per rank too;
     on a GPU that peak is the reserved one (set_per_process_memory_fraction caps it)."""
-    problem = not_ok(run)
-    if problem:
+    if problem := not_ok(run):
         return False, problem
     s = run.summary
     peak, per_rank = s.get("peak_under_limit_gb"), s.get("peak_under_limit_gb_per_rank") or []
@@ -416,8 +407,7 @@ def limit_recorded(run: RunResult, limit_gb: float) -> tuple[bool, str]:
 def compiled_probe(run: RunResult) -> tuple[bool, str]:
     """A probe with train.compile=true times training, not the compiler: compiling falls in
     its warm-up, so a measured step is a small part of the probe's wall time."""
-    problem = not_ok(run)
-    if problem:
+    if problem := not_ok(run):
         return False, problem
     summaries = [json.loads(f.read_text()) for f in sorted((run.dir / "probes").glob("*/summary.json"))]
     ok = [p for p in summaries if p.get("status") == "ok"]

@@ -21,11 +21,9 @@ from fsdp_exp.errors import one_line
 from fsdp_exp.launch.core import POLL_S
 from fsdp_exp.launch.tail import NewLines
 from fsdp_exp.metrics.sinks import METRICS
-from fsdp_exp.rank.worker import rank_variables, run_rank
+from fsdp_exp.rank.worker import RankJob, rank_variables
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from fsdp_exp.config import Experiment
 
 UPLOAD_DIR = ".ray_upload"  # in checkpoint.dir: the hard-linked snapshot Ray uploads, removed after
@@ -38,13 +36,9 @@ def _train_loop(config: dict) -> Any:
 
 
 @dataclass
-class RayJob:
+class RayJob(RankJob):
     """What each Ray Train worker runs: one rank of the run (Ray pickles it to the workers)."""
 
-    task: Callable[[Any, Path], Any]
-    cfg: Experiment
-    run_dir: str
-    time_limit_s: int | None = None
     ray_dir: str | None = None  # Ray's directory of this run, when it is a local path
 
     def __call__(self) -> Any:
@@ -71,7 +65,7 @@ class RayJob:
             reporter.start()
             return self.task(cfg, run_dir)
 
-        result = run_rank(task, self.cfg, self.run_dir, self.time_limit_s)
+        result = self.run_rank(task)
         reporter.finish()
         ray.train.report(json_safe(result) if isinstance(result, dict) else {})
         return result

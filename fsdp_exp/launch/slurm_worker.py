@@ -10,15 +10,10 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fsdp_exp.errors import one_line
-from fsdp_exp.rank.worker import rank_variables, run_rank
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from fsdp_exp.config import Experiment
+from fsdp_exp.rank.worker import RankJob, rank_variables
 
 
 class RankError(RuntimeError):
@@ -34,17 +29,13 @@ def started_path(folder: Path, job_id: str, rank: int) -> Path:
 
 
 @dataclass
-class SlurmJob:
+class SlurmJob(RankJob):
     """What each task of the job runs (submitit pickles it): one rank of the run.
 
     `checkpoint` is submitit's hook for preemption and time limits (called on rank 0): the
     same ranks again, from the latest checkpoint, while `max_restarts` allows.
     """
 
-    task: Callable[[Experiment, Path], Any]
-    cfg: Experiment
-    run_dir: str
-    time_limit_s: int | None = None
     max_restarts: int = 0
     local: bool = False
     master_port: int | None = None
@@ -69,7 +60,7 @@ class SlurmJob:
             torch.set_num_threads(int(cpus))
         logging.getLogger("submitit").propagate = False  # its lines stay in its own files
         try:
-            return run_rank(self.task, self.cfg, self.run_dir, self.time_limit_s)
+            return self.run_rank()
         except Exception as err:
             raise RankError(one_line(err, named=True, whole=True)) from err
 

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_exp import distributed
-from fsdp_exp.metrics.peaks import MemoryMonitor
 from fsdp_exp.distributed import Ranks
+from fsdp_exp.metrics.peaks import MemoryMonitor
 from fsdp_exp.sharding import gradient_sync
 
 log = logging.getLogger("fsdp_exp")
@@ -63,78 +63,62 @@ class PeakMemory(Protocol):
     def held_gb(self) -> float: ...
 
 
+@dataclass(eq=False)
 class Trainer:
     """Trains `model` for `steps` optimizer steps; every rank measures, `sinks` (rank 0) write.
 
     Every `log_every` steps (and at the last) the loss is averaged over ranks and one
     record goes to each sink. A record's window never mixes warm-up steps with later ones,
     and the summary's averages leave the warm-up steps out.
+
+    `batches` yields micro-batches of `batch_size // grad_accum` samples; one step takes
+    `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
+    `flops_per_step`: this rank's model FLOPs per optimizer step; with `peak_tflops`, MFU.
+    `hardware_flops_per_step`: what ran, with the forward activation checkpointing
+    recomputes; with `peak_tflops`, HFU. `start_step`: the step a resumed run continues after
+    (its first `warmup_steps` steps are warm-up again); `start_loss`: the loss the checkpoint
+    saved at it. `phase_peaks`: each phase's peak memory as well as the window's
+    (metrics.phase_peaks). `first_micro_batch`: what the first micro-batch also does (counts
+    FLOPs, checks the logits). `memory`: the memory figures, by default this rank's
+    MemoryMonitor. `stop_early(step, window_peak_gb)`: called by every rank after each step,
+    with what reads the window's peak so far; True ends training there (a probe whose peak
+    has settled, fsdp_exp.rank.settle.PeakSettled).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-        ranks: Ranks,
-        steps: int,
-        batch_size: int,
-        log_every: int,
-        warmup_steps: int = 0,
-        sinks: Iterable[Sink] = (),
-        grad_accum: int = 1,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        tokens_per_sample: int = 0,
-        flops_per_step: int = 0,
-        hardware_flops_per_step: int = 0,
-        peak_tflops: float | None = None,
-        hooks: Iterable[StepHooks] = (),
-        lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
-        checkpoint: Checkpointer | None = None,
-        start_step: int = 0,
-        start_loss: float | None = None,
-        phase_peaks: bool = True,
-        first_micro_batch: FirstMicroBatch | None = None,
-        memory: PeakMemory | None = None,
-        stop_early: Callable[[int, Callable[[], float | None]], bool] | None = None,
-    ):
-        """`batches` yields micro-batches of `batch_size // grad_accum` samples; one step
-        takes `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
-        `flops_per_step`: this rank's model FLOPs per optimizer step; with `peak_tflops`, MFU.
-        `hardware_flops_per_step`: what ran, with the forward activation checkpointing
-        recomputes; with `peak_tflops`, HFU.
-        `start_step`: the step a resumed run continues after (its first `warmup_steps`
-        steps are warm-up again); `start_loss`: the loss the checkpoint saved at it.
-        `phase_peaks`: each phase's peak memory as well as the window's (metrics.phase_peaks).
-        `first_micro_batch`: what the first micro-batch also does (counts FLOPs, checks the
-        logits). `memory`: the memory figures, by default this rank's MemoryMonitor.
-        `stop_early(step, window_peak_gb)`: called by every rank after each step, with what
-        reads the window's peak so far; True ends training there (a probe whose peak has
-        settled, fsdp_exp.rank.settle.PeakSettled)."""
-        self.model = model
-        self.optimizer = optimizer
-        self.batches = batches
-        self.ranks = ranks
-        self.steps = steps
-        self.global_batch = batch_size * ranks.world_size
-        self.log_every = log_every
-        self.warmup_steps = warmup_steps
-        self.sinks = list(sinks)
-        self.grad_accum = grad_accum
-        self.grad_scaler = grad_scaler
-        self.tokens_per_sample = tokens_per_sample
-        self.flops_per_step = flops_per_step
-        self.hardware_flops_per_step = hardware_flops_per_step
-        self.peak_tflops = peak_tflops
-        self.hooks = list(hooks)
-        self.lr_schedule = lr_schedule
-        self.checkpoint = checkpoint
-        self.start_step = start_step
-        self.start_loss = start_loss
-        self.first_micro_batch = first_micro_batch
-        self.memory: PeakMemory = memory if memory is not None else MemoryMonitor(ranks.device, phase_peaks)
-        self.host_data_wait_s = 0.0
-        self.stop_early = stop_early
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    ranks: Ranks
+    steps: int
+    batch_size: int
+    log_every: int
+    warmup_steps: int = 0
+    sinks: Iterable[Sink] = ()
+    grad_accum: int = 1
+    grad_scaler: torch.amp.GradScaler | None = None
+    tokens_per_sample: int = 0
+    flops_per_step: int = 0
+    hardware_flops_per_step: int = 0
+    peak_tflops: float | None = None
+    hooks: Iterable[StepHooks] = ()
+    lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None
+    checkpoint: Checkpointer | None = None
+    start_step: int = 0
+    start_loss: float | None = None
+    phase_peaks: bool = True
+    first_micro_batch: FirstMicroBatch | None = None
+    memory: PeakMemory | None = None  # None: a MemoryMonitor of this rank's device, made in __post_init__
+    stop_early: Callable[[int, Callable[[], float | None]], bool] | None = None
+    host_data_wait_s: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        self.sinks, self.hooks = list(self.sinks), list(self.hooks)
+        if self.memory is None:
+            self.memory = MemoryMonitor(self.ranks.device, self.phase_peaks)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.ranks.world_size
 
     def loss_of(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy over classes (images) or over every position's next token (LMs)."""

@@ -14,6 +14,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +131,21 @@ def console_warnings_only() -> None:
     for handler in logging.getLogger().handlers:
         if not isinstance(handler, logging.FileHandler):
             handler.setLevel(logging.WARNING)
+
+
+@dataclass
+class RankJob:
+    """One rank of a run as a job that another system runs and pickles to its workers (a
+    SLURM task, a Ray Train worker): `task(cfg, run_dir)` on that rank (`run_rank`)."""
+
+    task: Callable[[Experiment, Path], Any]
+    cfg: Experiment
+    run_dir: str
+    time_limit_s: int | None = None
+
+    def run_rank(self, task: Callable[[Experiment, Path], Any] | None = None) -> Any:
+        """The rank: `task`, by default the job's own."""
+        return run_rank(task or self.task, self.cfg, self.run_dir, self.time_limit_s)
 
 
 @record

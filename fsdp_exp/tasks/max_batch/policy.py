@@ -4,8 +4,60 @@ This module only decides which batch size to try next; it runs nothing. Every si
 multiple of `resolution`, and the answer is exact to it: the boundary trained and the
 boundary plus `resolution` did not.
 
-The policy, why it is so, and how many probes it takes on each shape of peak:
-docs/max_batch.md, "How the search picks its probes".
+Why it is so, and how many probes it takes on each shape of peak: docs/max_batch.md, "How
+the search picks its probes". The rules, with the constants below:
+
+1. With the estimate's curve (step 6), the first probe is where the curve leaves LEVEL_ERROR of the limit free. Without it, or when the curve puts nothing there, the first probe
+   is `resolution`; when it runs out of memory, nothing fits. When it fails
+   for another reason (BatchNorm needs more than one value per channel to train), the size
+   may be too small to train: the search doubles it, up to START_TRIES times, and starts
+   from the first size that trains; the sizes below it are too small, not out of memory.
+2. The probes that fit split into a flat start (peaks within FLAT of the first one's) and the
+   probes past it, where the peak grows. The activation line is fit to the growing ones only:
+   - two or more: least squares over the top run of them that lie on one line (within
+     ON_LINE of their peaks). When only the top one is off a line of three or more, and
+     above it, that is a step: the line keeps its slope and passes through the top probe.
+   - one: the line from the last flat probe to it. The knee lies between the two, so past
+     the growing probe the curve is at least as steep and the line's crossing is an upper
+     bound of the boundary. The search probes halfway to that bound in log scale, where a
+     size that fits gives a second point past the knee.
+   - none: no line.
+3. While no size has failed, the scale is unknown: the search probes halfway in log scale
+   between the largest size that fit and `up_to`, or the line's prediction when that is
+   nearer. The line's prediction is taken beyond that halfway point only once the line has
+   risen by at least 1/REACH of what is left up to the limit.
+4. Once a size has failed, the search probes the line's prediction: just below it, where a
+   size that fits adds a point, or just above it when a size below would gain nothing. It
+   bisects instead (in log scale while the bracket spans more than a factor of 4): without
+   a line, when the line says that the size that failed fits, after two probes in a row that
+   went against the line, and when four probes did not halve the bracket. After a probe
+   went against the line, the prediction is widened by the error that MISS_NOISE of
+   measurement noise would give, doubled for each further one.
+5. Near the end, where the bracket spans at most NEAR_THE_END times what the peaks' noise
+   lets the line place (a line of three or more points; the noise is the widest of the
+   residuals' scatter, half the noise band and SPLIT_NOISE of the peak), the boundary is
+   taken to lie around the line's crossing with that spread (normal, truncated to the
+   bracket, widened when the crossing lies outside it) and the search probes where it is as
+   likely above as below. A prediction that noise made a few samples too high then costs
+   a split, not a walk down one size at a time. When the size that failed lies below the
+   crossing by more than that spread, the line is off, not noisy (on GPU, where the line is
+   the allocated peak's, fragmentation runs out before it meets the limit): the search bisects.
+6. With the estimate's curve (`PeakCurve`, task=max_batch's task.estimate, traced before
+   the first probe when `memory.limit_gb` is set, else once the first probe has told the
+   device's memory): the first probe lands near the boundary, below it by what the
+   estimate's level may be off (under the limit, the 34 rows of bench/estimate_accuracy.py
+   are within 5%). It sets the curve's level where the curve's growth has
+   little way to err. When that first size does not train, the search starts again at
+   `resolution`. The curve, moved through the largest probe that fit, then places the next
+   probe at its crossing; from the first probe alone, GROWTH_ERROR short of it, since
+   the trace's growth is a few percent below a run's (1% to 8% on bench/estimate_accuracy.py's
+   rows, never above). Its growth is scaled to the probes' once they span PRIOR_SPAN times their noise. It places probes until a size has failed and that span is there,
+   or, before any size fails, for as long as the probes' growth stays within a factor 2 of
+   its own. This replaces step 3 and the one-probe line of step 2. After a miss the next
+   probe is PRIOR_ERROR of the way back; after two misses the curve is left.
+   On the simulated families it ends in 3 probes or fewer when the curve is off by a
+   constant within LEVEL_ERROR (2 when the first size is the boundary), in 5 or fewer when
+   it is off by twice that or its growth is 10% off.
 """
 
 from __future__ import annotations

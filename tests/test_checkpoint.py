@@ -29,7 +29,6 @@ from fsdp_exp.checkpoint.files import latest, open_checkpoint
 from fsdp_exp.checkpoint.resume import resolve_resume
 from fsdp_exp.cli import compose_checked
 from tests.conftest import SMALL_VIT, precheck, read_json, read_jsonl, refused_here, run_cli, signal_at_step
-from fsdp_exp import distributed
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.local import LocalLauncher
@@ -165,7 +164,7 @@ def test_a_restart_after_the_final_checkpoint_trains_nothing_and_keeps_the_loss_
     plan = prepare(compose_checked(overrides), 0)
     out = tmp_path / "run"
     context = RunContext()
-    plan.task.settle(plan.exp, context, out)
+    plan.task.find_resume(plan.exp, context, out)
     summary = LocalLauncher(max_restarts=1).launch(partial(rank_tasks.train_then_rank1_dies_once, context=context),
                                                    plan.exp, out, plan.nproc)
 
@@ -184,6 +183,7 @@ import os, sys, torch
 from pathlib import Path
 from torch import nn
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=sys.argv[3])
+from fsdp_exp import distributed
 from fsdp_exp.checkpoint import DCPCheckpoint, TrainState
 from fsdp_exp.checkpoint.files import latest
 ranks = distributed.init("cpu")

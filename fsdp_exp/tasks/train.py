@@ -35,7 +35,7 @@ class Train(Task):
         named = exp.checkpoint.dir
         resolve_resume(exp, Path(named).expanduser().resolve() if named else None)
 
-    def settle(self, exp: Experiment, context: RunContext, run_dir: Path) -> None:
+    def find_resume(self, exp: Experiment, context: RunContext, run_dir: Path) -> None:
         """The checkpoint the run starts from, as an absolute path (or None), so every rank
         reads the same one."""
         context.resume = resolve_resume(exp, exp.checkpoint.dir_for(run_dir))
@@ -43,7 +43,7 @@ class Train(Task):
             log.info("resuming from %s", context.resume)
 
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
-        self.settle(exp, context, run_dir)
+        self.find_resume(exp, context, run_dir)
         beside = EstimateBeside(exp, nproc, run_dir, launcher.ranks_per_node(nproc)) if exp.memory.estimate else None
         if beside is not None and launcher.runs_here:  # rank 0 sees the file; else the driver adds it
             context.estimate_file = str(beside.path)

@@ -115,7 +115,7 @@ class Probe:
 def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
                  limit_gb: Any = "same", up_to_steps: int = 0) -> Experiment:
     """The run's config, trimmed to a probe: `steps` steps at `batch_size` (or, to let its peak
-    settle, up to `up_to_steps`: `settle`), the first of them warm-up (with train.compile the
+    settle, up to `up_to_steps`: `settling_rule`), the first of them warm-up (with train.compile the
     first two, and then at least 3 steps, so that the probe's samples/s times training, not
     the compiler), no profile or export.
     - On CPU, wandb logs as the run would, offline, in a run of its own, a record every step:
@@ -149,7 +149,7 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
     )
 
 
-def settle(cfg: Experiment, steps: int, tolerance_gb: float) -> dict:
+def settling_rule(cfg: Experiment, steps: int, tolerance_gb: float) -> dict:
     """A probe's rule for when its peak has settled (fsdp_exp.rank.settle.PeakSettled): checked
     from its `steps`-th step, every (steps less warm-up) steps after, until two checks agree
     within `tolerance_gb` (the search's noise band)."""
@@ -206,7 +206,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
         run_cfg = command_config(cfg, batch_size, steps, as_command)
     elif settle_gb is not None:
         run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb, cfg.task.settle_steps)
-        context.settle = settle(cfg, steps, settle_gb)
+        context.settle = settling_rule(cfg, steps, settle_gb)
     else:
         run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb)
     start = time.perf_counter()

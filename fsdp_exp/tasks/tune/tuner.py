@@ -148,7 +148,7 @@ class Tuner(Confirming, SetupsSideBySide):
         smallest = self.settings.resolution
         need = curve.peak_gb(smallest)
         if need > search.limit_gb * (1 + PRUNE_OVER) and not self.trained(entry):
-            self.settle(entry, "pruned", f"the estimate puts batch {smallest} at {need:.3f} GB, over the "
+            self.conclude(entry, "pruned", f"the estimate puts batch {smallest} at {need:.3f} GB, over the "
                         f"{search.limit_gb:g} GB limit")
             return
         crossing = min(curve.crossing(search.limit_gb - search.noise_gb()), search.up_to())
@@ -173,7 +173,7 @@ class Tuner(Confirming, SetupsSideBySide):
             if self.stopped:
                 break
             if not can_win(self.bound(entry) or math.inf, self.best_speed()):
-                self.settle(entry, "bounded", self.bounded_words(entry))
+                self.conclude(entry, "bounded", self.bounded_words(entry))
             elif runs is None:
                 self.search_whole(entry)
             else:
@@ -286,12 +286,12 @@ class Tuner(Confirming, SetupsSideBySide):
         try:
             figures = search.finish()
         except (RunFailed, ConfigError) as err:
-            self.settle(entry, "failed", one_line(err))
+            self.conclude(entry, "failed", one_line(err))
             return
         entry.row.max_batch_size = figures["max_batch_size"]
         if not figures["max_batch_size"]:
             need = figures.get("smallest_batch_needs_gb")
-            self.settle(entry, "does not fit", f"batch {figures['searched_from']} "
+            self.conclude(entry, "does not fit", f"batch {figures['searched_from']} "
                         + (f"needs {need:.3f} GB" if need else "runs out of memory") + " under the limit")
             return
         fastest = figures["fastest_batch_size"]
@@ -303,7 +303,7 @@ class Tuner(Confirming, SetupsSideBySide):
         if figures["bounded_by"] == "failed" and failed is not None:
             how += f" ({above} did not train, not for lack of memory: {failed.reason})"
         if self.settings.global_batch is None:
-            self.settle(entry, "measured", how)
+            self.conclude(entry, "measured", how)
         else:
             self.split(entry, figures["max_batch_size"], how)
 
@@ -322,16 +322,16 @@ class Tuner(Confirming, SetupsSideBySide):
                 self.fill_row(entry.row, probe, search.limit_gb)
                 entry.row.batch_size, entry.row.grad_accum = micro, accum
                 entry.row.step_s = global_batch / probe.samples_per_s
-                self.settle(entry, "measured", f"{how}; task.global_batch={global_batch} as {micro} x {accum} "
+                self.conclude(entry, "measured", f"{how}; task.global_batch={global_batch} as {micro} x {accum} "
                             f"on {plan.nproc} rank(s)")
                 return
             if probe.status == "failed":
-                self.settle(entry, "failed", f"{micro} x {accum}: {probe.reason}")
+                self.conclude(entry, "failed", f"{micro} x {accum}: {probe.reason}")
                 return
             tried.append(f"{micro} x {accum}")
             if len(tried) >= SPLITS_TRIED:
                 break
-        self.settle(entry, "does not fit", f"no split of task.global_batch={global_batch} into micro-batches "
+        self.conclude(entry, "does not fit", f"no split of task.global_batch={global_batch} into micro-batches "
                     f"under {largest} trained" + (f" (tried {', '.join(tried)})" if tried else ""))
 
     def extra_probe(self, entry: TunedSetup, kind: str, micro: int, accum: int) -> Probe:
@@ -372,7 +372,7 @@ class Tuner(Confirming, SetupsSideBySide):
             self.save()
         return probe
 
-    def settle(self, entry: TunedSetup, status: str, how: str) -> None:
+    def conclude(self, entry: TunedSetup, status: str, how: str) -> None:
         with self.lock:
             entry.row.status, entry.row.how, entry.done = status, how, True
             self.save()

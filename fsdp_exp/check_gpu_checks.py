@@ -134,6 +134,8 @@ def runs(setup: CheckSetup, workdir: Path) -> dict[str, Overrides]:
         # one probe (batch 1) of task=max_batch with train.compile=true (its answer is not run again)
         "compiled_probe": [*memory_gpt, "task=max_batch", f"memory.limit_gb={setup.limit_gb:g}", "train.compile=true",
                            "task.search_up_to=1", "task.estimate=false", "task.verify_steps=0"],
+        # on a GPU, task=max_batch without memory.limit_gb: the device's memory is the limit
+        **({"max_batch_device": [*memory_gpt, "task=max_batch", "task.verify_steps=5"]} if setup.device == "cuda" else {}),
     }
 
 
@@ -172,6 +174,8 @@ def checks(setup: CheckSetup) -> list[Check]:
               lambda search, run: answer_trains(search, run, setup.limit_gb)),
         Check("peak_under_limit_gb present", ("under_limit",), lambda run: limit_recorded(run, setup.limit_gb)),
         Check("a compiled max_batch probe", ("compiled_probe",), compiled_probe),
+        *([Check("max_batch with the GPU's memory as the limit", ("max_batch_device",), device_memory_search)]
+          if setup.device == "cuda" else []),
     ]
 
 
@@ -367,6 +371,20 @@ def answer_trains(search: RunResult, run: RunResult, limit_gb: float) -> tuple[b
     fits, detail = under_limit(run, limit_gb)
     # bounded by memory: the next size ran out of it, or fit only inside the noise band
     return fits and bounded_by in ("oom", "noise", "verification"), f"max batch {size} (bounded by {bounded_by}); trained at it: {detail}"
+
+
+def device_memory_search(run: RunResult) -> tuple[bool, str]:
+    """task=max_batch without memory.limit_gb on a GPU: its first probe learns the device's
+    memory, which is then the limit, and the search ends at a size bounded by memory."""
+    if problem := not_ok(run, "task=max_batch"):
+        return False, problem
+    s = run.summary
+    size, bounded_by, limit = s.get("max_batch_size"), s.get("bounded_by"), s.get("limit_gb")
+    device_gb = s.get("environment", {}).get("device_memory_gb")
+    if not limit or (device_gb and not 0.5 * device_gb <= limit <= 1.01 * device_gb):
+        return False, f"limit_gb {limit} for a device of {device_gb} GB"
+    detail = f"max batch {size} (bounded by {bounded_by}) under the device's {limit:.1f} GB"
+    return bool(size) and bounded_by in ("oom", "noise", "verification"), detail
 
 
 def out_of_memory(run: RunResult) -> tuple[bool, str]:

@@ -314,6 +314,9 @@ def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_p
                           peak_under_limit_gb_per_rank=[2.9, 3.0])
         if out.name == "max_batch":
             return result(max_batch_size=5, bounded_by="oom")
+        if out.name == "max_batch_device":
+            assert not any(o.startswith("memory.limit_gb") for o in overrides)
+            return result(max_batch_size=40, bounded_by="noise", limit_gb=79.1)
         if out.name == "at_max_batch":
             assert "train.batch_size=5" in overrides
             return result(peak_reserved_gb=7.5)
@@ -382,6 +385,20 @@ def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path, mo
     if "data.seq_len=1024" in plan["gpt"]:
         assert GPT2_SMALL_BF16_GB[setup.mfu_batch] + OUTSIDE_ALLOCATOR_GB <= 0.9 * memory_gb
     assert setup.mfu_batch >= 1 and setup.limit_batch >= 1 and setup.oom_batch > 4 * setup.limit_batch
+
+
+def test_a_search_without_a_limit_is_a_gpus_row_whose_limit_is_the_devices_memory() -> None:
+    from fsdp_exp.check_gpu_checks import device_memory_search
+
+    assert "max_batch_device" in runs(GPU, Path("/w")) and "max_batch_device" not in runs(CPU, Path("/w"))
+    assert [c.runs for c in checks(GPU)][-1] == ("max_batch_device",)
+    assert ("max_batch_device",) not in [c.runs for c in checks(CPU)]
+    found = result(max_batch_size=40, bounded_by="noise", limit_gb=79.1, environment={"device_memory_gb": 79.2})
+    assert device_memory_search(found) == (True, "max batch 40 (bounded by noise) under the device's 79.1 GB")
+    assert not device_memory_search(result(max_batch_size=40, bounded_by="noise", limit_gb=8.0,
+                                           environment={"device_memory_gb": 79.2}))[0]  # not the device's memory
+    assert not device_memory_search(result(max_batch_size=40, bounded_by="search_up_to", limit_gb=79.1))[0]
+    assert not device_memory_search(result("failed", error="rank 0 failed: TypeError: ..."))[0]
 
 
 def test_the_search_answer_check_trains_at_the_answer_and_needs_a_memory_bound() -> None:

@@ -9,11 +9,11 @@ install:  ## make .venv and install the package editable with its dev extras
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[dev]'
 
-test:  ## the fast suite (8 to 9 minutes on 2 CPU cores, 10 at most)
-	$(BIN)/python -m pytest
+test:  ## the fast suite (8 to 9 minutes on 2 CPU cores, 10 at most); its 20 slowest tests at the end
+	$(BIN)/python -m pytest --durations=20
 
 test-slow:  ## the longer end-to-end checks
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m slow --durations=20
 
 run:  ## the default experiment
 	$(BIN)/python -m fsdp_exp

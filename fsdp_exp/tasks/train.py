@@ -49,7 +49,8 @@ class Train(Task):
             context.estimate_file = str(beside.path)
         context.startup["launched"] = time.time()
         try:
-            figures = launcher.launch(partial(train_rank, context=context, against_estimate=estimate_checked), exp, run_dir, nproc)
+            rank = partial(train_rank, context=context, against_estimate=estimate_checked)
+            figures = launcher.launch(rank, exp, run_dir, nproc)
         except KeyboardInterrupt:
             if beside is not None:
                 beside.stop()

@@ -38,6 +38,16 @@ def precheck(argv: list[str]) -> dict:
     return {run_key(run): checked.plans.get(run_key(run)) for run in checked.launch}
 
 
+def names(line: str, key: str, *allowed: str) -> None:
+    """`line` is one refusal that names `key` first and holds each of `allowed` (the values
+    a key takes, the hint a user needs); the words around them are the message's own."""
+    text = line.strip().removeprefix("fsdp_exp: ")
+    assert "\n" not in text, f"not one line: {line!r}"
+    assert text.startswith(f"{key}:") or text.startswith(f"{key} "), f"{line!r} does not name {key!r} first"
+    missing = [a for a in allowed if a not in text]
+    assert not missing, f"{line!r} lacks {missing}"
+
+
 def run_cli(*args: str, cwd: Path, timeout: float = 240, extra_env: dict | None = None,
             module: tuple[str, ...] = ("-m", "fsdp_exp"), estimate: bool = False) -> subprocess.CompletedProcess:
     """`python -m fsdp_exp ARGS` in `cwd`, as a user would type it; output captured.

@@ -26,7 +26,14 @@ from omegaconf.errors import MissingMandatoryValue
 
 from fsdp_exp.data.custom import CustomData
 from fsdp_exp.errors import Choice, ConfigError, at_least
-from fsdp_exp.groups import CheckpointOption, LauncherOption, ProfileOption, ShardingOption, TaskOption
+from fsdp_exp.groups import (
+    CheckpointOption,
+    LauncherOption,
+    LossOption,
+    ProfileOption,
+    ShardingOption,
+    TaskOption,
+)
 from fsdp_exp.memory import MemorySettings
 from fsdp_exp.metrics.sinks import WandbSettings
 from fsdp_exp.models import NO_BUILDER, ModelSpec
@@ -87,6 +94,7 @@ class Experiment:
     data: Any = MISSING  # open too: one of fsdp_exp.data's, or a user's own `_target_`
     sharding: ShardingOption = MISSING
     precision: Precision = MISSING
+    loss: LossOption = MISSING
     checkpoint: CheckpointOption = MISSING
     launcher: LauncherOption = MISSING
     task: TaskOption = MISSING
@@ -130,7 +138,7 @@ def build(cfg: DictConfig) -> Experiment:
     return built
 
 
-GROUP_BASES = (CheckpointOption, LauncherOption, ProfileOption, ShardingOption, TaskOption)
+GROUP_BASES = (CheckpointOption, LauncherOption, LossOption, ProfileOption, ShardingOption, TaskOption)
 
 
 def extends_no_schema(group: str, key: str | None = None) -> ConfigError:

@@ -2,7 +2,7 @@
 group by its base, as Hydra's structured configs do, so a group's node holds one of the
 group's options and nothing else; every option's schema subclasses it. What an option does
 is said in its group's home: fsdp_exp.sharding, fsdp_exp.checkpoint, fsdp_exp.launch
-(`Launcher`), fsdp_exp.tasks (`Task`) and fsdp_exp.profile.
+(`Launcher`), fsdp_exp.tasks (`Task`), fsdp_exp.profile and fsdp_exp.loss.
 
 The model, data and optimizer groups are open (a user's own `_target_` and its keys) and
 have no base.
@@ -42,3 +42,8 @@ class TaskOption(GroupOption):
 @dataclass
 class ProfileOption(GroupOption):
     group = "profile"
+
+
+@dataclass
+class LossOption(GroupOption):
+    group = "loss"

@@ -386,15 +386,16 @@ class ReturnsADict(nn.Module):
 
 
 def test_a_regression_and_a_model_returning_a_dict_are_told_what_the_trainer_reads() -> None:
-    """The trainer's loss is cross-entropy over logits: a regression's float targets are
-    named as such (not "this data gives images"); a dict output is named, with its keys."""
-    with pytest.raises(ConfigError) as regression:
-        precheck(["model=custom", "model._target_=torch.nn.Linear", "+model.in_features=16", "+model.out_features=1",
-                  "model.blocks=[torch.nn.Linear]", "data=custom", "data._target_=tests.test_checks.Regression"])
-    assert "this data's targets are float32 values of shape [1]" in str(regression.value)
-    assert "does not train a regression" in str(regression.value) and "images" not in str(regression.value)
+    """The default loss is cross-entropy over logits: a regression's float targets are
+    named as such (not "this data gives images"), with the loss that trains them, which
+    then passes; a dict output is named, with its keys."""
+    regression = ["model=custom", "model._target_=torch.nn.Linear", "+model.in_features=16", "+model.out_features=1",
+                  "model.blocks=[torch.nn.Linear]", "data=custom", "data._target_=tests.test_checks.Regression"]
+    with pytest.raises(ConfigError) as refused:
+        precheck(regression)
+    names(str(refused.value), "model", "float32 values of shape [1]", "loss=mse")
+    assert "images" not in str(refused.value)
+    assert precheck([*regression, "loss=mse"])  # the same model and data, with the loss that reads them
     with pytest.raises(ConfigError) as as_dict:
         precheck(["model=custom", "model._target_=tests.test_checks.ReturnsADict", "model.blocks=[torch.nn.Linear]"])
-    assert str(as_dict.value) == (
-        "model: tests.test_checks.ReturnsADict returns a dict (logits, features); the trainer reads a tensor of "
-        "logits of shape [2, 'classes']: return that from forward (a Hugging Face model's output: its .logits)")
+    names(str(as_dict.value), "model", "tests.test_checks.ReturnsADict", "dict (logits, features)", ".logits")

@@ -75,7 +75,7 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     # on a cluster, the data's files are the cluster's; here, the model reads them, checked
     # where the model's modules are imported already (the rank server's fork)
     reads_files = exp.launcher.runs_here or exp.data.generated
-    has_blocks = in_a_fork(check_model_and_data, exp.model, exp.data if reads_files else None, share)
+    has_blocks = in_a_fork(check_model_and_data, exp.model, exp.data if reads_files else None, share, exp.loss)
     exp.sharding.check(world, has_blocks=has_blocks, offload=exp.offload)
     if exp.model.init_device == "meta" and not exp.sharding.shards_params:
         raise ConfigError("model.init_device=meta: needs sharding=full, grad_op or hybrid to shard the model")
@@ -96,7 +96,7 @@ def prepare_in_driver(exp: Experiment) -> RunPlan:
     """A task that runs in this process (eval, export) starts no ranks: the launcher and the
     sharding are not used, so only the model, the data and the task are checked."""
     model = check_model(exp.model)
-    check_model_reads_data(exp.model, model.module, exp.data)
+    check_model_reads_data(exp.model, model.module, exp.data, exp.loss)
     exp.checkpoint.check()
     exp.task.check(exp)
     return RunPlan(replace(exp, wandb=exp.wandb.resolved()), 1)

@@ -45,6 +45,7 @@ from fsdp_exp.distributed import Ranks
 from fsdp_exp.estimate.counting import LiveBytes, PlainTracker, ShardedTracker, tracker
 from fsdp_exp.estimate.library import kept_by_step
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace
+from fsdp_exp.groups import LossOption
 from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
 from fsdp_exp.launch.core import rank_threads
 from fsdp_exp.rank.build import build_model_for_training
@@ -159,7 +160,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             phases = Phases()
             trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
                               batch_size=batch_sizes[0], log_every=1, grad_accum=traced.train.grad_accum,
-                              memory=phases)
+                              memory=phases, loss=traced.loss)
             # A step before counting: it makes the optimizer state, which every later step
             # holds, and warms DTensor's sharding-propagation cache, whose fake tensors the
             # trackers would otherwise count as the first step's memory.
@@ -185,7 +186,8 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             if enough is None:  # task=estimate, and a run's own: what task=eval of these weights holds
                 evaluated = Uninitialised(replace(exp.model, init_device="cpu")).build()[0].eval()
                 for found in steps:
-                    found.eval_forward_bytes = eval_forward_bytes(evaluated, sample, target, found.batch_size)
+                    found.eval_forward_bytes = eval_forward_bytes(evaluated, sample, target, found.batch_size,
+                                                                  traced.loss)
         if not on_gpu:  # what MKL and oneDNN keep of their own after a step (fsdp_exp.estimate.library)
             for step, kept in zip(steps, kept_by_step([s.batch_size for s in steps], library, rank_threads(world_size))):
                 step.library = kept
@@ -199,16 +201,16 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
                  data_in_use + build_in_use)
 
 
-def eval_forward_bytes(model: torch.nn.Module, sample: torch.Tensor, target: torch.Tensor, batch_size: int) -> int:
+def eval_forward_bytes(model: torch.nn.Module, sample: torch.Tensor, target: torch.Tensor, batch_size: int,
+                       loss: LossOption) -> int:
     """The peak of task=eval's forward (`fsdp_exp.tasks.eval`) of the whole, unsharded
     model at `batch_size`, without gradients: its inputs, activations while they are
-    needed, the logits in fp32 and the loss, above the model itself."""
+    needed, the output in fp32 and the `loss`, above the model itself."""
     counts = LiveBytes(())
     mem = PlainTracker(counts)
     with mem, torch.no_grad():
         inputs, targets = next(fake_batches(sample, target, batch_size))
-        logits = model(inputs).float()
-        F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+        loss(model(inputs), targets, reduction="sum")
     peak = counts.peaks["cpu"]
     # the tracker counts the model's parameters and buffers once its modules run: they are not the forward's
     return peak.bytes - sum(peak.categories.get(c, 0) for c in ("Parameter", "Buffer"))

@@ -1,8 +1,9 @@
 """The model contract, checked before any rank starts (by the driver, in a fork of the rank
 server when `python -m fsdp_exp` started one): the builder takes the option's keys and
 builds, the option's blocks are in the model, and one forward on the meta device (no
-memory) takes the data's inputs and returns logits for its targets. The ranks check the
-logits once more on the first real batch (`check_logits`).
+memory) takes the data's inputs and returns what the run's loss reads for its targets
+(`check_output` of the loss option, fsdp_exp.loss). The ranks check the output once more on
+the first real batch.
 
 A model may also state `max_seq_len` (the longest sequence it reads) and, where its
 forward cannot run on the meta device, `vocab_size` (its logits per token).
@@ -18,25 +19,10 @@ from torch import nn
 
 from fsdp_exp.data import TrainData
 from fsdp_exp.errors import ConfigError, one_line
+from fsdp_exp.groups import LossOption
+from fsdp_exp.loss import CrossEntropy
 from fsdp_exp.models import ModelSpec
 from fsdp_exp.torch_private import TorchDispatchMode
-
-
-def check_logits(logits: object, targets: torch.Tensor, model: str, hint: str = "") -> None:
-    """The model contract: for a batch of targets of shape (batch, *S), logits of shape
-    (batch, *S, classes): (batch, classes) for a classifier, (batch, seq, vocab) for a
-    next-token language model."""
-    expected = tuple(targets.shape)
-    if isinstance(logits, torch.Tensor) and tuple(logits.shape[:-1]) == expected and logits.dim() > len(expected):
-        return
-    if isinstance(logits, dict) or hasattr(logits, "logits"):  # a dict, or a Hugging Face model's output
-        keys = ", ".join(map(str, logits.keys())) if hasattr(logits, "keys") else "logits"
-        raise ConfigError(f"model: {model} returns a {type(logits).__name__} ({keys}); the trainer reads a tensor "
-                          f"of logits of shape {[*expected, 'classes']}: return that from forward (a Hugging Face "
-                          f"model's output: its .logits)")
-    got = f"logits of shape {list(logits.shape)}" if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}"
-    raise ConfigError(f"model: {model} returns {got} for targets of shape {list(expected)}; expected logits of "
-                      f"shape {[*expected, 'classes']}{hint}")
 
 
 @dataclass
@@ -90,13 +76,14 @@ class DataShare:
                           f"({share} samples on each of {self.processes} rank(s)); lower it or use {more}")
 
 
-def check_model_and_data(spec: ModelSpec, data: TrainData | None, share: DataShare | None = None) -> bool:
+def check_model_and_data(spec: ModelSpec, data: TrainData | None, share: DataShare | None = None,
+                         loss: LossOption | None = None) -> bool:
     """`check_model`, then, given the `data`, `check_model_reads_data` and the batch against
     each rank's `share` of it: whether the model has blocks to shard one by one."""
     model = check_model(spec)
     if data is not None:
         try:
-            check_model_reads_data(spec, model.module, data)
+            check_model_reads_data(spec, model.module, data, loss)
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001 - the data's or the model's own code: one line, not a traceback
@@ -107,14 +94,17 @@ def check_model_and_data(spec: ModelSpec, data: TrainData | None, share: DataSha
     return bool(model.blocks)
 
 
-def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: TrainData) -> None:
+def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: TrainData,
+                           loss: LossOption | None = None) -> None:
     """One forward on the meta device, with a batch shaped like the data's: the model must
-    take the data's inputs and return logits for its targets. `model`: built on the meta
-    device, or None for a builder that cannot (the data's files are checked all the same)."""
+    take the data's inputs and return what the `loss` (cross-entropy by default) reads for
+    its targets. `model`: built on the meta device, or None for a builder that cannot (the
+    data's files are checked all the same)."""
+    loss = loss if loss is not None else CrossEntropy()
     inputs, targets = data.first_item()
     language = data.tokens_per_sample > 0
     key = f"data.seq_len={inputs.shape[-1]}" if language else "data"
-    kind = data_kind(inputs, targets, language)
+    kind = data_kind(inputs, targets, language, loss)
     if model is None:
         return
     check_channels(spec, inputs, language)
@@ -133,8 +123,13 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
                               f"({describe(inputs)}): {reason}{hint}") from None
         logits = None  # a forward that needs real values (Hugging Face's masks): the ranks check it
     if logits is not None:
-        check_logits(logits, targets.expand(2, *targets.shape), spec.name, f"; {kind}")
-    classes = logits.shape[-1] if logits is not None else getattr(model, "vocab_size", None)
+        loss.check_output(logits, targets.expand(2, *targets.shape), spec.name, f"; {kind}")
+    if not isinstance(loss, CrossEntropy):
+        classes = None
+    elif logits is not None:
+        classes = loss.classes(logits)
+    else:
+        classes = getattr(model, "vocab_size", None)
     needed = data.num_classes
     if needed is not None and classes is not None and classes < needed:
         setting = setting_of(spec.kwargs, classes, ("vocab", "class"))
@@ -230,15 +225,17 @@ def check_channels(spec: ModelSpec, inputs: torch.Tensor, language: bool) -> Non
                               f"({describe(inputs)}); set model.{key}={inputs.shape[0]}")
 
 
-def data_kind(inputs: torch.Tensor, targets: torch.Tensor, language: bool) -> str:
-    """What the data gives, and which models read it: the trainer's loss is cross-entropy,
-    so it trains classifiers (of images or other samples) and next-token language models."""
+def data_kind(inputs: torch.Tensor, targets: torch.Tensor, language: bool, loss: LossOption) -> str:
+    """What the data gives, and which models read it with the run's loss: cross-entropy
+    trains classifiers (of images or other samples) and next-token language models."""
+    if not isinstance(loss, CrossEntropy):
+        return f"this data's targets are of shape {list(targets.shape)}"
     if language:
         return "this data gives token sequences: use a language model (model=gpt or model=hf)"
     if targets.is_floating_point():
         return (f"this data's targets are {str(targets.dtype).removeprefix('torch.')} values of shape "
-                f"{list(targets.shape)}: the trainer's loss is cross-entropy over class logits (classifiers and "
-                "next-token language models), which does not train a regression")
+                f"{list(targets.shape)}: loss=cross_entropy reads class logits (classifiers and next-token "
+                "language models); for a regression use loss=mse")
     if inputs.dim() == 3:
         return ("this data gives images (model=vit, cnn or resnet reads them); a language model reads "
                 "data=synthetic_tokens, text or token_file")

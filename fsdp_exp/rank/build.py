@@ -30,6 +30,7 @@ from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks, warm
 from fsdp_exp.checkpoint import TrainState
 from fsdp_exp.config import Experiment, as_dict
 from fsdp_exp.distributed import Ranks
+from fsdp_exp.groups import LossOption
 from fsdp_exp.metrics.flops import (
     counting_flops,
     device_peak,
@@ -39,7 +40,6 @@ from fsdp_exp.metrics.flops import (
 )
 from fsdp_exp.metrics.sinks import METRICS, JsonLines, Progress, Wandb
 from fsdp_exp.metrics.peaks import MemoryMonitor, Runtime
-from fsdp_exp.models.contract import check_logits
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.trainer import Trainer
 from fsdp_exp.rank.settle import PeakSettled
@@ -220,7 +220,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
         hooks.append(progress)
 
     first = CountedFirstMicroBatch(model, train.grad_accum, ranks.is_main, figures, cfg.model.name,
-                                   analytic_flops(model, data.tokens_per_sample, micro_batch))
+                                   analytic_flops(model, data.tokens_per_sample, micro_batch), cfg.loss)
     trainer = Trainer(
         model=model,
         optimizer=optimizer,
@@ -242,6 +242,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
         sinks=sinks,
         hooks=hooks,
         first_micro_batch=first,
+        loss=cfg.loss,
         stop_early=PeakSettled(**context.settle, device=ranks.device, is_main=ranks.is_main) if context.settle else None,
     )
     context.startup["built"] = time.time()
@@ -288,6 +289,7 @@ class CountedFirstMicroBatch:
     figures: dict
     model_name: str
     analytic: int | None
+    loss: LossOption
     counted: bool = False
 
     @contextlib.contextmanager
@@ -306,4 +308,4 @@ class CountedFirstMicroBatch:
         return self.figures["flops_per_step"], self.figures["hardware_flops_per_step"]
 
     def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        check_logits(logits, targets, self.model_name)
+        self.loss.check_output(logits, targets, self.model_name)

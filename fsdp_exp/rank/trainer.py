@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fsdp_exp import distributed
 from fsdp_exp.distributed import Ranks
+from fsdp_exp.loss import CrossEntropy
 from fsdp_exp.metrics.peaks import MemoryMonitor
 from fsdp_exp.sharding import gradient_sync
 
@@ -82,7 +82,8 @@ class Trainer:
     FLOPs, checks the logits). `memory`: the memory figures, by default this rank's
     MemoryMonitor. `stop_early(step, window_peak_gb)`: called by every rank after each step,
     with what reads the window's peak so far; True ends training there (a probe whose peak
-    has settled, fsdp_exp.rank.settle.PeakSettled).
+    has settled, fsdp_exp.rank.settle.PeakSettled). `loss(output, targets)`: the run's loss
+    option (fsdp_exp.loss), cross-entropy by default.
     """
 
     model: nn.Module
@@ -109,6 +110,7 @@ class Trainer:
     first_micro_batch: FirstMicroBatch | None = None
     memory: PeakMemory | None = None  # None: a MemoryMonitor of this rank's device, made in __post_init__
     stop_early: Callable[[int, Callable[[], float | None]], bool] | None = None
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(default_factory=CrossEntropy)
     host_data_wait_s: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
@@ -120,11 +122,9 @@ class Trainer:
     def global_batch(self) -> int:
         return self.batch_size * self.ranks.world_size
 
-    def loss_of(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy over classes (images) or over every position's next token (LMs)."""
-        targets = targets.to(self.ranks.device, non_blocking=True)
-        logits = logits.float()
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    def loss_of(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The run's loss (fsdp_exp.loss) of the model's output against the batch's targets."""
+        return self.loss(output, targets.to(self.ranks.device, non_blocking=True))
 
     def _next(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch; the host's time waiting for it is counted (on a GPU, queued

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from fsdp_exp.checkpoint.export import load_weights, weight_shapes
@@ -63,22 +62,26 @@ class Eval(Task):
         model.to(device).eval()
         data = exp.data
         loader = DataLoader(data.eval_dataset(), batch_size=self.batch_size, shuffle=False)
+        loss, classifies = exp.loss, exp.loss.classifies
         loss_sum, correct, count = 0.0, 0, 0
         shown: list[tuple[Any, Any]] = []
         for inputs, targets in loader:
             inputs, targets = inputs.to(device), targets.to(device)
-            logits = model(inputs).float()
-            flat_logits, flat_targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
-            loss_sum += float(F.cross_entropy(flat_logits, flat_targets, reduction="sum"))
-            predictions = flat_logits.argmax(-1)
-            correct += int((predictions == flat_targets).sum())
-            count += flat_targets.numel()
-            if len(shown) < self.show:
-                shown += _examples(predictions.view_as(targets), targets, self.show - len(shown))
-        figures = {"eval_loss": loss_sum / count, "eval_accuracy": correct / count,
-                   "eval_samples": len(loader.dataset), "weights": str(Path(self.weights).expanduser())}
-        log.info("eval on %d held-out samples: loss %.4f, accuracy %.2f%%",
-                 figures["eval_samples"], figures["eval_loss"], 100 * figures["eval_accuracy"])
+            output = model(inputs)
+            loss_sum += float(loss(output, targets, reduction="sum"))
+            count += loss.counted(targets)
+            if classifies:  # the loss's own predictions: the argmax over its classes
+                predictions, counted = loss.predictions(output), targets != loss.ignore_index
+                correct += int(((predictions == targets) & counted).sum())
+                if len(shown) < self.show:
+                    shown += _examples(predictions, targets, self.show - len(shown))
+        figures = {"eval_loss": loss_sum / max(count, 1), "eval_samples": len(loader.dataset),
+                   "weights": str(Path(self.weights).expanduser())}
+        accuracy = ""
+        if classifies:
+            figures["eval_accuracy"] = correct / max(count, 1)
+            accuracy = f", accuracy {100 * figures['eval_accuracy']:.2f}%"
+        log.info("eval on %d held-out samples: loss %.4f%s", figures["eval_samples"], figures["eval_loss"], accuracy)
         if shown:
             log.info("predicted / label:\n%s", "\n".join(f"  {p!r:>12} / {t!r}" for p, t in shown))
         figures["examples"] = [{"predicted": p, "label": t} for p, t in shown]
@@ -101,7 +104,10 @@ def check_weights_file(path: Path, model: ModelSpec) -> None:
 
 def _examples(predictions: torch.Tensor, targets: torch.Tensor, n: int) -> list[tuple[Any, Any]]:
     """Images: one class per sample. Token sequences: the first sequence, as text when
-    its tokens are bytes of printable text, else as token ids."""
+    its tokens are bytes of printable text, else as token ids. Other targets (a
+    segmentation's maps): none."""
+    if targets.dim() > 2:
+        return []
     if targets.dim() == 1:
         return [(int(p), int(t)) for p, t in zip(predictions[:n].tolist(), targets[:n].tolist())]
     pred, label = predictions[0, :n * 8].tolist(), targets[0, :n * 8].tolist()

@@ -66,32 +66,40 @@ def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     return {"PYTHONPATH": str(tmp_path)}
 
 
-def sweep(tmp_path: Path, env: dict | None, *overrides: str) -> dict[str, Path]:
-    """One -m sweep of sharding=none (the reference) and full: each run's directory."""
+def sweep(tmp_path: Path, env: dict | None, *overrides: str, smoothing: tuple[str, ...] = ()) -> dict[tuple, Path]:
+    """One -m sweep of sharding=none (the reference) and full (and of the loss's label
+    smoothing, when given): each run's directory, by its sharding and smoothing."""
     out = tmp_path / "sweep"
-    result = run_cli("-m", *COMMON, *overrides, "sharding=none,full", f"hydra.sweep.dir={out}", cwd=tmp_path,
+    swept = [f"loss.label_smoothing={','.join(smoothing)}"] if smoothing else []
+    result = run_cli("-m", *COMMON, *overrides, "sharding=none,full", *swept, f"hydra.sweep.dir={out}", cwd=tmp_path,
                      extra_env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {read_json(run / "summary.json")["choices"]["sharding"]: run for run in out.glob("[0-9]")}
+    runs = {}
+    for run in out.glob("[0-9]"):
+        summary = read_json(run / "summary.json")
+        smoothed = next((o.partition("=")[2] for o in summary["overrides"] if o.startswith("loss.label_smoothing=")), "")
+        runs[(summary["choices"]["sharding"], smoothed)] = run
+    return runs
 
 
-def assert_same_training(runs: dict[str, Path]) -> list[float]:
-    losses = {name: [r["loss"] for r in read_jsonl(run / "metrics.jsonl")] for name, run in runs.items()}
-    assert len(losses["none"]) == STEPS
-    assert losses["full"] == pytest.approx(losses["none"], rel=1e-5, abs=1e-6)
-    weights = {name: load_file(run / "model.safetensors") for name, run in runs.items()}
-    for key, ref in weights["none"].items():
-        torch.testing.assert_close(weights["full"][key], ref, rtol=1e-5, atol=1e-6)
-    return losses["none"]
+def assert_same_training(reference: Path, sharded: Path) -> list[float]:
+    """The sharded run's losses and final weights are the reference's; the reference's losses."""
+    losses = [[r["loss"] for r in read_jsonl(run / "metrics.jsonl")] for run in (reference, sharded)]
+    assert len(losses[0]) == STEPS
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
+    weights = [load_file(run / "model.safetensors") for run in (reference, sharded)]
+    for key, ref in weights[0].items():
+        torch.testing.assert_close(weights[1][key], ref, rtol=1e-5, atol=1e-6)
+    return losses[0]
 
 
 def test_mse_on_two_ranks_matches_one_process_and_eval_reports_its_loss(package: dict, tmp_path: Path) -> None:
     """loss=mse trains a user's regression, sharded as unsharded; task=eval of its weights
     reports the loss and no accuracy."""
     runs = sweep(tmp_path, package, *REGRESSION)
-    losses = assert_same_training(runs)
+    losses = assert_same_training(runs[("none", "")], runs[("full", "")])
     assert losses[-1] < losses[0]
-    weights = runs["full"] / "model.safetensors"
+    weights = runs[("full", "")] / "model.safetensors"
     result = run_cli(*REGRESSION, "task=eval", f"task.weights={weights}", "wandb.mode=disabled",
                      f"hydra.run.dir={tmp_path / 'eval'}", cwd=tmp_path, extra_env=package)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -107,15 +115,14 @@ def test_mse_on_two_ranks_matches_one_process_and_eval_reports_its_loss(package:
         assert summary["eval_loss"] == pytest.approx(float(F.mse_loss(model(x), y)), rel=1e-4)
 
 
+@pytest.mark.slow  # 4 runs; the mse test shows a loss option reaching every rank in the fast suite
 def test_label_smoothing_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
     """A loss option's setting reaches every rank: the smoothed loss, sharded as unsharded,
     and not the plain one (the ViT's head starts at zero, so both start at ln 10: they part
     from the first update on)."""
-    smoothed = assert_same_training(sweep(tmp_path, None, *SMALL_VIT, "loss.label_smoothing=0.2"))
-    out = tmp_path / "plain"
-    result = run_cli(*COMMON, *SMALL_VIT, "sharding=none", "train.steps=2", f"hydra.run.dir={out}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    plain = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+    runs = sweep(tmp_path, None, *SMALL_VIT, smoothing=("0.0", "0.2"))
+    smoothed = assert_same_training(runs[("none", "0.2")], runs[("full", "0.2")])
+    plain = assert_same_training(runs[("none", "0.0")], runs[("full", "0.0")])
     assert abs(smoothed[1] - plain[1]) > 1e-3, (smoothed, plain)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 import subprocess
 from pathlib import Path
@@ -187,14 +188,20 @@ def test_a_single_runs_plan_is_handed_to_the_task_function_as_its_check_made_it(
     the task function when the job starts; nothing of it stays behind in the callback."""
     cfg = compose_config([*SMALL_VIT, "train.steps=7"])
     check, task = CheckRun(), RunTask(SideBySide())
-    check.on_run_start(cfg)
-    (plan,) = check.checked.values()
-    assert plan.exp.train.steps == 7
-    check.on_job_start(cfg, task_function=task)
-    assert task.plans == {run_key(list(cfg.hydra.overrides.task)): plan} and check.checked == {}
-    assert task.plans[run_key(list(cfg.hydra.overrides.task))] is plan
-    # a launcher plugin's process checks its run there again: the plans do not travel with it
-    assert pickle.loads(pickle.dumps(task)).plans == {}
+    try:
+        check.on_run_start(cfg)
+        (plan,) = check.checked.values()
+        assert plan.exp.train.steps == 7
+        check.on_job_start(cfg, task_function=task)
+        assert task.plans == {run_key(list(cfg.hydra.overrides.task)): plan} and check.checked == {}
+        assert task.plans[run_key(list(cfg.hydra.overrides.task))] is plan
+        # a launcher plugin's process checks its run there again: the plans do not travel with it
+        elsewhere = pickle.loads(pickle.dumps(task))
+        assert elsewhere.plans == {}
+        elsewhere.side_by_side.close()
+    finally:
+        task.side_by_side.close()
+    assert not logging.getLogger("fsdp_exp").filters  # closed, it names no run's lines
 
 
 DRIVER = """

@@ -57,7 +57,8 @@ class SideBySide:
     def __init__(self) -> None:
         self.runs: list[tuple[threading.Thread, Future]] = []
         self.stop = threading.Event()  # set by Ctrl-C: every run stops its job
-        log.addFilter(RunName())  # does nothing to the lines of a run on its own
+        self.run_name = RunName()  # does nothing to the lines of a run on its own
+        log.addFilter(self.run_name)
 
     def __reduce__(self) -> tuple:
         """A fresh one in another process: Hydra's launcher plugins pickle the run function."""
@@ -101,11 +102,12 @@ class SideBySide:
 
     def close(self) -> None:
         """Stop the runs still in flight (Ctrl-C, or the command ending early) and wait for
-        them to end their jobs."""
+        them to end their jobs; the driver's lines are no longer named by run."""
         if self.in_flight():
             self.stop.set()
         for thread, _ in self.runs:
             thread.join(JOIN_S)
+        log.removeFilter(self.run_name)
 
 
 def own_log(run: Alongside, run_dir: Path) -> logging.Handler:

@@ -135,7 +135,12 @@ class Tuner(Confirming, SetupsSideBySide):
         """Each setup's estimate. A trace is a process of its own that keeps one core busy, so
         as many run at once as this machine has cores (TRACES_AT_ONCE at most)."""
         at_once = min(len(entries), TRACES_AT_ONCE, len(os.sched_getaffinity(0)))
-        self.side_by_side(entries, self.estimate, at_once, SideBySide() if at_once > 1 else None)
+        traces = SideBySide() if at_once > 1 else None
+        try:
+            self.side_by_side(entries, self.estimate, at_once, traces)
+        finally:
+            if traces is not None:
+                traces.close()
 
     def estimate(self, entry: TunedSetup) -> None:
         """Prune a setup whose smallest batch the estimate puts over the limit; note where it

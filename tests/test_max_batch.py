@@ -174,13 +174,15 @@ def test_a_limit_below_batch_one_says_what_batch_one_needs(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_a_probe_past_its_timeout_is_recorded_as_failed(tmp_path: Path) -> None:
     run_dir = tmp_path / "search"
-    result = run_cli("task=max_batch", LIMIT, *SMALL_VIT, "task.probe_timeout=1", f"hydra.run.dir={run_dir}",
-                     cwd=tmp_path)
+    # GPT-2 small: its build alone takes longer than the timeout, so even batch 1 runs past
+    # it on any machine (a small ViT's batch 1 trains within a second on a quiet one)
+    result = run_cli("task=max_batch", "memory.limit_gb=3", "model=gpt", "model.size=small", "data=synthetic_tokens",
+                     "data.seq_len=256", "wandb.mode=disabled", "task.estimate=false", "task.probe_timeout=1",
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 1
     assert "does not train: ran past task.probe_timeout=1 s" in result.stdout
-    # the estimate's first size, then the smallest: both ran past it
     probes = read_json(run_dir / "max_batch.json")["probes"]
-    assert [p["batch_size"] for p in probes][-1] == 1 and len(probes) <= 2
+    assert [p["batch_size"] for p in probes] == [1]
     assert all(p["status"] == "failed" and p["reason"] == "ran past task.probe_timeout=1 s" for p in probes)
     assert read_json(run_dir / "summary.json")["status"] == "failed"
 
@@ -300,6 +302,9 @@ def test_a_flat_then_linear_peak_is_searched_in_few_probes_and_the_answer_trains
     assert ok.returncode == 0, ok.stderr[-2000:]
 
 
+PLACED_LIMIT_GB = 0.62  # the model state takes about 0.616 GB and a sample 0.47 MB
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> None:
@@ -309,7 +314,7 @@ def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> Non
     runs = {}
     for estimate in ("true", "false"):
         run_dir = tmp_path / estimate
-        found = run_cli("task=max_batch", "memory.limit_gb=0.62", *FLAT_GPT, f"task.estimate={estimate}",
+        found = run_cli("task=max_batch", f"memory.limit_gb={PLACED_LIMIT_GB}", *FLAT_GPT, f"task.estimate={estimate}",
                         f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=600)
         assert found.returncode == 0, found.stderr[-3000:]
         runs[estimate] = (read_json(run_dir / "max_batch.json"), found.stdout + found.stderr)
@@ -325,7 +330,9 @@ def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> Non
                                  if p.get("held_before_limit_gb_per_rank"))
 
     moved = abs(held(with_it) - held(without)) / min(m["slope_gb_per_sample"] for m in models)
-    band = max(1, with_it["noise_band_samples"] or 0, without["noise_band_samples"] or 0)
+    # each answer is exact to its own noise band, so two searches' answers differ by at most
+    # the two bands (seen: 6 and 4 with bands of 1.5 samples each)
+    band = sum(max(1, record["noise_band_samples"] or 0) for record in (with_it, without))
     found = with_it["searched_max_batch_size"], without["searched_max_batch_size"]  # the probes' answers
     assert abs(found[0] - found[1]) <= band + moved, (models, band, moved)
     searched = [p for p in with_it["probes"] if not p["for_fastest"]]
@@ -333,7 +340,7 @@ def test_the_estimate_places_the_probes_and_each_shows_it(tmp_path: Path) -> Non
 
     curve = with_it["estimate"]["peaks_gb"]
     assert curve[0][0] == 1 and all(b2 == 2 * b1 for (b1, _), (b2, _) in zip(curve, curve[1:]))
-    assert curve[-1][1] > 0.62 >= curve[-2][1] and with_it["estimate_wall_s"] > 0  # traced up to the limit
+    assert curve[-1][1] > PLACED_LIMIT_GB >= curve[-2][1] and with_it["estimate_wall_s"] > 0  # traced up to the limit
     assert all(p["estimated_peak_under_limit_gb"] > 0 for p in with_it["probes"])
     # The trace misses what the runtime holds outside tensors: a constant, which the first probe sets
     gap = [p["peak_under_limit_gb"] - p["estimated_peak_under_limit_gb"] for p in searched if p["status"] == "ok"]

@@ -34,16 +34,17 @@ def overlap(a: Path, b: Path) -> bool:
 @pytest.mark.slow
 def test_a_slurm_sweep_submits_every_run_first_and_lists_the_failed_one(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
+    # batch 2048 passes every check and runs out of memory on its rank
     args = ["-m", "launcher=slurm", "launcher.cluster=local", "launcher.nproc_per_node=1", *ONE_RANK,
-            "train.batch_size=4,8,128", f"hydra.sweep.dir={sweep}"]
+            "data.num_samples=2048", "memory.limit_gb=0.5", "train.batch_size=4,8,2048", f"hydra.sweep.dir={sweep}"]
     result = run_cli(*args, cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
     runs = [sweep / str(n) for n in range(3)]
-    assert [read_json(r / "summary.json")["status"] for r in runs] == ["ok", "ok", "failed"]
+    assert [read_json(r / "summary.json")["status"] for r in runs] == ["ok", "ok", "oom"]
     assert overlap(runs[0], runs[1]), "the two runs that trained did so at the same time"
     # The failed run is listed at the end, with its reason.
-    assert f"fsdp_exp: 1 of 3 runs failed:\n  {runs[2]}: rank 0 failed: ConfigError: train.batch_size=128" \
-        in result.stderr
+    assert f"fsdp_exp: 1 of 3 runs failed:\n  {runs[2]}: rank 0 failed: OutOfMemory: ran out of memory under " \
+        "memory.limit_gb=0.5" in result.stderr
     # The console names each run by what it sweeps and shows its job's state, not rank 0's lines.
     assert "run 0 (train.batch_size=4): job " in result.stdout and " RUNNING" in result.stdout
     assert "[rank0][INFO] step" not in result.stdout

@@ -92,6 +92,12 @@ def command() -> NoReturn:
         code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)
+    end_process(code)
+
+
+def end_process(code: int) -> NoReturn:
+    """The end of `command()`: threads joined, atexit's hooks run, streams flushed, then
+    `os._exit(code)`, without the interpreter's own teardown of torch's modules."""
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()

@@ -35,6 +35,21 @@ def test_a_failing_rank_stops_the_run_within_seconds(tmp_path: Path) -> None:
     assert "rank1.log" in message and "\n" not in message
 
 
+def test_a_rank_ended_by_a_fatal_signal_is_named_and_its_log_keeps_its_python_stack(tmp_path: Path) -> None:
+    with pytest.raises(RunFailed) as err:
+        LocalLauncher().launch(rank_tasks.rank1_aborts, {}, tmp_path / "local", nproc=2)
+    assert str(err.value).startswith("rank 1 failed: Signal 6 (SIGABRT)"), err.value
+    assert "in rank1_aborts" in (tmp_path / "local" / "rank1.log").read_text()
+    # A rank that no elastic agent started (an outside torchrun's, SLURM's, Ray's) alike
+    script = ("import os, sys; from pathlib import Path; from fsdp_exp.rank.worker import setup_rank; "
+              "from tests.rank_tasks import rank1_aborts; setup_rank(Path(sys.argv[1]), 1); rank1_aborts({}, None)")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "plain")], env={**os.environ, "RANK": "1"},
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -6 and done.stderr == ""
+    log = (tmp_path / "plain" / "rank1.log").read_text()
+    assert "Fatal Python error: Aborted" in log and "in rank1_aborts" in log, log
+
+
 @pytest.mark.slow
 def test_under_external_torchrun_each_process_is_one_rank(tmp_path: Path) -> None:
     """Rank 0 composes the config once and hands it to the other: a run directory named to
@@ -114,14 +129,14 @@ def test_ranks_start_from_the_rank_server_or_fresh_and_never_inherit_a_launch(tm
 WORKER = """
 import os, sys
 from pathlib import Path
-from fsdp_exp.cli import compose_config
+from fsdp_exp.cli import compose_config, end_process
 from fsdp_exp.driver.external_torchrun import run_as_worker
 
 def counted(argv):
     Path(sys.argv[1], "composed_by_rank" + os.environ["RANK"]).touch()
     return compose_config(argv)
 
-sys.exit(run_as_worker(sys.argv[2:], counted))
+end_process(run_as_worker(sys.argv[2:], counted))  # as `python -m fsdp_exp` ends
 """
 
 
@@ -150,7 +165,8 @@ def test_outside_launched_ranks_compose_once_and_run_rank_0s_plan(tmp_path: Path
     out = tmp_path / "run"
     rank0, rank1 = two_ranks_of_an_outside_launcher(tmp_path, *SMALL_VIT, "train.steps=2", "train.log_every=1",
                                                     f"hydra.run.dir={out}")
-    assert rank0.returncode == 0 and rank1.returncode == 0, rank0.stderr[-2000:] + rank1.stderr[-2000:]
+    logs = "".join(p.read_text()[-2000:] for p in sorted(out.glob("rank*.log")))  # rank 1's stderr goes there
+    assert rank0.returncode == 0 and rank1.returncode == 0, rank0.stderr[-2000:] + rank1.stderr[-2000:] + logs
     assert sorted(p.name for p in tmp_path.glob("composed_by_rank*")) == ["composed_by_rank0"]
     summary = read_json(out / "summary.json")
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["steps"] == 2

@@ -88,7 +88,6 @@ def last_logged_step(run_dir: Path) -> int | None:
     """The last step rank 0 wrote to metrics.jsonl (a line cut short by the stop is skipped)."""
     steps = [r["step"] for r in JsonLines.read(Path(run_dir) / METRICS) if "step" in r]
     return int(steps[-1]) if steps else None
-    return None
 
 
 def device_seen(exp: Experiment, run_dir: Path) -> dict:

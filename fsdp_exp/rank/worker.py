@@ -4,6 +4,7 @@ time limit, then the task; and the one way a rank knows that the launcher restar
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import multiprocessing
@@ -79,7 +80,8 @@ def setup_rank(run_dir: Path, rank: int) -> None:
     """Every rank logs to rank<N>.log; only rank 0 also speaks on the console.
 
     Ranks other than 0 send their whole stdout/stderr (C++ warnings and tracebacks too)
-    to their log, so the console shows one rank, not interleaved copies.
+    to their log, so the console shows one rank, not interleaved copies. A rank that a
+    fatal signal ends (an abort or a segfault inside C++) leaves its Python stack there.
     """
     path = rank_log_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +95,7 @@ def setup_rank(run_dir: Path, rank: int) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    faulthandler.enable()
     logging.basicConfig(
         level=logging.INFO,
         format=f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s",

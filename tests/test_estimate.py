@@ -441,28 +441,31 @@ print(len(linear.seen), linear.flops(), first.in_use_bytes, first.data_bytes, le
 
 
 SWEEP_PROBE = SEEN + """
-steps = {b: library.LibraryOps() for b in (8, 16, 64)}
+steps = {b: library.LibraryOps() for b in (8, 16, 64, 128)}
 with FakeTensorMode():
     for b, ops in steps.items():
         with Seen(ops):
             torch.nn.Linear(4096, 512)(torch.zeros(b, 4096, requires_grad=True)).sum().backward()
+library.REPLAY_FLOPS = steps[64].flops()  # batch 128 is past it
 swept = library.kept_by_step(list(steps), list(steps.values()), 1)
 alone = library.replayed_alone(steps[64], 1)
 one_process = library.Replay()
-after = [one_process.kept(ops, 1) for ops in steps.values()]
-print(swept[0].in_use_bytes, swept[1].in_use_bytes, swept[2].in_use_bytes, alone.in_use_bytes, after[2].in_use_bytes)
+after = [one_process.kept(ops, 1) for ops in list(steps.values())[:3]]
+print(*(k.in_use_bytes for k in swept), alone.in_use_bytes, after[2].in_use_bytes)
 """
 
 
 def test_a_trace_of_several_batches_measures_each_as_a_rank_running_it_alone() -> None:
     """The libraries keep buffers per shape: replayed one after another in one process, the
     largest batch holds the smaller ones' too. A trace of several batches replays its largest
-    in a fresh process (as a rank that runs only it) and puts those between on the line."""
+    in a fresh process (as a rank that runs only it) and puts those between on the line; a
+    batch past REPLAY_FLOPS keeps at least what the largest replayed keeps, not nothing."""
     shown = subprocess.run([sys.executable, "-c", SWEEP_PROBE], capture_output=True, text=True, cwd=REPO, check=True)
-    first, middle, largest, alone, in_one_process = (int(x) for x in shown.stdout.split())
+    first, middle, largest, past, alone, in_one_process = (int(x) for x in shown.stdout.split())
     assert largest == pytest.approx(alone, rel=0.05, abs=64 * 1024), shown.stdout
     assert in_one_process > alone + 2**19, shown.stdout  # what a sweep in one process would have said
     assert middle == round(first + (16 - 8) / (64 - 8) * (largest - first))
+    assert past == largest > first, shown.stdout
 
 
 def test_what_the_math_libraries_keep_after_a_steps_ops_is_measured() -> None:

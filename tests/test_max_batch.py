@@ -302,7 +302,10 @@ def test_a_flat_then_linear_peak_is_searched_in_few_probes_and_the_answer_trains
     assert ok.returncode == 0, ok.stderr[-2000:]
 
 
-PLACED_LIMIT_GB = 0.62  # the model state takes about 0.616 GB and a sample 0.47 MB
+# The model state takes about 0.616 GB, a sample 0.44 MB at first and 0.8 near 100. The boundary
+# (about 99) lies out of the noise band, and away from 45, where the probes alone land their
+# second probe (halfway from 1 to task.search_up_to in log scale) and would find it by luck.
+PLACED_LIMIT_GB = 0.68
 
 
 @pytest.mark.slow

@@ -47,9 +47,13 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     batches = [estimate_batch(step, traced, on_gpu, exp.offload, baseline_gb, builds_whole, sum(workspaces),
                               exp.checkpoint.stages_a_copy, exp.checkpoint.threads_started,
                               bool(exp.model.kwargs.get("pretrained"))) for step in traced.steps]
+    steps = traced.steps
+    if stop_above_gb is not None:  # the trace judged each step before what the math libraries keep was added
+        over = next((i for i, b in enumerate(batches) if b.peak_under_limit_gb > stop_above_gb), len(batches))
+        batches, steps = batches[:over + 1], steps[:over + 1]
     on_host = HostSetup(min(ranks_per_node or world_size, world_size), exp.data.num_workers,
                         exp.checkpoint.stages_a_copy, builds_whole, exp.train.grad_accum, 2 * own_gb, exp.offload)
-    for b, step in zip(batches, traced.steps):
+    for b, step in zip(batches, steps):
         b.host = host_memory(b, traced, on_host, on_gpu)
         if not on_gpu:
             kept = step.library.in_use_bytes if step.library is not None else 0

@@ -13,6 +13,7 @@ from fsdp_exp.tasks.max_batch.answer import (
     probe_to_place_fastest,
 )
 from fsdp_exp.tasks.max_batch.probe import Probe
+from fsdp_exp.tasks.max_batch.report import summary_figures
 from fsdp_exp.tasks.max_batch.verify import step_down
 
 LIMIT = 0.6
@@ -164,6 +165,11 @@ def test_where_no_size_keeps_the_margin_free_the_line_says_so_instead_of_recomme
     assert "; no size keeps 10% of the limit free (batch 4 already takes more), so none is recommended" in line
     assert "recommended 4" not in line
     assert "recommended 352 (10% margin)" in answer_line(record(recommended_keeps_margin=True), LIMIT)
+    # and the summary (its table, wandb's run summary) recommends none either
+    complete = {"searched_from": 4, "data_share_per_rank": 1024, "samples_per_s": 1500.0, "peak_mem_gb": 0.2,
+                "peak_mem_gb_per_rank": [0.2, 0.2], "run_beyond_probe_gb": None}
+    assert summary_figures(record(**complete, recommended_keeps_margin=False))["recommended_batch_size"] is None
+    assert summary_figures(record(**complete, recommended_keeps_margin=True))["recommended_batch_size"] == 352
 
 
 def test_allocator_retries_at_the_answer_are_said():

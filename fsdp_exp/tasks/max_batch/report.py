@@ -35,8 +35,11 @@ def summary_figures(record: dict) -> dict:
             "noise_band_gb", "noise_band_samples", "smallest_batch_needs_gb", "searched_from", "data_share_per_rank",
             "fastest_batch_size", "fastest_samples_per_s", "near_fastest_batch_size", "samples_per_s", "peak_mem_gb",
             "peak_mem_gb_per_rank", "world_size", "searched_max_batch_size", "run_beyond_probe_gb")
-    return {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"],
-            "verification": record["verification"]["status"]}
+    figures = {"task": "max_batch", **{k: record[k] for k in keys}, "probes": record["probe_count"],
+               "verification": record["verification"]["status"]}
+    if not record.get("recommended_keeps_margin", True):  # as the answer's line says: none is recommended
+        figures["recommended_batch_size"] = None
+    return figures
 
 
 PROBE_COLUMNS = ("batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",

@@ -109,6 +109,14 @@ def mean(value: torch.Tensor) -> float:
     return float(total) / dist.get_world_size()
 
 
+def total(values: list[torch.Tensor | float], device: torch.device) -> list[float]:
+    """Each of `values` (numbers, or scalars on this rank's device) summed over ranks."""
+    summed = torch.stack([torch.as_tensor(v, device=device).double() for v in values])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    return summed.tolist()
+
+
 def gather(value: float, device: torch.device) -> list[float]:
     """One number from every rank, in rank order."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -46,4 +46,9 @@ class ProfileOption(GroupOption):
 
 @dataclass
 class LossOption(GroupOption):
+    """How the model's output and the batch become the loss (fsdp_exp.loss)."""
+
     group = "loss"
+    name: ClassVar[str] = ""  # as loss= names it
+    classifies: ClassVar[bool] = False  # its output's argmax is a prediction (task=eval's accuracy)
+    reads_targets: ClassVar[bool] = True  # it reads the batch's targets, which the model is not given

@@ -20,7 +20,7 @@ from fsdp_exp.launch.local import LocalLauncher
 from fsdp_exp.launch.ray import RayLauncher
 from fsdp_exp.launch.slurm import SlurmLauncher
 from fsdp_exp.launch.torchrun import TorchrunLauncher
-from fsdp_exp.loss import CrossEntropy, MeanSquaredError
+from fsdp_exp.loss import CrossEntropy, CustomLoss, MeanSquaredError, ModelLoss
 from fsdp_exp.metrics.sinks import WandbSettings
 from fsdp_exp.precision import Precision
 from fsdp_exp.profile import MemoryProfile, NoProfile
@@ -38,7 +38,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
              "synthetic_tokens": SyntheticTokens, "text": TextBytes, "token_file": TokenFile},
     "sharding": {"fully_shard": FullyShard, "hybrid": HybridShard, "ddp": DDP, "none": NoSharding},
     "precision": {"precision": Precision},
-    "loss": {"cross_entropy": CrossEntropy, "mse": MeanSquaredError},
+    "loss": {"cross_entropy": CrossEntropy, "mse": MeanSquaredError, "model": ModelLoss, "custom": CustomLoss},
     "checkpoint": {"none": NoCheckpoint, "dcp": DCPCheckpoint},
     "launcher": {"local": LocalLauncher, "torchrun": TorchrunLauncher, "slurm": SlurmLauncher,
                  "ray": RayLauncher},

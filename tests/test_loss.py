@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from safetensors.torch import load_file
 
+from fsdp_exp.batch import Batch, BatchKeys
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.loss import CrossEntropy, MeanSquaredError
 from tests.conftest import SMALL_VIT, names, precheck, read_json, read_jsonl, run_cli
@@ -132,19 +133,28 @@ def test_cross_entropy_is_torchs_over_the_class_dimension_it_is_given() -> None:
     targets[0, :3] = -100  # ignored: padding, prompt tokens
     ce = CrossEntropy(label_smoothing=0.1)
     want = F.cross_entropy(logits.reshape(-1, 5), targets.reshape(-1), ignore_index=-100, label_smoothing=0.1)
-    torch.testing.assert_close(ce(logits, targets), want)
-    assert ce.counted(targets) == 4 * 7 - 3
+    torch.testing.assert_close(ce(logits, pair(targets)), want)
+    assert ce.counted(pair(targets)) == 4 * 7 - 3
     # segmentation: (batch, classes, H, W) against (batch, H, W)
     maps, pixels = torch.randn(2, 5, 3, 3), torch.randint(0, 5, (2, 3, 3))
     seg = CrossEntropy(class_dim=1)
-    torch.testing.assert_close(seg(maps, pixels), F.cross_entropy(maps, pixels))
+    torch.testing.assert_close(seg(maps, pair(pixels)), F.cross_entropy(maps, pixels))
     assert seg.predictions(maps).shape == pixels.shape and seg.classes(maps) == 5
-    seg.check_output(maps, pixels, "unet")
+    seg.check_output(maps, pair(pixels), "unet")
     with pytest.raises(ConfigError, match=r"expected logits of shape \[2, 'classes', 3, 3\]"):
-        seg.check_output(maps.permute(0, 2, 3, 1), pixels, "unet")
+        seg.check_output(maps.permute(0, 2, 3, 1), pair(pixels), "unet")
     mse = MeanSquaredError()
     out, want_y = torch.randn(3, 4), torch.randn(3, 4)
-    torch.testing.assert_close(mse(out, want_y, reduction="sum"), F.mse_loss(out, want_y, reduction="sum"))
+    torch.testing.assert_close(mse(out, pair(want_y), reduction="sum"), F.mse_loss(out, want_y, reduction="sum"))
+    # a dict batch's targets are at data.target_key
+    batch = BatchKeys(target="y").read({"x": torch.zeros(3, 8), "y": want_y}, {"x"}, loss_reads_targets=True)
+    assert list(batch.kwargs) == ["x"]
+    torch.testing.assert_close(mse(out, batch), F.mse_loss(out, want_y))
+
+
+def pair(targets: torch.Tensor) -> Batch:
+    """A batch of (input, target) pairs with these targets."""
+    return BatchKeys().read((torch.zeros(len(targets)), targets), None, loss_reads_targets=True)
 
 
 @pytest.mark.parametrize("overrides, key, allowed", [

@@ -11,7 +11,8 @@ from fsdp_exp.driver.plan import prepare
 
 OPTIONS = sorted((group.name, option.stem) for group in __import__("pathlib").Path(CONF_DIR).iterdir()
                  if group.is_dir() for option in group.glob("*.yaml"))
-NEEDS = {("model", "custom"): ["model._target_=torch.nn.Linear"], ("data", "custom"): ["data._target_=x.y"]}
+NEEDS = {("model", "custom"): ["model._target_=torch.nn.Linear"], ("data", "custom"): ["data._target_=x.y"],
+         ("loss", "custom"): ["loss._target_=x.y"]}
 
 
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from fsdp_exp.batch import BatchKeys
 from fsdp_exp.errors import ConfigError, at_least
 
 WORKERS_START = "fork" if sys.platform == "linux" else None  # DataLoader workers: forked where Linux forks them
@@ -21,15 +23,24 @@ class TrainData:
     `tokens_per_sample` is 0 for images and the sequence length for language models.
     `num_classes`: how many distinct targets there are (classes, or the token vocabulary),
     when known; the model's logits must have at least that many. Every data option has
-    `num_workers` (keyword-only, so that each option's own fields keep their order).
+    `num_workers`, `input_keys` and `target_key` (keyword-only, so that each option's own
+    fields keep their order; the two keys say what of a dict batch the model and the loss
+    read, fsdp_exp.batch).
     """
 
     num_workers: int = 0  # DataLoader worker processes per rank
+    input_keys: list[str] | None = None  # a dict batch's keys the model takes (null: those its forward takes)
+    target_key: str = "labels"  # a dict batch's key the loss reads its targets at
     tokens_per_sample = 0
     num_classes = None
 
     def __post_init__(self) -> None:
         at_least("data.num_workers", self.num_workers, 0)
+
+    @property
+    def batch_keys(self) -> BatchKeys:
+        """What of a dict batch the model and the loss read (fsdp_exp.batch)."""
+        return BatchKeys(None if self.input_keys is None else tuple(self.input_keys), self.target_key)
 
     def dataset(self) -> Dataset:
         raise NotImplementedError
@@ -41,13 +52,16 @@ class TrainData:
         rank's batch can be larger), or None where it cannot be known before the ranks read it."""
         return len(self.dataset()) // world_size
 
-    def first_item(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The data set's first item as (input, target) tensors, as the trainer reads every
-        item; a ConfigError saying what it is instead."""
+    def first_item(self) -> tuple[torch.Tensor, torch.Tensor] | dict:
+        """The data set's first item as (input, target) tensors, or a dict (its keys the
+        model's keyword arguments, fsdp_exp.batch), as the trainer reads every item; a
+        ConfigError saying what it is instead."""
         item = self.dataset()[0]
+        if isinstance(item, Mapping) and item and all(isinstance(k, str) for k in item):
+            return dict(item)
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise ConfigError(f"data: items must be (input, target) pairs; the first is {kind_of(item)}; "
-                              "have the data set return the model's input and the loss's target")
+            raise ConfigError(f"data: items must be (input, target) pairs or dicts of named fields; the first is "
+                              f"{kind_of(item)}; have the data set return the model's input and the loss's target")
         tensors = []
         for name, part in zip(("input", "target"), item):
             try:

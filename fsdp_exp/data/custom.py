@@ -18,13 +18,14 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import torch
 from torch.utils.data import Dataset
 
 from fsdp_exp.data import TrainData
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.targets import imported
 
-OWN_KEYS = ("_target_", "num_workers")
+OWN_KEYS = ("_target_", "num_workers", "input_keys", "target_key")
 
 
 @dataclass
@@ -38,7 +39,10 @@ class CustomData(TrainData):
         if not isinstance(target, str) or not target:
             raise ConfigError("data._target_: name a builder that returns a torch Dataset, e.g. mypkg.make_dataset")
         kwargs = {k: v for k, v in node.items() if k not in OWN_KEYS}
-        return cls(target, kwargs, num_workers=int(node.get("num_workers", 0)))
+        keys = node.get("input_keys")
+        return cls(target, kwargs, num_workers=int(node.get("num_workers", 0)),
+                   input_keys=None if keys is None else [str(k) for k in keys],
+                   target_key=str(node.get("target_key", "labels")))
 
     def builder(self) -> Any:
         return imported("data._target_", self.target)
@@ -84,8 +88,13 @@ class CustomData(TrainData):
 
     @property
     def tokens_per_sample(self) -> int:  # type: ignore[override]
-        """A sequence of token ids with a target per token: a language model's data."""
-        inputs, targets = self.first_item()
+        """A sequence of token ids with a target per token: a language model's data (a dict
+        item's `input_ids`, as Hugging Face names them)."""
+        item = self.first_item()
+        if isinstance(item, dict):
+            ids = item.get("input_ids")
+            return ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() == 1 and not ids.is_floating_point() else 0
+        inputs, targets = item
         is_tokens = not inputs.is_floating_point() and inputs.dim() == 1 and targets.shape == inputs.shape
         return inputs.shape[0] if is_tokens else 0
 

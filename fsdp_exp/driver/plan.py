@@ -75,7 +75,8 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     # on a cluster, the data's files are the cluster's; here, the model reads them, checked
     # where the model's modules are imported already (the rank server's fork)
     reads_files = exp.launcher.runs_here or exp.data.generated
-    has_blocks = in_a_fork(check_model_and_data, exp.model, exp.data if reads_files else None, share, exp.loss)
+    has_blocks = in_a_fork(check_model_and_data, exp.model, exp.data if reads_files else None, share, exp.loss,
+                           exp.sharding.shards_params)
     exp.sharding.check(world, has_blocks=has_blocks, offload=exp.offload)
     if exp.model.init_device == "meta" and not exp.sharding.shards_params:
         raise ConfigError("model.init_device=meta: needs sharding=full, grad_op or hybrid to shard the model")

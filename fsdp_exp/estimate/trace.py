@@ -41,6 +41,7 @@ from omegaconf import OmegaConf
 from torch.nn import functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
+from fsdp_exp.batch import BatchKeys, forward_keys, iter_tensors, stacked
 from fsdp_exp.distributed import Ranks
 from fsdp_exp.estimate.counting import LiveBytes, PlainTracker, ShardedTracker, tracker
 from fsdp_exp.estimate.library import kept_by_step
@@ -133,10 +134,10 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     before_data, in_use = anonymous_bytes(), InUse()
     loading = PeakGrowth()
     dataset = exp.data.dataset()  # held by every rank, as the runtime is: both in the baseline
-    sample, target = dataset[0]  # real: its shape and dtype
+    item = dataset[0]  # real: its shapes and dtypes
     data_load = loading.bytes()  # making it can take more than it keeps (generated data's temporaries)
     data_in_use = in_use.growth()
-    sample_bytes = tensor_bytes(sample) + tensor_bytes(torch.as_tensor(target))
+    sample_bytes = sum(tensor_bytes(t) for t in iter_tensors(stacked(item, 1)))
     baseline = anonymous_bytes()
     threads = thread_count()
     workers = data_worker_bytes(dataset, batch_sizes[0] // exp.train.grad_accum) if exp.data.num_workers else 0
@@ -160,11 +161,11 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             phases = Phases()
             trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
                               batch_size=batch_sizes[0], log_every=1, grad_accum=traced.train.grad_accum,
-                              memory=phases, loss=traced.loss)
+                              memory=phases, loss=traced.loss, batch_keys=traced.data.batch_keys)
             # A step before counting: it makes the optimizer state, which every later step
             # holds, and warms DTensor's sharding-propagation cache, whose fake tensors the
             # trackers would otherwise count as the first step's memory.
-            trainer.train_step(fake_batches(sample, target, batch_sizes[0] // traced.train.grad_accum))
+            trainer.train_step(fake_batches(item, batch_sizes[0] // traced.train.grad_accum))
             data_bytes = max(baseline - before_data, 0)
             stack = thread_stack_bytes()
             stacks = max(thread_count() - threads, 0) * stack if sharding.shards_params else 0
@@ -173,7 +174,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             steps, library = [], []
             for batch_size in batch_sizes:
                 counts = phases.counts = LiveBytes(offloaded, workspaces)
-                batches = fake_batches(sample, target, batch_size // traced.train.grad_accum)
+                batches = fake_batches(item, batch_size // traced.train.grad_accum)
                 mem = phases.tracker = tracker(model, optimizer, counts)
                 with mem:
                     trainer.train_step(batches)
@@ -186,8 +187,8 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             if enough is None:  # task=estimate, and a run's own: what task=eval of these weights holds
                 evaluated = Uninitialised(replace(exp.model, init_device="cpu")).build()[0].eval()
                 for found in steps:
-                    found.eval_forward_bytes = eval_forward_bytes(evaluated, sample, target, found.batch_size,
-                                                                  traced.loss)
+                    found.eval_forward_bytes = eval_forward_bytes(evaluated, item, found.batch_size, traced.loss,
+                                                                  traced.data.batch_keys)
         if not on_gpu:  # what MKL and oneDNN keep of their own after a step (fsdp_exp.estimate.library)
             for step, kept in zip(steps, kept_by_step([s.batch_size for s in steps], library, rank_threads(world_size))):
                 step.library = kept
@@ -201,16 +202,16 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
                  data_in_use + build_in_use)
 
 
-def eval_forward_bytes(model: torch.nn.Module, sample: torch.Tensor, target: torch.Tensor, batch_size: int,
-                       loss: LossOption) -> int:
+def eval_forward_bytes(model: torch.nn.Module, item: Any, batch_size: int, loss: LossOption,
+                       keys: BatchKeys) -> int:
     """The peak of task=eval's forward (`fsdp_exp.tasks.eval`) of the whole, unsharded
     model at `batch_size`, without gradients: its inputs, activations while they are
     needed, the output in fp32 and the `loss`, above the model itself."""
     counts = LiveBytes(())
     mem = PlainTracker(counts)
     with mem, torch.no_grad():
-        inputs, targets = next(fake_batches(sample, target, batch_size))
-        loss(model(inputs), targets, reduction="sum")
+        batch = keys.read(stacked(item, batch_size), forward_keys(model), loss.reads_targets)
+        loss(batch.forward(model), batch, reduction="sum")
     peak = counts.peaks["cpu"]
     # the tracker counts the model's parameters and buffers once its modules run: they are not the forward's
     return peak.bytes - sum(peak.categories.get(c, 0) for c in ("Parameter", "Buffer"))
@@ -280,11 +281,10 @@ class Phases:
         self.start_phase("")
 
 
-def fake_batches(sample: torch.Tensor, target: torch.Tensor, micro: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless micro-batches shaped like the data's (their values are never read)."""
+def fake_batches(item: Any, micro: int) -> Iterator[Any]:
+    """Endless micro-batches shaped like the data's `item` (their values are never read)."""
     while True:
-        yield (torch.zeros((micro, *sample.shape), dtype=sample.dtype),
-               torch.zeros((micro, *torch.as_tensor(target).shape), dtype=torch.as_tensor(target).dtype))
+        yield stacked(item, micro)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -365,6 +365,10 @@ def summary_table(summary: dict) -> str:
     # With every step in warm-up, the means are the warm-up's: slower than the run would be.
     warmup = summary.get("warmup_only", False)
 
+    def padding(summary: dict) -> str:
+        share = summary.get("padding_share")
+        return f" ({summary['padded_tokens_per_s']:,.0f} with padding, {share:.1%} of the positions)" if share else ""
+
     def measured(shown: str) -> str:
         return f"{shown} (warm-up)" if warmup and not shown.startswith("-") else shown
 
@@ -394,7 +398,7 @@ def summary_table(summary: dict) -> str:
         ("exported", summary.get("exported")),
         ("final loss", fmt(summary.get("final_loss"), ".4f")),
         ("samples/s", fmt(summary.get("samples_per_s"), ",.1f") + (WARMUP_ONLY if warmup else "")),
-        ("tokens/s", measured(fmt(summary.get("tokens_per_s"), ",.0f"))),
+        ("tokens/s", measured(fmt(summary.get("tokens_per_s"), ",.0f") + padding(summary))),
         ("step time", measured(fmt(summary.get("step_time_s"), ".4f") + " s")),
         ("host waiting for data", fmt(summary.get("host_data_wait_share"), ".1%")),
         ("TFLOP/s per device", measured(fmt(summary.get("tflops_per_device"), ".3f"))),

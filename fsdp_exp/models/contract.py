@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from fsdp_exp.batch import Batch, describe as describe_batch, forward_keys, required_keys, stacked, to_device
 from fsdp_exp.data import TrainData
 from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.groups import LossOption
@@ -77,10 +78,19 @@ class DataShare:
 
 
 def check_model_and_data(spec: ModelSpec, data: TrainData | None, share: DataShare | None = None,
-                         loss: LossOption | None = None) -> bool:
+                         loss: LossOption | None = None, shards_params: bool = False) -> bool:
     """`check_model`, then, given the `data`, `check_model_reads_data` and the batch against
-    each rank's `share` of it: whether the model has blocks to shard one by one."""
+    each rank's `share` of it: whether the model has blocks to shard one by one.
+    `shards_params`: the sharding option shards the parameters (fully_shard refuses a scalar)."""
     model = check_model(spec)
+    if shards_params and model.module is not None:
+        scalars = [name for name, p in model.module.named_parameters() if p.dim() == 0]
+        if scalars:
+            more = f" and {len(scalars) - 3} more" if len(scalars) > 3 else ""
+            raise ConfigError(f"model: {spec.name} has scalar parameters ({', '.join(scalars[:3])}{more}); "
+                              "sharding=full, grad_op and hybrid shard each parameter along its first dimension, "
+                              "and fully_shard refuses a scalar: make each 1-D (nn.Parameter(torch.ones(1))), or "
+                              "use sharding=ddp")
     if data is not None:
         try:
             check_model_reads_data(spec, model.module, data, loss)
@@ -101,7 +111,11 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
     its targets. `model`: built on the meta device, or None for a builder that cannot (the
     data's files are checked all the same)."""
     loss = loss if loss is not None else CrossEntropy()
-    inputs, targets = data.first_item()
+    item = data.first_item()
+    if isinstance(item, dict):
+        check_model_reads_dicts(spec, model, data, loss, item)
+        return
+    inputs, targets = item
     language = data.tokens_per_sample > 0
     key = f"data.seq_len={inputs.shape[-1]}" if language else "data"
     kind = data_kind(inputs, targets, language, loss)
@@ -123,7 +137,8 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
                               f"({describe(inputs)}): {reason}{hint}") from None
         logits = None  # a forward that needs real values (Hugging Face's masks): the ranks check it
     if logits is not None:
-        loss.check_output(logits, targets.expand(2, *targets.shape), spec.name, f"; {kind}")
+        pair = (batch, targets.expand(2, *targets.shape).to("meta"))
+        loss.check_output(logits, Batch(pair, (batch,), {}, pair[1]), spec.name, f"; {kind}")
     if not isinstance(loss, CrossEntropy):
         classes = None
     elif logits is not None:
@@ -142,6 +157,39 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
                           + (f" ({setting})" if setting != "model" else ""))
     if language:
         lookups.check(spec, data, inputs, key)
+
+
+def check_model_reads_dicts(spec: ModelSpec, model: nn.Module | None, data: TrainData, loss: LossOption,
+                            item: dict) -> None:
+    """A data set of dicts: a batch of two like its first item, on the meta device, passed
+    to the model as keyword arguments (fsdp_exp.batch); the model's output must suit the
+    loss. Refused in one line naming the model, the batch's keys and the loss."""
+    if model is None:
+        return
+    raw = to_device(stacked(item, 2), "meta")
+    takes = forward_keys(model)
+    batch = data.batch_keys.read(raw, takes, loss.reads_targets)
+    keys = ", ".join(raw)
+    needed = required_keys(model)
+    missing = [k for k in needed if k not in batch.kwargs]
+    if missing:
+        chosen = data.batch_keys.inputs
+        key = "data" if chosen is None else f"data.input_keys=[{', '.join(chosen)}]"
+        raise ConfigError(f"{key}: model {spec.name}'s forward needs {', '.join(missing)}, which the batch does not "
+                          f"give it (the batch's keys: {keys}; loss={loss.name}); rename the data's keys, or "
+                          "set data.input_keys")
+    if not batch.kwargs:
+        raise ConfigError(f"data: model {spec.name}'s forward takes none of the batch's keys ({keys}); it takes "
+                          f"{', '.join(sorted(takes or ()))}: rename the data's keys, or set data.input_keys")
+    try:
+        with torch.no_grad():
+            output = batch.forward(model)
+    except Exception as err:  # noqa: BLE001 - the model's own error, shown in one line
+        if cannot_run_on_meta(err):
+            return  # a forward that needs real values: the ranks check it
+        raise ConfigError(f"data: model {spec.name} cannot read this data's batches ({describe_batch(raw)}, "
+                          f"loss={loss.name}): {one_line(err)}") from None
+    loss.check_output(output, batch, spec.name, f"; the batch's keys: {keys}")
 
 
 class Lookups(TorchDispatchMode):

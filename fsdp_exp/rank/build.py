@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_exp.batch import Batch
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks, warmup_steps_to_skip
 from fsdp_exp.checkpoint import TrainState
 from fsdp_exp.config import Experiment, as_dict
@@ -243,6 +244,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
         hooks=hooks,
         first_micro_batch=first,
         loss=cfg.loss,
+        batch_keys=data.batch_keys,
         stop_early=PeakSettled(**context.settle, device=ranks.device, is_main=ranks.is_main) if context.settle else None,
     )
     context.startup["built"] = time.time()
@@ -307,5 +309,5 @@ class CountedFirstMicroBatch:
             return None
         return self.figures["flops_per_step"], self.figures["hardware_flops_per_step"]
 
-    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        self.loss.check_output(logits, targets, self.model_name)
+    def check(self, output: Any, batch: Batch) -> None:
+        self.loss.check_output(output, batch, self.model_name)

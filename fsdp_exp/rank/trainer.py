@@ -14,9 +14,11 @@ from torch import nn
 
 from fsdp_exp import distributed
 from fsdp_exp.distributed import Ranks
+from fsdp_exp.batch import Batch, BatchKeys, forward_keys
+from fsdp_exp.groups import LossOption
 from fsdp_exp.loss import CrossEntropy
 from fsdp_exp.metrics.peaks import MemoryMonitor
-from fsdp_exp.sharding import gradient_sync
+from fsdp_exp.sharding import gradient_sync, unwrap
 
 log = logging.getLogger("fsdp_exp")
 
@@ -82,13 +84,14 @@ class Trainer:
     FLOPs, checks the logits). `memory`: the memory figures, by default this rank's
     MemoryMonitor. `stop_early(step, window_peak_gb)`: called by every rank after each step,
     with what reads the window's peak so far; True ends training there (a probe whose peak
-    has settled, fsdp_exp.rank.settle.PeakSettled). `loss(output, targets)`: the run's loss
-    option (fsdp_exp.loss), cross-entropy by default.
+    has settled, fsdp_exp.rank.settle.PeakSettled). `loss(output, batch)`: the run's loss
+    option (fsdp_exp.loss), cross-entropy by default. `batch_keys`: what of a dict batch the
+    model and the loss read (fsdp_exp.batch).
     """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    batches: Iterable  # as the data gives them: (input, target) pairs or dicts
     ranks: Ranks
     steps: int
     batch_size: int
@@ -110,11 +113,15 @@ class Trainer:
     first_micro_batch: FirstMicroBatch | None = None
     memory: PeakMemory | None = None  # None: a MemoryMonitor of this rank's device, made in __post_init__
     stop_early: Callable[[int, Callable[[], float | None]], bool] | None = None
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(default_factory=CrossEntropy)
+    loss: LossOption = field(default_factory=CrossEntropy)
+    batch_keys: BatchKeys = field(default_factory=BatchKeys)
     host_data_wait_s: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         self.sinks, self.hooks = list(self.sinks), list(self.hooks)
+        self.takes = forward_keys(unwrap(self.model))
+        self._tokens: list = []  # this window's micro-batches: the tokens the loss saw (on the device)
+        self._positions = 0  # and their token positions, padding included
         if self.memory is None:
             self.memory = MemoryMonitor(self.ranks.device, self.phase_peaks)
 
@@ -122,19 +129,21 @@ class Trainer:
     def global_batch(self) -> int:
         return self.batch_size * self.ranks.world_size
 
-    def loss_of(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The run's loss (fsdp_exp.loss) of the model's output against the batch's targets."""
-        return self.loss(output, targets.to(self.ranks.device, non_blocking=True))
-
-    def _next(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next batch; the host's time waiting for it is counted (on a GPU, queued
-        kernels may run meanwhile, so the GPU waits at most that long)."""
+    def _next(self, batches: Iterator) -> Batch:
+        """The next batch, on this rank's device; the host's time waiting for it is counted
+        (on a GPU, queued kernels may run meanwhile, so the GPU waits at most that long)."""
         start = time.perf_counter()
-        batch = next(batches)
+        raw = next(batches)
         self.host_data_wait_s += time.perf_counter() - start
+        batch = self.batch_keys.read(raw, self.takes, self.loss.reads_targets, self.ranks.device)
+        if self.tokens_per_sample:
+            seen = batch.tokens(getattr(self.loss, "ignore_index", -100))
+            if seen is not None:
+                self._tokens.append(seen)
+                self._positions += batch.positions()
         return batch
 
-    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def train_step(self, batches: Iterator) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; gradients are reduced across
         ranks only after the last. Returns the step's mean loss on this rank."""
         total = torch.zeros((), device=self.ranks.device)
@@ -143,11 +152,11 @@ class Trainer:
             with gradient_sync(self.model, enabled=micro == self.grad_accum - 1), \
                     first.running() if first is not None else contextlib.nullcontext():
                 self.memory.start_phase("forward")
-                inputs, targets = self._next(batches)
-                logits = self.model(inputs.to(self.ranks.device, non_blocking=True))
+                batch = self._next(batches)
+                output = batch.forward(self.model)
                 if first is not None:
-                    first.check(logits, targets)
-                loss = self.loss_of(logits, targets) / self.grad_accum
+                    first.check(output, batch)
+                loss = self.loss(output, batch) / self.grad_accum
                 self.memory.start_phase("backward")
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             counted = first.flops() if first is not None else None
@@ -251,13 +260,17 @@ class Trainer:
         distributed.synchronize(self.ranks.device)
         elapsed = time.perf_counter() - window.start
         per_rank = {k: distributed.gather(v, self.ranks.device) for k, v in self.memory.window_peaks().items()}
+        tokens = positions = 0.0
+        if self._tokens:  # the window's, summed over ranks (ranks may pad their batches differently)
+            tokens, positions = distributed.total([sum(self._tokens), self._positions], self.ranks.device)
+            self._tokens, self._positions = [], 0
         record = {
             "step": step,
             "time": time.time(),  # wall clock, for start-up and timeline figures
             "loss": mean_loss,
             "lr": self.optimizer.param_groups[0]["lr"],
             **self._means(_Totals(step - window.first_step + 1, elapsed,
-                                  self.host_data_wait_s - window.host_data_wait_s)),
+                                  self.host_data_wait_s - window.host_data_wait_s, tokens, positions)),
             **{key: max(values) for key, values in per_rank.items()},
             "peak_mem_gb_per_rank": per_rank["peak_mem_gb"],
         }
@@ -275,10 +288,15 @@ class Trainer:
             "step_time_s": t.time_s / t.steps,
             "host_data_wait_share": t.host_data_wait_s / t.time_s,
         }
-        if self.tokens_per_sample:
+        seen = 1.0  # the share of the token positions the loss sees
+        if t.positions:  # token data whose padding the batches show
+            seen = t.tokens / t.positions
+            means |= {"tokens_per_s": t.tokens / t.time_s, "padded_tokens_per_s": t.positions / t.time_s,
+                      "padding_share": 1 - seen}
+        elif self.tokens_per_sample:
             means["tokens_per_s"] = means["samples_per_s"] * self.tokens_per_sample
-        if self.flops_per_step:
-            means["tflops_per_device"] = self.flops_per_step * t.steps / t.time_s / 1e12
+        if self.flops_per_step:  # the model FLOPs of the tokens the loss sees; HFU counts every one
+            means["tflops_per_device"] = self.flops_per_step * seen * t.steps / t.time_s / 1e12
             means["mfu"] = means["tflops_per_device"] / self.peak_tflops if self.peak_tflops else None
         if self.hardware_flops_per_step:
             hardware_tflops = self.hardware_flops_per_step * t.steps / t.time_s / 1e12
@@ -308,8 +326,14 @@ class _Totals:
     steps: int = 0
     time_s: float = 0.0
     host_data_wait_s: float = 0.0
+    tokens: float = 0.0  # the tokens the loss saw, on every rank (token data whose padding the batches show)
+    positions: float = 0.0  # their token positions, padding included
 
     def add(self, steps: int, record: dict) -> None:
+        time_s = record["step_time_s"] * steps
         self.steps += steps
-        self.time_s += record["step_time_s"] * steps
-        self.host_data_wait_s += record["host_data_wait_share"] * record["step_time_s"] * steps
+        self.time_s += time_s
+        self.host_data_wait_s += record["host_data_wait_share"] * time_s
+        if "padded_tokens_per_s" in record:
+            self.tokens += record["tokens_per_s"] * time_s
+            self.positions += record["padded_tokens_per_s"] * time_s

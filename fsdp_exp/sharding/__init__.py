@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Mapping
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -178,9 +179,19 @@ class Autocast(nn.Module):
         self.precision = precision
         self.device_type = device_type
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision.autocast(self.device_type):
-            return self.module(*args).float()
+            return in_float32(self.module(*args, **kwargs))
+
+
+def in_float32(output: Any) -> Any:
+    """A forward's output with its floating tensors in fp32: a tensor, or a dict's values (a
+    Hugging Face model's output is one); anything else as it is."""
+    if isinstance(output, torch.Tensor):
+        return output.float() if output.is_floating_point() else output
+    if isinstance(output, Mapping):
+        return {k: in_float32(v) for k, v in output.items()}
+    return output
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch.utils.data import DataLoader
 
+from fsdp_exp.batch import forward_keys
 from fsdp_exp.checkpoint.export import load_weights, weight_shapes
 from fsdp_exp.checkpoint.files import CheckpointError
 from fsdp_exp.checkpoint.resume import model_shapes, open_checked
@@ -65,12 +66,14 @@ class Eval(Task):
         loss, classifies = exp.loss, exp.loss.classifies
         loss_sum, correct, count = 0.0, 0, 0
         shown: list[tuple[Any, Any]] = []
-        for inputs, targets in loader:
-            inputs, targets = inputs.to(device), targets.to(device)
-            output = model(inputs)
-            loss_sum += float(loss(output, targets, reduction="sum"))
-            count += loss.counted(targets)
+        keys, takes = data.batch_keys, forward_keys(model)
+        for raw in loader:
+            batch = keys.read(raw, takes, loss.reads_targets, device)
+            output = batch.forward(model)
+            loss_sum += float(loss(output, batch, reduction="sum"))
+            count += loss.counted(batch)
             if classifies:  # the loss's own predictions: the argmax over its classes
+                targets = batch.targets
                 predictions, counted = loss.predictions(output), targets != loss.ignore_index
                 correct += int(((predictions == targets) & counted).sum())
                 if len(shown) < self.show:

@@ -45,6 +45,7 @@ class Probe:
     held_mem_gb: float | None = None
     alloc_retries: float | None = None  # GPU: the caching allocator's retries (it freed its cache to allocate)
     samples_per_s: float | None = None
+    tokens_per_s: float | None = None  # token data: the tokens the loss saw (padding left out)
     mfu: float | None = None  # model FLOPs utilisation, where the device's peak is known
     predicted_peak_gb: float | None = None  # the line fitted to the probes that fit
     estimated_peak_under_limit_gb: float | None = None  # task=estimate's, before any probe (task.estimate), as the limit counts
@@ -225,6 +226,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
             held_mem_gb=figures["held_mem_gb"],
             alloc_retries=figures.get("alloc_retries"),
             samples_per_s=figures["samples_per_s"],
+            tokens_per_s=figures.get("tokens_per_s"),
             mfu=figures.get("mfu"),
             startup_s=startup_s(figures, context.startup["launched"]),
             steps=figures.get("steps"),

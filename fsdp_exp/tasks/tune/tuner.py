@@ -279,8 +279,7 @@ class Tuner(Confirming, SetupsSideBySide):
 
     def fill_row(self, row: Row, probe: Probe, limit_gb: float | None) -> None:
         row.batch_size, row.samples_per_s, row.mfu = probe.batch_size, probe.samples_per_s, probe.mfu
-        tokens = self.exp.data.tokens_per_sample
-        row.tokens_per_s = probe.samples_per_s * tokens if tokens and probe.samples_per_s else None
+        row.tokens_per_s = probe.tokens_per_s
         row.peak_gb = probe.limited_peak_gb()
         row.headroom_gb = None if limit_gb is None or row.peak_gb is None else limit_gb - row.peak_gb
 

@@ -1,0 +1,1 @@
+"""A toy image-and-caption model trained contrastively: plain PyTorch, no fsdp_exp import."""

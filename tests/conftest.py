@@ -160,3 +160,28 @@ def wait_for_step(runs: list[subprocess.Popen], dirs: list[Path], at_step: int, 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+# A user's package, as tests write it: a residual block whose instances are FSDP units, and
+# the settings of a short parity run (SGD with momentum, every step logged, weights exported).
+RESIDUAL_BLOCK = """
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+"""
+PARITY_STEPS = 5
+PARITY_RUN = ["wandb.mode=disabled", "memory.estimate=false", "train.batch_size=16", f"train.steps={PARITY_STEPS}",
+              "train.log_every=1", "train.lr=0.05", "optimizer._target_=torch.optim.SGD", "+optimizer.momentum=0.9",
+              "checkpoint.export_full=true"]
+
+
+def user_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, source: str) -> dict:
+    """`source` as the user's module `name`, on the import path of this process and (the
+    environment returned) of the command's."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return {"PYTHONPATH": str(tmp_path)}

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from fsdp_exp.batch import BatchKeys, describe, stacked, to_device
 from fsdp_exp.errors import ConfigError
-from tests.conftest import names, precheck, read_json, read_jsonl, run_cli
+from tests.conftest import PARITY_RUN, PARITY_STEPS, RESIDUAL_BLOCK, user_package, names, precheck, read_json, read_jsonl, run_cli
 
 # A user's two-input model: a 4 x 4 image and 6 tokens in, 4 values out; its blocks are
 # FSDP units. Items are dicts, with an id string the model never reads.
@@ -23,15 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + torch.tanh(self.linear(x))
-
+''' + RESIDUAL_BLOCK + '''
 
 class TwoInputs(nn.Module):
     def __init__(self, width=32, layers=2):
@@ -109,18 +101,12 @@ def padded(train=True, n=128):
 DICTS = ["model=custom", "model._target_=pairs.TwoInputs", "model.blocks=[pairs.Block]", "data=custom",
          "data._target_=pairs.items"]
 CUSTOM = [*DICTS, "loss=custom", "loss._target_=pairs.my_loss"]
-STEPS = 5
-COMMON = ["wandb.mode=disabled", "memory.estimate=false", "train.batch_size=16", f"train.steps={STEPS}",
-          "train.log_every=1", "train.lr=0.05", "optimizer._target_=torch.optim.SGD", "+optimizer.momentum=0.9",
-          "checkpoint.export_full=true"]
+STEPS, COMMON = PARITY_STEPS, PARITY_RUN
 
 
 @pytest.fixture
 def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The user's package on the import path, of this process and of the command's."""
-    (tmp_path / "pairs.py").write_text(PACKAGE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return {"PYTHONPATH": str(tmp_path)}
+    return user_package(tmp_path, monkeypatch, "pairs", PACKAGE)
 
 
 def losses_and_weights(run: Path) -> tuple[list[float], dict]:

@@ -14,22 +14,14 @@ from safetensors.torch import load_file
 from fsdp_exp.batch import Batch, BatchKeys
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.loss import CrossEntropy, MeanSquaredError
-from tests.conftest import SMALL_VIT, names, precheck, read_json, read_jsonl, run_cli
+from tests.conftest import PARITY_RUN, PARITY_STEPS, RESIDUAL_BLOCK, user_package, SMALL_VIT, names, precheck, read_json, read_jsonl, run_cli
 
 # A user's regression: 8 features, 4 targets, a small MLP whose blocks are FSDP units.
 PACKAGE = '''
 import torch
 from torch import nn
 
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + torch.tanh(self.linear(x))
-
+''' + RESIDUAL_BLOCK + '''
 
 class Net(nn.Module):
     def __init__(self, width=32, layers=2):
@@ -53,18 +45,12 @@ def sums(train=True, n=256):
 '''
 REGRESSION = ["model=custom", "model._target_=regress.Net", "model.blocks=[regress.Block]",
               "data=custom", "data._target_=regress.sums", "loss=mse"]
-STEPS = 5
-COMMON = ["wandb.mode=disabled", "memory.estimate=false", "train.batch_size=16", f"train.steps={STEPS}",
-          "train.log_every=1", "train.lr=0.05", "optimizer._target_=torch.optim.SGD", "+optimizer.momentum=0.9",
-          "checkpoint.export_full=true"]
+STEPS, COMMON = PARITY_STEPS, PARITY_RUN
 
 
 @pytest.fixture
 def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The user's package on the import path, of this process and of the command's."""
-    (tmp_path / "regress.py").write_text(PACKAGE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return {"PYTHONPATH": str(tmp_path)}
+    return user_package(tmp_path, monkeypatch, "regress", PACKAGE)
 
 
 def sweep(tmp_path: Path, env: dict | None, *overrides: str, smoothing: tuple[str, ...] = ()) -> dict[tuple, Path]:

@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from fsdp_exp.batch import BatchKeys
+from fsdp_exp.batch import BatchKeys, describe
 from fsdp_exp.errors import ConfigError, at_least
 
 WORKERS_START = "fork" if sys.platform == "linux" else None  # DataLoader workers: forked where Linux forks them
@@ -61,13 +61,13 @@ class TrainData:
             return dict(item)
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             raise ConfigError(f"data: items must be (input, target) pairs or dicts of named fields; the first is "
-                              f"{kind_of(item)}; have the data set return the model's input and the loss's target")
+                              f"{describe(item)}; have the data set return the model's input and the loss's target")
         tensors = []
         for name, part in zip(("input", "target"), item):
             try:
                 tensors.append(torch.as_tensor(part))
             except (TypeError, ValueError, RuntimeError):
-                raise ConfigError(f"data: the first item's {name} is {kind_of(part)}, not a tensor; items must be "
+                raise ConfigError(f"data: the first item's {name} is {describe(part)}, not a tensor; items must be "
                                   "(input, target) pairs of tensors (or numbers, for a target)") from None
         return tensors[0], tensors[1]
 
@@ -90,16 +90,6 @@ class TrainData:
                 f"({len(sampler)} samples); lower it or use more data"
             )
         return Batches(dataset, sampler, batch_size, world_size, self.num_workers, pin_memory)
-
-
-def kind_of(value: object) -> str:
-    """A data set's item or part of one, in a few words: `a tuple of 3 (Tensor[1, 28, 28], int, Tensor[3])`."""
-    if isinstance(value, torch.Tensor):
-        return f"Tensor{list(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        parts = ", ".join(kind_of(v) if isinstance(v, torch.Tensor) else type(v).__name__ for v in value[:4])
-        return f"a {type(value).__name__} of {len(value)} ({parts}{', ...' if len(value) > 4 else ''})"
-    return f"a {type(value).__name__}"
 
 
 class GeneratedData(TrainData):

@@ -35,13 +35,17 @@ class Batch:
     def forward(self, model: torch.nn.Module) -> Any:
         return model(*self.args, **self.kwargs)
 
-    def tokens(self, ignore_index: int = -100) -> torch.Tensor | None:
-        """For token data (token ids of shape (batch, seq): a pair's input, a dict's
-        `input_ids`): how many tokens the loss sees, on the device (read it later: reading
-        waits for the GPU). Padding is what `attention_mask` masks, else targets equal to
-        `ignore_index`. None for other data."""
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """Token data's ids, (batch, seq): a pair's input, a dict's `input_ids`; else None."""
         ids = self.raw.get("input_ids") if isinstance(self.raw, Mapping) else self.args[0] if self.args else None
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+        return ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dim() == 2 else None
+
+    def tokens(self, ignore_index: int = -100) -> torch.Tensor | None:
+        """For token data: how many tokens the loss sees, on the device (read it later:
+        reading waits for the GPU). Padding is what `attention_mask` masks, else targets
+        equal to `ignore_index`. None for other data."""
+        if self.token_ids is None:
             return None
         mask = self.raw.get("attention_mask") if isinstance(self.raw, Mapping) else None
         if isinstance(mask, torch.Tensor):
@@ -52,8 +56,12 @@ class Batch:
 
     def positions(self) -> int:
         """Every token position of the batch, padding included (0 for other data)."""
-        ids = self.raw.get("input_ids") if isinstance(self.raw, Mapping) else self.args[0] if self.args else None
-        return ids.numel() if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else 0
+        ids = self.token_ids
+        return 0 if ids is None else ids.numel()
+
+    def fields(self) -> str:
+        """What the batch holds, for a refusal: a dict's keys, or its shape in a few words."""
+        return ", ".join(map(str, self.raw)) if isinstance(self.raw, Mapping) else describe(self.raw)
 
     @property
     def size(self) -> int:

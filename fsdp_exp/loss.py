@@ -27,10 +27,9 @@ def targets_of(batch: Batch, loss: str) -> torch.Tensor:
     """The batch's targets, which loss=`loss` reads; a ConfigError where it has none."""
     if batch.targets is not None:
         return batch.targets
-    keys = ", ".join(map(str, batch.raw)) if isinstance(batch.raw, Mapping) else describe(batch.raw)
-    raise ConfigError(f"data.target_key={batch.target_key}: not in this data's batches ({keys}), and loss={loss} "
-                      "reads its targets there; set data.target_key, or use loss=model (the model returns its loss) "
-                      "or loss=custom (a function of the output and the batch)")
+    raise ConfigError(f"data.target_key={batch.target_key}: not in this data's batches ({batch.fields()}), and "
+                      f"loss={loss} reads its targets there; set data.target_key, or use loss=model (the model "
+                      "returns its loss) or loss=custom (a function of the output and the batch)")
 
 
 @dataclass
@@ -55,10 +54,7 @@ class CrossEntropy(LossOption):
                               "(segmentation: (batch, classes, H, W))")
 
     def __call__(self, output: torch.Tensor, batch: Batch, reduction: str = "mean") -> torch.Tensor:
-        return self.of(output, targets_of(batch, self.name), reduction)
-
-    def of(self, output: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        logits = output.float()
+        logits, targets = output.float(), targets_of(batch, self.name)
         if self.class_dim == -1:
             logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
         return F.cross_entropy(logits, targets, ignore_index=self.ignore_index,
@@ -169,11 +165,10 @@ class ModelLoss(ReturnedLoss):
         loss = returned_loss(output)
         if is_scalar(loss):
             return
-        keys = ", ".join(map(str, batch.raw)) if isinstance(batch.raw, Mapping) else describe(batch.raw)
         if loss is None and not isinstance(output, torch.Tensor):
             labels = " (a Hugging Face model computes it only when the batch has `labels`)"
             raise ConfigError(f"loss=model: model {model} returns a {type(output).__name__} whose loss is None{labels}; "
-                              f"the batch it was given has: {keys}")
+                              f"the batch it was given has: {batch.fields()}")
         got = describe(loss) if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
         raise ConfigError(f"loss=model: model {model} returns {got}; loss=model reads the loss the model returns: a "
                           "scalar float tensor, or an output with one as its `loss`. For a model that returns "
@@ -195,7 +190,14 @@ class CustomLoss(ReturnedLoss):
                               "(it takes the model's output and the batch)")
 
     def function(self) -> Callable[[Any, Any], torch.Tensor]:
-        return imported("loss._target_", self._target_)
+        """The function, imported once (it is called every micro-batch)."""
+        if "_function" not in self.__dict__:
+            self.__dict__["_function"] = imported("loss._target_", self._target_)
+        return self.__dict__["_function"]
+
+    def __getstate__(self) -> dict:
+        """Each rank imports the function itself."""
+        return {k: v for k, v in self.__dict__.items() if k != "_function"}
 
     def mean(self, output: Any, batch: Batch) -> torch.Tensor:
         loss = self.function()(output, batch.raw)

@@ -120,6 +120,7 @@ class Trainer:
     def __post_init__(self) -> None:
         self.sinks, self.hooks = list(self.sinks), list(self.hooks)
         self.takes = forward_keys(unwrap(self.model))
+        self.ignore_index = getattr(self.loss, "ignore_index", -100)  # padding's target, where the loss has one
         self._tokens: list = []  # this window's micro-batches: the tokens the loss saw (on the device)
         self._positions = 0  # and their token positions, padding included
         if self.memory is None:
@@ -137,7 +138,7 @@ class Trainer:
         self.host_data_wait_s += time.perf_counter() - start
         batch = self.batch_keys.read(raw, self.takes, self.loss.reads_targets, self.ranks.device)
         if self.tokens_per_sample:
-            seen = batch.tokens(getattr(self.loss, "ignore_index", -100))
+            seen = batch.tokens(self.ignore_index)
             if seen is not None:
                 self._tokens.append(seen)
                 self._positions += batch.positions()

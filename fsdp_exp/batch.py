@@ -1,7 +1,8 @@
 """A batch as the data gives it, and what of it the model and the loss read.
 
 A data set's items are (input, target) pairs, or dicts. A pair's batch is the model's one
-input and the loss's targets. A dict's batch is passed to the model as keyword arguments,
+input and the loss's targets (given to the model as `targets` too, when the loss is the
+model's and its forward takes them). A dict's batch is passed to the model as keyword arguments,
 as Hugging Face models and torchtitan's take theirs: every key the model's `forward` takes,
 or `data.input_keys`. The loss reads its targets at `data.target_key` (`labels`): loss=model
 leaves them to the model (a Hugging Face model given `labels` returns its own loss), and
@@ -70,6 +71,11 @@ class Batch:
         return 0 if first is None else first.shape[0]
 
 
+# The keyword a pair's target is given to the model as, when the loss is the model's own
+# (or custom) and its forward takes it: nanoGPT's `GPT.forward(idx, targets=None)`.
+PAIR_TARGETS = "targets"
+
+
 @dataclass(frozen=True)
 class BatchKeys:
     """Which keys of a dict batch the model and the loss read (data.input_keys, data.target_key)."""
@@ -82,7 +88,8 @@ class BatchKeys:
         """`raw` (moved to `device`, when given) as the model's inputs and the loss's targets.
         `takes`: the keywords the model's forward takes (`forward_keys`). `loss_reads_targets`:
         the loss takes its targets from the batch (cross_entropy, mse), so they are kept from
-        the model; otherwise (model, custom) the model gets them too when it takes them."""
+        the model; otherwise (model, custom) the model gets them too when it takes them: a
+        dict's at their key, a pair's as `targets`."""
         if device is not None:
             raw = to_device(raw, device)
         if isinstance(raw, Mapping):
@@ -90,7 +97,9 @@ class BatchKeys:
             kwargs = {k: raw[k] for k in self.input_keys(raw, takes, loss_reads_targets)}
             return Batch(raw, (), kwargs, targets, self.target)
         if isinstance(raw, Sequence) and len(raw) == 2:
-            return Batch(raw, (raw[0],), {}, raw[1] if isinstance(raw[1], torch.Tensor) else torch.as_tensor(raw[1]))
+            targets = raw[1] if isinstance(raw[1], torch.Tensor) else torch.as_tensor(raw[1])
+            given = not loss_reads_targets and takes is not None and PAIR_TARGETS in takes
+            return Batch(raw, (raw[0],), {PAIR_TARGETS: targets} if given else {}, targets)
         raise ConfigError(f"data: a batch is {describe(raw)}; items must be (input, target) pairs or dicts")
 
     def input_keys(self, raw: Mapping, takes: set[str] | None, loss_reads_targets: bool) -> list[str]:

@@ -139,11 +139,15 @@ class ReturnedLoss(LossOption):
 
 
 def returned_loss(output: Any) -> Any:
-    """What a model returns as its loss: the output itself, or its `loss` key or attribute."""
+    """What a model returns as its loss: the output itself, its `loss` key or attribute,
+    or a tuple's one scalar (nanoGPT's `(logits, loss)`, transformers' `(loss, logits)`)."""
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping):
         return output.get("loss")
+    if isinstance(output, tuple) and not hasattr(output, "_fields"):
+        scalars = [item for item in output if is_scalar(item)]
+        return scalars[0] if len(scalars) == 1 else None
     return getattr(output, "loss", None)
 
 
@@ -165,6 +169,10 @@ class ModelLoss(ReturnedLoss):
         loss = returned_loss(output)
         if is_scalar(loss):
             return
+        if isinstance(output, tuple) and not hasattr(output, "_fields"):
+            raise ConfigError(f"loss=model: model {model} returns {describe(output)}; of a tuple, loss=model reads its "
+                              "one scalar float tensor (nanoGPT's (logits, loss)), and this has "
+                              f"{sum(map(is_scalar, output)) or 'none'}")
         if loss is None and not isinstance(output, torch.Tensor):
             labels = " (a Hugging Face model computes it only when the batch has `labels`)"
             raise ConfigError(f"loss=model: model {model} returns a {type(output).__name__} whose loss is None{labels}; "

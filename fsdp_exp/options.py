@@ -14,6 +14,7 @@ from hydra_plugins.fsdp_exp_sweeper.fsdp_exp_sweeper import CheckingSweeper
 from fsdp_exp.checkpoint import DCPCheckpoint, NoCheckpoint
 from fsdp_exp.config import Experiment
 from fsdp_exp.data.images import SyntheticImages, TorchvisionImages
+from fsdp_exp.data.padded import PaddedTokens
 from fsdp_exp.data.token_file import TokenFile
 from fsdp_exp.data.tokens import SyntheticTokens, TextBytes
 from fsdp_exp.launch.local import LocalLauncher
@@ -35,7 +36,8 @@ from fsdp_exp.tasks.tune.task import Tune
 # Each group's options, by schema name: conf/<group>/<option>.yaml extends one of these.
 SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"synthetic": SyntheticImages, "torchvision": TorchvisionImages,
-             "synthetic_tokens": SyntheticTokens, "text": TextBytes, "token_file": TokenFile},
+             "synthetic_tokens": SyntheticTokens, "text": TextBytes, "token_file": TokenFile,
+             "padded_tokens": PaddedTokens},
     "sharding": {"fully_shard": FullyShard, "hybrid": HybridShard, "ddp": DDP, "none": NoSharding},
     "precision": {"precision": Precision},
     "loss": {"cross_entropy": CrossEntropy, "mse": MeanSquaredError, "model": ModelLoss, "custom": CustomLoss},

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from fsdp_exp.batch import BatchKeys, describe, stacked, to_device
 from fsdp_exp.errors import ConfigError
+from fsdp_exp.loss import ModelLoss, returned_loss
 from tests.conftest import PARITY_RUN, PARITY_STEPS, RESIDUAL_BLOCK, user_package, names, precheck, read_json, read_jsonl, run_cli
 
 # A user's two-input model: a 4 x 4 image and 6 tokens in, 4 values out; its blocks are
@@ -182,6 +183,22 @@ def test_a_batch_goes_to_the_device_whole_and_the_model_gets_the_keys_its_forwar
     batch = BatchKeys().read(raw, {"input_ids", "mask"}, loss_reads_targets=True)
     assert list(batch.kwargs) == ["input_ids", "mask"] and batch.targets is None and batch.size == 2
     assert describe(raw).startswith("a dict (input_ids: Tensor[2, 4], mask: dict")
+
+
+def test_a_pairs_target_goes_to_a_model_that_computes_its_own_loss_and_a_tuples_one_scalar_is_it() -> None:
+    """nanoGPT's `GPT.forward(idx, targets=None)` returns (logits, loss): with loss=model (or
+    custom) a pair's target is given to it as `targets`; a loss that reads them keeps them."""
+    pair = (torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+    given = BatchKeys().read(pair, {"idx", "targets"}, loss_reads_targets=False)
+    assert given.args == (pair[0],) and list(given.kwargs) == ["targets"] and given.kwargs["targets"] is pair[1]
+    assert BatchKeys().read(pair, {"idx", "targets"}, loss_reads_targets=True).kwargs == {}
+    assert BatchKeys().read(pair, None, loss_reads_targets=False).kwargs == {}  # **kwargs: not guessed
+    logits, loss = torch.zeros(2, 4, 8), torch.tensor(1.5)
+    assert returned_loss((logits, loss)) is loss and returned_loss((loss, logits)) is loss
+    assert returned_loss((loss, loss.clone())) is None
+    with pytest.raises(ConfigError) as err:
+        ModelLoss().check_output((logits, loss, loss.clone()), given, "nano.GPT")
+    names(str(err.value), "loss=model", "nano.GPT", "(logits, loss)", "2")
 
 
 def test_padded_token_batches_count_the_tokens_the_loss_sees_with_the_padded_count_beside(package: dict,

@@ -25,6 +25,7 @@ from fsdp_exp.config import ConfigError
 from fsdp_exp.data.tokens import SyntheticTokens
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.driver.run import run_experiment
+from fsdp_exp.loss import ModelLoss
 from fsdp_exp.metrics.flops import flops_per_token
 from fsdp_exp.models import ModelSpec, build_model
 from fsdp_exp.models.hf import build_hf, transformers_state_dict
@@ -200,8 +201,9 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     head): one unsharded process, and 2 ranks built on the meta device, sharded, saving
     a DCP checkpoint at step 3."""
     root = tmp_path_factory.mktemp("llama")
-    runs = {"none": root / "none", "meta": root / "meta"}
+    runs = {"none": root / "none", "meta": root / "meta", "cross_entropy": root / "cross_entropy"}
     train(runs["none"], "model=hf", "sharding=none")
+    train(runs["cross_entropy"], "model=hf", "sharding=none", "loss=cross_entropy")
     train(runs["meta"], "model=hf", "sharding=full", "model.init_device=meta", "checkpoint=dcp",
           f"checkpoint.every={SAVE_AT}", "metrics.peak_tflops=2.0")
     return runs
@@ -216,6 +218,15 @@ def test_llama_sharded_and_built_on_meta_trains_as_one_unsharded_process(llama: 
     assert reference[-1] < reference[0] - 0.1, "the reference run must actually learn"
     assert_same(losses_of(llama["meta"]), reference)
     assert_same_weights(llama["meta"], llama["none"])
+
+
+def test_the_models_own_loss_on_pairs_trains_as_cross_entropy_on_its_logits(llama: dict[str, Path]) -> None:
+    """model=hf trains through loss=model by default: on (input, target) pairs the model gets
+    the targets (already the next tokens) and computes the loss cross_entropy computes."""
+    (plan,) = precheck(["model=hf", "wandb.mode=disabled"]).values()
+    assert isinstance(plan.exp.loss, ModelLoss)
+    assert_same(losses_of(llama["none"]), losses_of(llama["cross_entropy"]), tolerance=1e-6)
+    assert_same_weights(llama["none"], llama["cross_entropy"])
 
 
 def test_llama_runs_report_units_tokens_flops_and_mfu(llama: dict[str, Path]) -> None:

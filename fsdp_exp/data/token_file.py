@@ -94,24 +94,30 @@ class TokenFile(TokenData):
         return where
 
     def _open_checked(self, file: Path) -> None:
-        """Refuse a file that is not whole uint16 tokens, too short for one window, or holding
-        an id at or above vocab_size."""
-        size = file.stat().st_size
-        if size % 2:
-            raise ConfigError(f"data.path={self.path}: {file.name} has {size} bytes, an odd number; "
-                              "uint16 tokens take 2 bytes each")
-        if size // 2 < self.seq_len + 1:
-            raise ConfigError(f"data.path={self.path}: {file.name} holds {size // 2} tokens; "
-                              f"data.seq_len={self.seq_len} needs at least {self.seq_len + 1}")
-        tokens = np.memmap(file, dtype=np.uint16, mode="r")
-        if size >= 1024 and tokens[:2].view(np.int32)[0] == _LLMC_MAGIC:
-            raise ConfigError(f"data.path={self.path}: {file.name} starts with llm.c's header (magic "
-                              f"{_LLMC_MAGIC}); data=token_file reads headerless files as nanoGPT writes them")
-        bad = first_bad_id(tokens, self.vocab_size)
-        if bad is not None:
-            offset, token = bad
-            raise ConfigError(f"data.path={self.path}: {file.name} holds token id {token} at token "
-                              f"{offset}; ids must be below data.vocab_size={self.vocab_size}")
+        checked_tokens(file, f"data.path={self.path}", self.seq_len + 1, f"data.seq_len={self.seq_len}",
+                       self.vocab_size)
+
+
+def checked_tokens(file: Path, setting: str, needed: int, why: str, vocab_size: int) -> np.memmap:
+    """`file`'s uint16 tokens, read through a memory map; a ConfigError naming `setting` for
+    a file that is not whole uint16 tokens, holds fewer than `needed` (which `why` needs),
+    starts with llm.c's header or holds an id at or above vocab_size."""
+    size = file.stat().st_size
+    if size % 2:
+        raise ConfigError(f"{setting}: {file.name} has {size} bytes, an odd number; "
+                          "uint16 tokens take 2 bytes each")
+    if size // 2 < needed:
+        raise ConfigError(f"{setting}: {file.name} holds {size // 2} tokens; {why} needs at least {needed}")
+    tokens = np.memmap(file, dtype=np.uint16, mode="r")
+    if size >= 1024 and tokens[:2].view(np.int32)[0] == _LLMC_MAGIC:
+        raise ConfigError(f"{setting}: {file.name} starts with llm.c's header (magic "
+                          f"{_LLMC_MAGIC}); fsdp_exp reads headerless files as nanoGPT writes them")
+    bad = first_bad_id(tokens, vocab_size)
+    if bad is not None:
+        offset, token = bad
+        raise ConfigError(f"{setting}: {file.name} holds token id {token} at token "
+                          f"{offset}; ids must be below data.vocab_size={vocab_size}")
+    return tokens
 
 
 def first_bad_id(tokens: np.ndarray, vocab_size: int, budget: int = _SCAN_TOKENS,

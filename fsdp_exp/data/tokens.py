@@ -15,7 +15,7 @@ from fsdp_exp.errors import ConfigError, at_least
 # Share of tokens in a synthetic sequence drawn at random instead of from the table:
 # enough that the loss cannot reach zero, little enough that the table is easy to learn.
 _NOISE = 0.1
-_HELD_OUT = 1_000_003  # offset to the seed of held-out sequences
+HELD_OUT = 1_000_003  # offset to the seed of held-out sequences
 
 
 class TokenData(TrainData):
@@ -52,23 +52,30 @@ class SyntheticTokens(GeneratedData, TokenData):
             at_least(f"data.{key}", getattr(self, key), 1)
 
     def dataset(self) -> Dataset:
-        g = torch.Generator().manual_seed(self.seed)
-        return self._sequences(torch.randperm(self.vocab_size, generator=g), self.num_samples, g)
+        return TensorDataset(*self.sequences(self.num_samples))
 
     def eval_dataset(self) -> Dataset:
         """New sequences from the same table: a tenth as many, from another generator."""
-        table = torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(self.seed))
-        return self._sequences(table, max(1, self.num_samples // 10),
-                               torch.Generator().manual_seed(self.seed + _HELD_OUT))
+        return TensorDataset(*self.sequences(max(1, self.num_samples // 10), HELD_OUT))
 
-    def _sequences(self, next_token: torch.Tensor, count: int, g: torch.Generator) -> Dataset:
+    def sequences(self, count: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """`count` sequences (inputs, and targets one token later) of the table that `seed`
+        fixes, drawn from a generator `offset` past it (another offset, other sequences)."""
+        g = torch.Generator().manual_seed(self.seed)
+        table = torch.randperm(self.vocab_size, generator=g)
+        if offset:  # held out: the same table, sequences from another generator
+            g = torch.Generator().manual_seed(self.seed + offset)
+        return self._sequences(table, count, g)
+
+    def _sequences(self, next_token: torch.Tensor, count: int,
+                   g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         seqs = torch.empty(count, self.seq_len + 1, dtype=torch.long)
         seqs[:, 0] = torch.randint(0, self.vocab_size, (count,), generator=g)
         noisy = torch.rand(count, self.seq_len, generator=g) < _NOISE
         noise = torch.randint(0, self.vocab_size, (count, self.seq_len), generator=g)
         for t in range(self.seq_len):
             seqs[:, t + 1] = torch.where(noisy[:, t], noise[:, t], next_token[seqs[:, t]])
-        return TensorDataset(seqs[:, :-1], seqs[:, 1:])
+        return seqs[:, :-1], seqs[:, 1:]
 
 
 def shipped_corpus() -> Path:

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from fsdp_exp.batch import Batch, describe as describe_batch, forward_keys, required_keys, stacked, to_device
+from fsdp_exp.batch import describe as describe_batch, forward_keys, required_keys, stacked, to_device
 from fsdp_exp.data import TrainData
 from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.groups import LossOption
@@ -122,11 +122,13 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
     if model is None:
         return
     check_channels(spec, inputs, language)
-    batch = inputs.unsqueeze(0).expand(2, *inputs.shape).to("meta")
-    lookups = Lookups(batch)
+    ids = inputs.unsqueeze(0).expand(2, *inputs.shape).to("meta")
+    batch = data.batch_keys.read((ids, targets.expand(2, *targets.shape).to("meta")), forward_keys(model),
+                                 loss.reads_targets)
+    lookups = Lookups(ids)
     try:
         with torch.no_grad(), lookups:
-            logits = model(batch)
+            output = batch.forward(model)
     except Exception as err:  # noqa: BLE001 - the model's own error, shown in one line
         reason = one_line(err)
         if not cannot_run_on_meta(err):
@@ -135,16 +137,15 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
             hint = "" if "longer than" in reason else f"; {kind}"
             raise ConfigError(f"{key}: model {spec.name} cannot read this data's inputs "
                               f"({describe(inputs)}): {reason}{hint}") from None
-        logits = None  # a forward that needs real values (Hugging Face's masks): the ranks check it
-    if logits is not None:
-        pair = (batch, targets.expand(2, *targets.shape).to("meta"))
-        loss.check_output(logits, Batch(pair, (batch,), {}, pair[1]), spec.name, f"; {kind}")
-    if not isinstance(loss, CrossEntropy):
-        classes = None
-    elif logits is not None:
-        classes = loss.classes(logits)
-    else:
+        output = None  # a forward that needs real values (Hugging Face's masks): the ranks check it
+    if output is not None:
+        loss.check_output(output, batch, spec.name, f"; {kind}")
+    if isinstance(loss, CrossEntropy) and output is not None:
+        classes = loss.classes(output)
+    elif isinstance(loss, CrossEntropy) or language:  # the model's own word for them (model=hf's vocab_size)
         classes = getattr(model, "vocab_size", None)
+    else:
+        classes = None
     needed = data.num_classes
     if needed is not None and classes is not None and classes < needed:
         setting = setting_of(spec.kwargs, classes, ("vocab", "class"))
@@ -164,6 +165,9 @@ def check_model_reads_dicts(spec: ModelSpec, model: nn.Module | None, data: Trai
     """A data set of dicts: a batch of two like its first item, on the meta device, passed
     to the model as keyword arguments (fsdp_exp.batch); the model's output must suit the
     loss. Refused in one line naming the model, the batch's keys and the loss."""
+    if loss.reads_targets and getattr(data, "labels_in_line", False):
+        raise ConfigError(f"loss={loss.name}: this data's {data.target_key} are in line with its input_ids, as "
+                          "Hugging Face causal LMs take them (the model shifts them by one); use loss=model")
     if model is None:
         return
     raw = to_device(stacked(item, 2), "meta")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from fsdp_exp.errors import ConfigError, one_line
@@ -40,7 +41,10 @@ def _transformers() -> Any:
 
 class CausalLM(nn.Module):
     """A transformers causal LM whose forward takes token ids [batch, seq] and returns
-    the logits [batch, seq, vocab], as the trainer expects.
+    the logits [batch, seq, vocab] (loss=cross_entropy); or, as transformers' own are
+    called, `input_ids`, `attention_mask` and `labels` from a dict batch (data=padded_tokens),
+    or a pair's `targets`, and returns the model's output with its loss (loss=model, the
+    default of model=hf and hf_dir).
 
     Its state-dict keys are the transformers model's own with `hf.` in front, in every
     form (plain, sharded, DCP, exported): `transformers_state_dict` removes it.
@@ -50,8 +54,16 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf = model
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=input_ids, use_cache=False).logits
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> Any:
+        """The logits; or, given `labels` (a dict batch's, in line with input_ids: the
+        model shifts them, and skips -100) or `targets` (an (input, target) pair's, already
+        the next token at each position), the model's output with its `loss` (loss=model).
+        For `targets` the loss is the cross-entropy the model computes after its shift."""
+        output = self.hf(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
+        if targets is not None:
+            output["loss"] = F.cross_entropy(output.logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return output.logits if labels is None and targets is None else output
 
     @property
     def vocab_size(self) -> int:

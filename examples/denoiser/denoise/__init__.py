@@ -1,0 +1,1 @@
+"""A small DiT-like denoiser, trained with fsdp_exp's loss=mse."""

@@ -32,6 +32,14 @@ class Batch:
     kwargs: dict
     targets: torch.Tensor | None
     target_key: str | None = None  # where a dict batch's targets are (data.target_key)
+    labels_in_line: bool = False  # its targets are in line with its input_ids: the model shifts them
+
+    @property
+    def labels(self) -> torch.Tensor | None:
+        """The targets the model was given (a dict's at `target_key`, a pair's as `targets`), if any."""
+        given = self.kwargs.get(self.target_key) if self.target_key else None
+        given = self.kwargs.get(PAIR_TARGETS) if given is None else given
+        return given if isinstance(given, torch.Tensor) else None
 
     def forward(self, model: torch.nn.Module) -> Any:
         return model(*self.args, **self.kwargs)
@@ -82,6 +90,7 @@ class BatchKeys:
 
     inputs: tuple[str, ...] | None = None  # None: every key the model's forward takes
     target: str = "labels"
+    labels_in_line: bool = False  # the data's labels are in line with input_ids (data=padded_tokens)
 
     def read(self, raw: Any, takes: set[str] | None, loss_reads_targets: bool,
              device: torch.device | str | None = None) -> Batch:
@@ -95,7 +104,7 @@ class BatchKeys:
         if isinstance(raw, Mapping):
             targets = raw.get(self.target) if isinstance(raw.get(self.target), torch.Tensor) else None
             kwargs = {k: raw[k] for k in self.input_keys(raw, takes, loss_reads_targets)}
-            return Batch(raw, (), kwargs, targets, self.target)
+            return Batch(raw, (), kwargs, targets, self.target, self.labels_in_line)
         if isinstance(raw, Sequence) and len(raw) == 2:
             targets = raw[1] if isinstance(raw[1], torch.Tensor) else torch.as_tensor(raw[1])
             given = not loss_reads_targets and takes is not None and PAIR_TARGETS in takes

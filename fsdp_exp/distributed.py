@@ -109,6 +109,16 @@ def mean(value: torch.Tensor) -> float:
     return float(total) / dist.get_world_size()
 
 
+def summed(value: torch.Tensor) -> torch.Tensor:
+    """A scalar on this rank's device summed over ranks, left on the device: nothing waits
+    for it until its value is used."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    total = value.detach().clone().float()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
+
+
 def total(values: list[torch.Tensor | float], device: torch.device) -> list[float]:
     """Each of `values` (numbers, or scalars on this rank's device) summed over ranks."""
     summed = torch.stack([torch.as_tensor(v, device=device).double() for v in values])

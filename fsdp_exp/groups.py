@@ -11,7 +11,7 @@ have no base.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -52,3 +52,9 @@ class LossOption(GroupOption):
     name: ClassVar[str] = ""  # as loss= names it
     classifies: ClassVar[bool] = False  # its output's argmax is a prediction (task=eval's accuracy)
     reads_targets: ClassVar[bool] = True  # it reads the batch's targets, which the model is not given
+
+    def items(self, batch: Any) -> Any:
+        """How many items (a tensor on the batch's device) the loss of this micro-batch is
+        the mean over, where that may differ between micro-batches (the tokens that are not
+        padding): the trainer weighs each rank's by it. None: each weighs alike."""
+        return None

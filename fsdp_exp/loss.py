@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from fsdp_exp.batch import Batch, describe, iter_tensors
+from fsdp_exp.batch import PAIR_TARGETS, Batch, describe, iter_tensors
 from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.groups import LossOption
 from fsdp_exp.targets import imported
@@ -60,9 +60,12 @@ class CrossEntropy(LossOption):
         return F.cross_entropy(logits, targets, ignore_index=self.ignore_index,
                                label_smoothing=self.label_smoothing, reduction=reduction)
 
+    def items(self, batch: Batch) -> torch.Tensor:
+        """The targets the loss averages over: those not ignored."""
+        return (targets_of(batch, self.name) != self.ignore_index).sum()
+
     def counted(self, batch: Batch) -> int:
-        """How many targets the loss averages over: those not ignored."""
-        return int((targets_of(batch, self.name) != self.ignore_index).sum())
+        return int(self.items(batch))
 
     def predictions(self, output: torch.Tensor) -> torch.Tensor:
         return output.argmax(self.class_dim)
@@ -129,10 +132,11 @@ class ReturnedLoss(LossOption):
 
     def __call__(self, output: Any, batch: Batch, reduction: str = "mean") -> torch.Tensor:
         loss = self.mean(output, batch)
-        return loss * batch.size if reduction == "sum" else loss
+        return loss * self.counted(batch) if reduction == "sum" else loss
 
     def counted(self, batch: Batch) -> int:
-        return batch.size
+        items = self.items(batch)
+        return batch.size if items is None else int(items)
 
     def mean(self, output: Any, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
@@ -164,6 +168,18 @@ class ModelLoss(ReturnedLoss):
 
     def mean(self, output: Any, batch: Batch) -> torch.Tensor:
         return returned_loss(output).float()
+
+    def items(self, batch: Batch) -> torch.Tensor | None:
+        """The tokens a causal LM's own loss averages over, where fsdp_exp knows its rule: a
+        pair's targets not -100 (model=hf's cross-entropy over them); in-line labels not -100
+        past each sequence's first (the model shifts them: data=padded_tokens). Otherwise
+        None: the model's own mean, each micro-batch weighing alike."""
+        labels = batch.labels
+        if labels is None or labels.is_floating_point() or labels.dim() < 2:
+            return None
+        if batch.labels_in_line:
+            return (labels[:, 1:] != -100).sum()
+        return (labels != -100).sum() if PAIR_TARGETS in batch.kwargs else None
 
     def check_output(self, output: object, batch: Batch, model: str, hint: str = "") -> None:
         loss = returned_loss(output)

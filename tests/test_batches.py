@@ -89,6 +89,20 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
+def ragged(train=True, n=128):
+    """Sequences of 8 positions, each 2 to 8 of them tokens (each token a function of the one
+    before it, so the loss can fall) and the rest padding."""
+    g = torch.Generator().manual_seed(2 if train else 3)
+    ids = torch.randint(1, 32, (n, 8), generator=g)
+    for t in range(1, 8):
+        ids[:, t] = (ids[:, t - 1] * 5 + 3) % 31 + 1
+    mask = (torch.arange(8) < torch.randint(2, 9, (n, 1), generator=g)).long()
+    ids = ids * mask
+    labels = torch.where(mask.bool() & mask.roll(-1, 1).bool(), ids.roll(-1, 1), -100)
+    labels[:, -1] = -100
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+
+
 def padded(train=True, n=128):
     """Sequences of 8 positions whose last 2 are padding: masked, and labelled -100."""
     g = torch.Generator().manual_seed(0 if train else 1)
@@ -199,6 +213,24 @@ def test_a_pairs_target_goes_to_a_model_that_computes_its_own_loss_and_a_tuples_
     with pytest.raises(ConfigError) as err:
         ModelLoss().check_output((logits, loss, loss.clone()), given, "nano.GPT")
     names(str(err.value), "loss=model", "nano.GPT", "(logits, loss)", "2")
+
+
+def test_ragged_token_batches_train_alike_sharded_and_not_each_token_weighing_alike(package: dict,
+                                                                                  tmp_path: Path) -> None:
+    """Cross-entropy over sequences padded by different amounts: 2 ranks under sharding=full
+    match one unsharded process on the global batch, step by step, however the tokens fall
+    between the ranks (each rank's mean weighed by its tokens, fsdp_exp.rank.trainer.weighed)."""
+    out = tmp_path / "sweep"
+    result = run_cli("-m", *COMMON, "model=custom", "model._target_=pairs.TinyLM", "model.blocks=[pairs.Block]",
+                     "data=custom", "data._target_=pairs.ragged", "sharding=none,full", f"hydra.sweep.dir={out}",
+                     cwd=tmp_path, extra_env=package)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = {read_json(run / "summary.json")["choices"]["sharding"]: run for run in out.glob("[0-9]")}
+    (reference, weights), (sharded, sharded_weights) = losses_and_weights(runs["none"]), losses_and_weights(runs["full"])
+    assert len(reference) == STEPS and reference[-1] < reference[0]
+    assert sharded == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    for key, ref in weights.items():
+        torch.testing.assert_close(sharded_weights[key], ref, rtol=1e-5, atol=1e-6)
 
 
 def test_padded_token_batches_count_the_tokens_the_loss_sees_with_the_padded_count_beside(package: dict,

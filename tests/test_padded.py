@@ -113,8 +113,9 @@ def test_a_hugging_face_model_trains_on_padded_instructions_through_its_own_loss
         llama_dir: Path, tmp_path: Path) -> None:
     """model=hf_dir with loss=model on 2 ranks (sharding=full): each step's loss and the final
     weights are those of the model trained here, unsharded, on the same two halves of each
-    global batch (each rank's loss the model's mean over its own tokens; the gradients
-    averaged); each step's share of padding is that of its batches."""
+    global batch: the mean over every answer token of the global batch, however many each
+    half holds (each rank's mean weighed by its tokens); each step's share of padding is that
+    of its batches."""
     data = instructions(tmp_path / "instructions.jsonl")
     args = [*PARITY_RUN, f"train.batch_size={BATCH}", "model=hf_dir", f"model.path={llama_dir}",
             "model.pretrained=true", "data=padded_tokens", f"data.path={data}", f"data.seq_len={SEQ_LEN}",
@@ -129,16 +130,15 @@ def test_a_hugging_face_model_trains_on_padded_instructions_through_its_own_loss
     padded = PaddedTokens(path=str(data), seq_len=SEQ_LEN)
     ranks = [iter(padded.batches(BATCH, rank, 2, seed=0)) for rank in (0, 1)]
     for step, record in enumerate(records[:PARITY_STEPS], start=1):
-        losses, kept = [], 0
-        for batches in ranks:
-            batch = next(batches)
-            loss = model(**batch, use_cache=False).loss
-            (loss / 2).backward()
-            losses.append(loss.item())
-            kept += int(batch["attention_mask"].sum())
+        halves = [next(batches) for batches in ranks]
+        answers = [int((half["labels"][:, 1:] != IGNORED).sum()) for half in halves]
+        assert answers[0] != answers[1], "the halves must differ for the weighing to show"
+        loss = sum(model(**half, use_cache=False).loss * n for half, n in zip(halves, answers)) / sum(answers)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        assert record["loss"] == pytest.approx(sum(losses) / 2, rel=1e-5), f"step {step}"
+        kept = sum(int(half["attention_mask"].sum()) for half in halves)
+        assert record["loss"] == pytest.approx(loss.item(), rel=1e-5), f"step {step}"
         assert record["padding_share"] == pytest.approx(1 - kept / (2 * BATCH * SEQ_LEN)), f"step {step}"
     assert len(records) == PARITY_STEPS and 0.2 < records[0]["padding_share"] < 0.9
     assert records[-1]["loss"] < records[0]["loss"]

@@ -33,6 +33,7 @@ class TrainData:
     target_key: str = "labels"  # a dict batch's key the loss reads its targets at
     tokens_per_sample = 0
     num_classes = None
+    labels_in_line = False  # a dict's labels[t] is input_ids[t], which the model shifts (data=padded_tokens)
 
     def __post_init__(self) -> None:
         at_least("data.num_workers", self.num_workers, 0)
@@ -40,7 +41,8 @@ class TrainData:
     @property
     def batch_keys(self) -> BatchKeys:
         """What of a dict batch the model and the loss read (fsdp_exp.batch)."""
-        return BatchKeys(None if self.input_keys is None else tuple(self.input_keys), self.target_key)
+        return BatchKeys(None if self.input_keys is None else tuple(self.input_keys), self.target_key,
+                         self.labels_in_line)
 
     def dataset(self) -> Dataset:
         raise NotImplementedError

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -51,7 +50,7 @@ class PaddedTokens(TokenData):
     num_samples: int = 4096  # path=null: how many synthetic documents
     seed: int = 0  # path=null: fixes the synthetic documents
 
-    labels_in_line: ClassVar[bool] = True  # labels[t] is input_ids[t]: the model shifts them
+    labels_in_line = True  # labels[t] is input_ids[t]: the model shifts them
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -144,9 +144,21 @@ class Trainer:
                 self._positions += batch.positions()
         return batch
 
+    def weighed(self, loss: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """This rank's micro-batch loss, weighed by its share of the items (tokens) that the
+        ranks' micro-batches hold together, where the loss says how many it averages over
+        (`LossOption.items`): the ranks' gradients, averaged, are then those of the mean over
+        every item of the global micro-batch, as one process on it computes, however the
+        padding falls. Elsewhere each rank's mean weighs alike, which is the same."""
+        items = self.loss.items(batch) if self.ranks.world_size > 1 else None
+        if items is None:
+            return loss
+        return loss * (items * self.ranks.world_size / distributed.summed(items).clamp_min(1))
+
     def train_step(self, batches: Iterator) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; gradients are reduced across
-        ranks only after the last. Returns the step's mean loss on this rank."""
+        ranks only after the last. Returns this rank's part of the step's loss: its mean over
+        ranks is the step's loss."""
         total = torch.zeros((), device=self.ranks.device)
         for micro in range(self.grad_accum):
             first, self.first_micro_batch = self.first_micro_batch, None
@@ -157,7 +169,7 @@ class Trainer:
                 output = batch.forward(self.model)
                 if first is not None:
                     first.check(output, batch)
-                loss = self.loss(output, batch) / self.grad_accum
+                loss = self.weighed(self.loss(output, batch), batch) / self.grad_accum
                 self.memory.start_phase("backward")
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             counted = first.flops() if first is not None else None

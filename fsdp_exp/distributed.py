@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -109,14 +109,20 @@ def mean(value: torch.Tensor) -> float:
     return float(total) / dist.get_world_size()
 
 
-def summed(value: torch.Tensor) -> torch.Tensor:
-    """A scalar on this rank's device summed over ranks, left on the device: nothing waits
-    for it until its value is used."""
+def summed_later(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Starts summing a scalar on this rank's device over the ranks; returns what waits for
+    the sum, left on the device (on a GPU the wait holds back the device's stream, not the
+    host)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
+        return lambda: value
     total = value.detach().clone().float()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total
+    work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return total
+
+    return wait
 
 
 def total(values: list[torch.Tensor | float], device: torch.device) -> list[float]:

@@ -65,6 +65,10 @@ class PeakMemory(Protocol):
     def held_gb(self) -> float: ...
 
 
+# A micro-batch's count of the items its loss averages over, and what waits for their sum over the ranks.
+Counted = tuple[torch.Tensor, Callable[[], torch.Tensor]]
+
+
 @dataclass(eq=False)
 class Trainer:
     """Trains `model` for `steps` optimizer steps; every rank measures, `sinks` (rank 0) write.
@@ -144,16 +148,25 @@ class Trainer:
                 self._positions += batch.positions()
         return batch
 
-    def weighed(self, loss: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """This rank's micro-batch loss, weighed by its share of the items (tokens) that the
-        ranks' micro-batches hold together, where the loss says how many it averages over
-        (`LossOption.items`): the ranks' gradients, averaged, are then those of the mean over
-        every item of the global micro-batch, as one process on it computes, however the
-        padding falls. Elsewhere each rank's mean weighs alike, which is the same."""
+    def items_over_ranks(self, batch: Batch) -> Counted | None:
+        """This rank's count of the items (tokens) its micro-batch loss averages over, and what
+        waits for their sum over the ranks, where the loss says it (`LossOption.items`) and
+        there are ranks to weigh; None otherwise. The sum is started here, before the forward,
+        so that it runs beside it."""
         items = self.loss.items(batch) if self.ranks.world_size > 1 else None
-        if items is None:
+        return None if items is None else (items, distributed.summed_later(items))
+
+    def weighed(self, loss: torch.Tensor, counted: Counted | None) -> torch.Tensor:
+        """This rank's micro-batch loss, weighed by its share of the items that the ranks'
+        micro-batches hold together (`items_over_ranks`): the ranks' gradients, averaged, are
+        then those of the mean over every item of the global micro-batch, as one process on it
+        computes, however the padding falls. A micro-batch with no item to count (its mean
+        0/0) adds 0. Without a count, each rank's mean weighs alike."""
+        if counted is None:
             return loss
-        return loss * (items * self.ranks.world_size / distributed.summed(items).clamp_min(1))
+        items, over_ranks = counted
+        share = items * self.ranks.world_size / over_ranks().clamp_min(1)
+        return torch.where(items > 0, loss, loss.new_zeros(())) * share
 
     def train_step(self, batches: Iterator) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; gradients are reduced across
@@ -166,10 +179,11 @@ class Trainer:
                     first.running() if first is not None else contextlib.nullcontext():
                 self.memory.start_phase("forward")
                 batch = self._next(batches)
+                counted = self.items_over_ranks(batch)
                 output = batch.forward(self.model)
                 if first is not None:
                     first.check(output, batch)
-                loss = self.weighed(self.loss(output, batch), batch) / self.grad_accum
+                loss = self.weighed(self.loss(output, batch), counted) / self.grad_accum
                 self.memory.start_phase("backward")
                 (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
             counted = first.flops() if first is not None else None

@@ -233,6 +233,22 @@ def test_ragged_token_batches_train_alike_sharded_and_not_each_token_weighing_al
         torch.testing.assert_close(sharded_weights[key], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_a_ranks_loss_weighs_by_its_share_of_the_counted_targets_and_nothing_counted_adds_nothing() -> None:
+    from fsdp_exp.distributed import Ranks
+    from fsdp_exp.rank.trainer import Trainer
+
+    model = torch.nn.Linear(2, 2)
+    ranks = Ranks(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), [], ranks, steps=1, batch_size=2,
+                      log_every=1)
+    assert float(trainer.weighed(torch.tensor(2.0), (torch.tensor(3), lambda: torch.tensor(12.0)))) == 1.0
+    empty = torch.tensor(float("nan"), requires_grad=True)
+    weighed = trainer.weighed(empty, (torch.tensor(0), lambda: torch.tensor(12.0)))
+    weighed.backward()
+    assert float(weighed) == 0.0 and float(empty.grad) == 0.0
+    assert trainer.weighed(empty, None) is empty
+
+
 def test_padded_token_batches_count_the_tokens_the_loss_sees_with_the_padded_count_beside(package: dict,
                                                                                          tmp_path: Path) -> None:
     """Dict batches of token ids, a quarter of each sequence padding (attention_mask): tokens/s

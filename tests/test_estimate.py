@@ -95,8 +95,9 @@ def test_full_sharding_backward_peak_counted_by_hand():
         # backward has reached the second layer: the two layers above it have their sharded gradients
         "gradients": 2 * LAYER // 2,  # 262,144
         # the inputs the three lower layers saved for their weight gradients, the targets,
-        # and three scalars (the loss, its gradient, the step's summed loss)
-        "activations": 3 * batch_row + 64 * INT64 + 3 * FP32,  # 197,132
+        # three scalars (the loss, its gradient, the step's summed loss), and the two that weigh
+        # this rank's loss (the targets it counts, and its share of the ranks', trainer.weighed)
+        "activations": 3 * batch_row + 64 * INT64 + 3 * FP32 + INT64 + FP32,  # 197,144
         # the layer's whole weight gradient, and the gradients of its input and output
         "temporaries": LAYER + 2 * batch_row,  # 393,216
         # the layer's gathered weight, the next layer's all-gather buffer (prefetched), and

@@ -128,13 +128,11 @@ def losses_and_weights(run: Path) -> tuple[list[float], dict]:
     return [r["loss"] for r in read_jsonl(run / "metrics.jsonl")], load_file(run / "model.safetensors")
 
 
-def test_dict_batches_with_the_users_loss_and_the_models_own_train_alike_sharded_and_not(package: dict,
-                                                                                          tmp_path: Path) -> None:
-    """loss=custom on dict batches: 2 ranks under sharding=full match one unsharded process,
-    step by step; the same model returning its own loss (loss=model, the batch's `target`
-    given to its forward) trains the same; task=eval reports the user's loss."""
+def trained_alike_sharded_and_not(setup: list[str], package: dict, tmp_path: Path) -> dict[str, Path]:
+    """`setup` under sharding=none and full: the 2 sharded ranks' losses and weights match the
+    one unsharded process's, step by step, and it learnt. Both runs, by sharding."""
     out = tmp_path / "sweep"
-    result = run_cli("-m", *COMMON, *CUSTOM, "sharding=none,full", f"hydra.sweep.dir={out}", cwd=tmp_path,
+    result = run_cli("-m", *COMMON, *setup, "sharding=none,full", f"hydra.sweep.dir={out}", cwd=tmp_path,
                      extra_env=package)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = {read_json(run / "summary.json")["choices"]["sharding"]: run for run in out.glob("[0-9]")}
@@ -143,6 +141,16 @@ def test_dict_batches_with_the_users_loss_and_the_models_own_train_alike_sharded
     assert sharded == pytest.approx(reference, rel=1e-5, abs=1e-6)
     for key, ref in weights.items():
         torch.testing.assert_close(sharded_weights[key], ref, rtol=1e-5, atol=1e-6)
+    return runs
+
+
+def test_dict_batches_with_the_users_loss_and_the_models_own_train_alike_sharded_and_not(package: dict,
+                                                                                          tmp_path: Path) -> None:
+    """loss=custom on dict batches: 2 ranks under sharding=full match one unsharded process,
+    step by step; the same model returning its own loss (loss=model, the batch's `target`
+    given to its forward) trains the same; task=eval reports the user's loss."""
+    runs = trained_alike_sharded_and_not(CUSTOM, package, tmp_path)
+    sharded, sharded_weights = losses_and_weights(runs["full"])
 
     own = tmp_path / "own"
     result = run_cli(*COMMON, *DICTS, "model._target_=pairs.ScoresItself", "loss=model", f"hydra.run.dir={own}",
@@ -220,17 +228,8 @@ def test_ragged_token_batches_train_alike_sharded_and_not_each_token_weighing_al
     """Cross-entropy over sequences padded by different amounts: 2 ranks under sharding=full
     match one unsharded process on the global batch, step by step, however the tokens fall
     between the ranks (each rank's mean weighed by its tokens, fsdp_exp.rank.trainer.weighed)."""
-    out = tmp_path / "sweep"
-    result = run_cli("-m", *COMMON, "model=custom", "model._target_=pairs.TinyLM", "model.blocks=[pairs.Block]",
-                     "data=custom", "data._target_=pairs.ragged", "sharding=none,full", f"hydra.sweep.dir={out}",
-                     cwd=tmp_path, extra_env=package)
-    assert result.returncode == 0, result.stderr[-3000:]
-    runs = {read_json(run / "summary.json")["choices"]["sharding"]: run for run in out.glob("[0-9]")}
-    (reference, weights), (sharded, sharded_weights) = losses_and_weights(runs["none"]), losses_and_weights(runs["full"])
-    assert len(reference) == STEPS and reference[-1] < reference[0]
-    assert sharded == pytest.approx(reference, rel=1e-5, abs=1e-6)
-    for key, ref in weights.items():
-        torch.testing.assert_close(sharded_weights[key], ref, rtol=1e-5, atol=1e-6)
+    trained_alike_sharded_and_not(["model=custom", "model._target_=pairs.TinyLM", "model.blocks=[pairs.Block]",
+                                   "data=custom", "data._target_=pairs.ragged"], package, tmp_path)
 
 
 def test_a_ranks_loss_weighs_by_its_share_of_the_counted_targets_and_nothing_counted_adds_nothing() -> None:

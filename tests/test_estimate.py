@@ -237,7 +237,7 @@ def test_bad_estimate_settings_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="task.device=tpu: choose one of: auto, cpu, cuda"):
         compose_checked(["task=estimate", "task.device=tpu", "wandb.mode=disabled"])
     with pytest.raises(ConfigError, match=r"task.seq_lens: data=SyntheticImages has no sequence length; it is for "
-                                          r"token data \(synthetic_tokens, text, token_file\)"):
+                                          r"token data \(synthetic_tokens, text, token_file, padded_tokens\)"):
         compose_checked(["task=estimate", "task.seq_lens=[128]", "wandb.mode=disabled"])
     with pytest.raises(ConfigError, match="task.gpu=A100: name a GPU"):
         compose_checked(["task=estimate", "task.gpu=A100", "wandb.mode=disabled"])

@@ -181,7 +181,7 @@ def test_the_data_vocab_must_fit_the_model_and_the_gpt_hint_names_token_file(tmp
     with pytest.raises(ConfigError, match=r"^model.vocab_size=256: smaller than the data's 50257 tokens"):
         precheck([*args, "model.vocab_size=256"])  # GPT-2's vocab is the default
     precheck([*args, "data.vocab_size=100", "model.vocab_size=128", "train.batch_size=4"])  # 12 samples of 8
-    with pytest.raises(ConfigError, match="a language model reads data=synthetic_tokens, text or token_file"):
+    with pytest.raises(ConfigError, match="a language model reads data=synthetic_tokens, text, token_file or padded_tokens"):
         precheck(["model=gpt", "data=synthetic"])
 
 

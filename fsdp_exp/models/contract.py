@@ -290,7 +290,7 @@ def data_kind(inputs: torch.Tensor, targets: torch.Tensor, language: bool, loss:
                 "language models); for a regression use loss=mse")
     if inputs.dim() == 3:
         return ("this data gives images (model=vit, cnn or resnet reads them); a language model reads "
-                "data=synthetic_tokens, text or token_file")
+                "data=synthetic_tokens, text, token_file or padded_tokens")
     return (f"this data gives samples of shape {list(inputs.shape)} and class targets: a classifier of them returns "
             "logits of shape [batch, classes]")
 

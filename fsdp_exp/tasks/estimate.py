@@ -71,7 +71,7 @@ class Estimate(Task):
     def check(self, exp: Experiment) -> None:
         if self.seq_lens and not isinstance(exp.data, TokenData):
             raise ConfigError(f"task.seq_lens: data={type(exp.data).__name__} has no sequence length; "
-                              "it is for token data (synthetic_tokens, text, token_file)")
+                              "it is for token data (synthetic_tokens, text, token_file, padded_tokens)")
         sizes = self.sizes(exp)
         for size in sizes:
             if size % exp.train.grad_accum:

@@ -36,6 +36,7 @@ GROWING = ["model=custom", f"model._target_={__name__}.GrowingNet", "model.block
            "sharding=full", "wandb.mode=disabled", "memory.limit_gb=0.6"]
 
 
+@pytest.mark.slow
 def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_that_does(tmp_path: Path) -> None:
     """Probes stop at 5 steps (task.settle_steps): the peak of this model never settles. A
     10-step run holds twice their history, so the size they found runs out of memory, and the
@@ -188,6 +189,7 @@ VARIANTS = ["task=tune", "model=custom", f"model._target_={__name__}.VariantNet"
             "task.resolution=64", "task.search_up_to=512", "task.settle_steps=5", "task.verify_steps=10"]
 
 
+@pytest.mark.slow
 def test_generated_data_bounds_the_search_at_each_ranks_share_and_one_run_verifies_it(tmp_path: Path) -> None:
     """data.num_samples=300 on 2 ranks: 150 a rank, far below what fits in 4 GB. The search,
     its first probe placed by the estimate, answers 150, bounded by the data, far under the

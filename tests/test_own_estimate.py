@@ -29,6 +29,7 @@ from tests.test_estimate import STACK
 RUN = [*SMALL_VIT, "device=cpu", "train.steps=3", "train.log_every=1", "metrics.warmup_steps=1"]
 
 
+@pytest.mark.slow
 def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A sweep of one run with its estimate and one without: the first's summary holds

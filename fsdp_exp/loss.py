@@ -132,7 +132,10 @@ class ReturnedLoss(LossOption):
 
     def __call__(self, output: Any, batch: Batch, reduction: str = "mean") -> torch.Tensor:
         loss = self.mean(output, batch)
-        return loss * self.counted(batch) if reduction == "sum" else loss
+        if reduction != "sum":
+            return loss
+        items = self.items(batch)  # a tensor, not read: the estimate traces this on fake tensors
+        return loss * (batch.size if items is None else items)
 
     def counted(self, batch: Batch) -> int:
         items = self.items(batch)

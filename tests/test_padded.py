@@ -147,3 +147,17 @@ def test_a_hugging_face_model_trains_on_padded_instructions_through_its_own_loss
     exported = load_file(out / "model.safetensors")
     for name, want in model.state_dict().items():
         torch.testing.assert_close(exported[f"hf.{name}"], want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_estimate_traces_a_hugging_face_model_on_padded_documents_through_its_own_loss() -> None:
+    """task=estimate's trace of model=hf on data=padded_tokens, loss=model: the step on fake
+    tensors, and what task=eval of its weights holds (the loss summed over the counted tokens,
+    never read on the host)."""
+    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.estimate.trace import trace
+
+    plan = prepare(compose_checked(["model=hf", "data=padded_tokens", "data.seq_len=32", "device=cpu",
+                                    "wandb.mode=disabled"]), 0)
+    result = trace(plan.exp, 2, [4], on_gpu=False)
+    (step,) = result.steps
+    assert step.batch_size == 4 and step.eval_forward_bytes > 0

@@ -80,11 +80,11 @@ class PaddedTokens(TokenData):
         return self.padded("data.eval_path", self.eval_path)
 
     def padded(self, setting: str, path: str | None) -> Dataset:
-        return PaddedDocuments(self.documents(setting, path).answered_within(self.seq_len), self.seq_len,
-                               self.pad_id)
+        return PaddedDocuments(self.documents(setting, path), self.seq_len, self.pad_id)
 
     def documents(self, setting: str, path: str | None) -> Documents:
-        """The file's documents; a ConfigError naming `setting` for a file that holds none."""
+        """The file's documents that leave the loss something within seq_len; a ConfigError
+        naming `setting` for a file that holds none. (Synthetic ones always do.)"""
         if path is None:
             return synthetic_documents(self, self.num_samples)
         file = Path(path).expanduser()
@@ -97,10 +97,11 @@ class PaddedTokens(TokenData):
             found = json_documents(file, setting)
         else:
             found = Documents.of([(line.encode(), 0) for line in file.read_text(errors="replace").splitlines()])
-        if not len(found.answered_within(self.seq_len)):
+        kept = found.answered_within(self.seq_len)
+        if not len(kept):
             raise ConfigError(f"{setting}: no document in {file.name} has 2 tokens or more (past its prompt, "
                               f"within data.seq_len={self.seq_len})")
-        return found
+        return kept
 
 
 @dataclass

@@ -165,7 +165,7 @@ def check_model_reads_dicts(spec: ModelSpec, model: nn.Module | None, data: Trai
     """A data set of dicts: a batch of two like its first item, on the meta device, passed
     to the model as keyword arguments (fsdp_exp.batch); the model's output must suit the
     loss. Refused in one line naming the model, the batch's keys and the loss."""
-    if loss.reads_targets and getattr(data, "labels_in_line", False):
+    if loss.reads_targets and data.labels_in_line:
         raise ConfigError(f"loss={loss.name}: this data's {data.target_key} are in line with its input_ids, as "
                           "Hugging Face causal LMs take them (the model shifts them by one); use loss=model")
     if model is None:

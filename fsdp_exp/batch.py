@@ -13,8 +13,8 @@ rank's device; other fields (strings, ids) pass through as the DataLoader collat
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -122,6 +122,14 @@ class BatchKeys:
         if loss_reads_targets:
             keys = [k for k in keys if k != self.target]
         return keys
+
+
+@dataclass
+class Batches:
+    """The data's micro-batches as it gives them, and what of a dict batch the model and the loss read."""
+
+    items: Iterable
+    keys: BatchKeys = field(default_factory=BatchKeys)
 
 
 def forward_keys(model: torch.nn.Module | None) -> set[str] | None:

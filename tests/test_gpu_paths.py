@@ -24,7 +24,8 @@ from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import allocation_failure, is_out_of_memory, records_history
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.peaks import GB, MemoryMonitor, device_used_gb
-from fsdp_exp.rank.trainer import Trainer
+from fsdp_exp.batch import Batches
+from fsdp_exp.rank.trainer import Hooks, OptimizerStep, Trainer, TrainSettings
 
 # ---- a CPU tensor in a GPU run's process group --------------------------------------------
 
@@ -398,14 +399,16 @@ def test_checkpoint_blocked_time_leaves_out_the_steps_queued_kernels(monkeypatch
     assert checkpoint.blocked_s[0] < queued_s
 
 
-def tiny_trainer(steps: int, log_every: int, hooks: tuple = (), **more: object) -> Trainer:
+def tiny_trainer(steps: int, log_every: int, hooks: tuple = (), sinks: tuple = (),
+                 memory: MemoryMonitor | None = None) -> Trainer:
     """A few CPU steps of a linear classifier, without a process group."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     batches = [(torch.randn(2, 4), torch.randint(0, 3, (2,))) for _ in range(steps)]
     ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, ranks, steps=steps, batch_size=2,
-                   log_every=log_every, hooks=hooks, **more)  # type: ignore[arg-type]
+    return Trainer(TrainSettings(steps=steps, batch_size=2, log_every=log_every), ranks, model,
+                   OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1)), batches=Batches(batches),
+                   memory=memory, hooks=Hooks(sinks=list(sinks), steps=list(hooks)))
 
 
 def test_the_first_window_starts_after_the_gpu_has_finished_what_came_before(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -422,7 +425,7 @@ def test_a_runs_retries_are_the_sum_of_its_windows(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(MemoryMonitor, "window_peaks", lambda self: dict(window))
     records = SimpleNamespace(logged=[])
     records.log = records.logged.append
-    trainer = tiny_trainer(steps=6, log_every=2, sinks=[records])
+    trainer = tiny_trainer(steps=6, log_every=2, sinks=(records,))
     summary = trainer.fit()
     assert [r["alloc_retries"] for r in records.logged] == [2.0, 2.0, 2.0]
     assert summary["alloc_retries"] == 6.0 and summary["ooms"] == 3.0
@@ -443,9 +446,10 @@ def stats_reads_per_step(fake_gpu: FakeCachingAllocator, phase_peaks: bool, grad
     reads: list[int] = []
     hook = SimpleNamespace(before_step=lambda step: reads.append(-fake_gpu.calls.count("memory_stats")),
                            after_step=lambda step: reads.__setitem__(-1, reads[-1] + fake_gpu.calls.count("memory_stats")))
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, ranks, steps=steps,
-                      batch_size=2 * grad_accum, grad_accum=grad_accum, log_every=2, hooks=(hook,),
-                      memory=MemoryMonitor(torch.device("cuda", 0), phase_peaks=phase_peaks))
+    settings = TrainSettings(steps=steps, batch_size=2 * grad_accum, grad_accum=grad_accum, log_every=2)
+    trainer = Trainer(settings, ranks, model, OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1)),
+                      batches=Batches(batches), memory=MemoryMonitor(torch.device("cuda", 0), phase_peaks=phase_peaks),
+                      hooks=Hooks(steps=[hook]))
     summary = trainer.fit()
     assert summary["peak_reserved_gb"] >= 0 and summary["alloc_retries"] == 0  # the window's figures stay
     return reads

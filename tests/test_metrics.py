@@ -17,7 +17,9 @@ from fsdp_exp.data.images import SyntheticImages
 from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.sinks import Progress, record_line, summary_table
 from fsdp_exp.models.vit import build_vit
-from fsdp_exp.rank.trainer import Trainer
+from fsdp_exp.batch import Batches
+from fsdp_exp.metrics.peaks import MemoryMonitor
+from fsdp_exp.rank.trainer import Hooks, OptimizerStep, Trainer, TrainSettings
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, refused_here, run_cli
 
 
@@ -44,8 +46,9 @@ def test_samples_per_s_agrees_with_wall_time(one_rank_group: Ranks) -> None:
         def log(self, record: dict) -> None:
             records.append(record)
 
-    trainer = Trainer(model, torch.optim.AdamW(model.parameters()), batches, one_rank_group,
-                      steps=12, batch_size=64, log_every=4, warmup_steps=4, sinks=[Kept()])
+    trainer = Trainer(TrainSettings(steps=12, batch_size=64, log_every=4, warmup_steps=4), one_rank_group, model,
+                      OptimizerStep(torch.optim.AdamW(model.parameters())), batches=Batches(batches),
+                      hooks=Hooks(sinks=[Kept()]))
     summary = trainer.fit()
     assert [r["step"] for r in records] == [4, 8, 12] and records[0].get("warmup") is True
     steady_wall = records[-1]["time"] - records[0]["time"]
@@ -60,8 +63,9 @@ def test_each_phase_has_its_peak_unless_turned_off(one_rank_group: Ranks, phase_
     torch.manual_seed(0)
     model = build_vit(28, 7, 4, 2, 128, 128, 10)
     batches = SyntheticImages(num_samples=512).batches(64, 0, 1, seed=0)
-    summary = Trainer(model, torch.optim.AdamW(model.parameters()), batches, one_rank_group, steps=3,
-                      batch_size=64, log_every=3, phase_peaks=phase_peaks).fit()
+    summary = Trainer(TrainSettings(steps=3, batch_size=64, log_every=3), one_rank_group, model,
+                      OptimizerStep(torch.optim.AdamW(model.parameters())), batches=Batches(batches),
+                      memory=MemoryMonitor(one_rank_group.device, phase_peaks=phase_peaks)).fit()
     phases = {k: v for k, v in summary.items() if k.startswith("peak_") and k.endswith("_gb")
               and k not in ("peak_mem_gb", "peak_resident_gb", "peak_in_use_gb")}
     if phase_peaks:

@@ -41,7 +41,7 @@ from omegaconf import OmegaConf
 from torch.nn import functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
-from fsdp_exp.batch import BatchKeys, forward_keys, iter_tensors, stacked
+from fsdp_exp.batch import Batches, BatchKeys, forward_keys, iter_tensors, stacked
 from fsdp_exp.distributed import Ranks
 from fsdp_exp.estimate.counting import LiveBytes, PlainTracker, ShardedTracker, tracker
 from fsdp_exp.estimate.library import kept_by_step
@@ -50,7 +50,7 @@ from fsdp_exp.groups import LossOption
 from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
 from fsdp_exp.launch.core import rank_threads
 from fsdp_exp.rank.build import build_model_for_training
-from fsdp_exp.rank.trainer import Trainer
+from fsdp_exp.rank.trainer import OptimizerStep, Trainer, TrainSettings
 from fsdp_exp.sharding import NoSharding
 from fsdp_exp.torch_private import FakeStore, FakeTensorMode, flash_attention_for_cpu
 
@@ -159,9 +159,9 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             as_in_a_run.enter_context(unpacked_sequences())  # the build imported the model's library
             optimizer = instantiate(traced.optimizer)(model.parameters())
             phases = Phases()
-            trainer = Trainer(model=model, optimizer=optimizer, batches=[], ranks=ranks, steps=1,
-                              batch_size=batch_sizes[0], log_every=1, grad_accum=traced.train.grad_accum,
-                              memory=phases, loss=traced.loss, batch_keys=traced.data.batch_keys)
+            settings = TrainSettings(steps=1, batch_size=batch_sizes[0], grad_accum=traced.train.grad_accum)
+            trainer = Trainer(settings, ranks, model, OptimizerStep(optimizer), traced.loss,
+                              Batches([], traced.data.batch_keys), memory=phases)
             # A step before counting: it makes the optimizer state, which every later step
             # holds, and warms DTensor's sharding-propagation cache, whose fake tensors the
             # trackers would otherwise count as the first step's memory.

@@ -112,6 +112,16 @@ def device_used_gb(device: torch.device, peak_reserved_gb: float) -> float | Non
     return (total - free) / GB + below
 
 
+def over_windows(key: str, run: list[float] | None, window: list[float]) -> list[float]:
+    """A run's figure per rank from its windows': the sum of the allocator's counts
+    (retries, out-of-memory errors), the largest of the peaks."""
+    if run is None:
+        return list(window)
+    if key in MemoryMonitor.COUNTS:
+        return [a + b for a, b in zip(run, window)]
+    return [max(a, b) for a, b in zip(run, window)]
+
+
 class MemoryMonitor:
     COUNTS = ("alloc_retries", "ooms")  # events within a window: a run's figure is their sum, not the largest
 

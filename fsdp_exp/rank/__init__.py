@@ -1,7 +1,8 @@
 """The rank: what runs inside each rank process, whichever launcher started it.
 
 `worker.run_rank` (its variables, logging, time limit) runs the task's rank function
-(`fsdp_exp.tasks.train.train_rank`, ...), which joins the process group
-(`distributed`), builds the object graph (`build`: the sharded model, data, optimizer,
-checkpointer, metric sinks) and runs `trainer.Trainer.fit`. Nothing here knows Hydra.
+(`train.train_rank`, ...), which joins the process group (`distributed`), builds the
+object graph (`build`: the sharded model, data, optimizer, checkpointer, metric sinks),
+runs `trainer.Trainer.fit`, and reports (`report`: the figures added once training ended).
+Nothing here knows Hydra.
 """

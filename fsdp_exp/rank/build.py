@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_exp.batch import Batch
+from fsdp_exp.batch import Batch, Batches
 from fsdp_exp.blocks import block_names, checkpoint_blocks, compile_blocks, warmup_steps_to_skip
 from fsdp_exp.checkpoint import TrainState
 from fsdp_exp.config import Experiment, as_dict
@@ -42,7 +42,7 @@ from fsdp_exp.metrics.flops import (
 from fsdp_exp.metrics.sinks import METRICS, JsonLines, Progress, Wandb
 from fsdp_exp.metrics.peaks import MemoryMonitor, Runtime
 from fsdp_exp.rank import worker
-from fsdp_exp.rank.trainer import Trainer
+from fsdp_exp.rank.trainer import AfterFit, Hooks, OptimizerStep, Trainer, TrainSettings
 from fsdp_exp.rank.settle import PeakSettled
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.schedule import lr_schedule
@@ -60,7 +60,6 @@ class Built:
     """One rank's live objects for a run."""
 
     trainer: Trainer
-    checkpoint: Any
     wandb: Wandb | None
     jsonl: JsonLines | None
     progress: Progress | None
@@ -163,13 +162,15 @@ def start_wandb(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContex
 
 def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext,
                      checkpoint_dir: Path | None = None, resume: Path | None = None, probe: bool = False,
-                     wandb: Wandb | None = None, runtime: Runtime = Runtime()) -> Built:
+                     wandb: Wandb | None = None, runtime: Runtime = Runtime(),
+                     after_fit: Sequence[AfterFit] = ()) -> Built:
     """Every object of the run on this rank, saving its checkpoints into `checkpoint_dir`;
     with `resume`, restored from that checkpoint. `context`: the run's, which gets the
     mark of the build's end. `probe`: a probe of task=max_batch, which draws no progress
     bar of its own. `wandb`: rank 0's wandb run, started before the runtime was marked
     (`start_wandb`). `runtime`: what this rank held before it built its model, which its
-    peak_mem_gb leaves out (`mark_runtime`)."""
+    peak_mem_gb leaves out (`mark_runtime`). `after_fit`: what adds to the trainer's figures
+    once it trained (fsdp_exp.rank.report)."""
     model, fsdp_units = build_model_for_training(cfg, ranks)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
 
@@ -222,33 +223,16 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
 
     first = CountedFirstMicroBatch(model, train.grad_accum, ranks.is_main, figures, cfg.model.name,
                                    analytic_flops(model, data.tokens_per_sample, micro_batch), cfg.loss)
-    trainer = Trainer(
-        model=model,
-        optimizer=optimizer,
-        batches=batches,
-        ranks=ranks,
-        steps=train.steps,
-        batch_size=train.batch_size,
-        log_every=train.log_every,
-        warmup_steps=cfg.metrics.warmup_steps,
-        memory=MemoryMonitor(ranks.device, cfg.metrics.phase_peaks, runtime),
-        grad_accum=train.grad_accum,
-        grad_scaler=grad_scaler,
-        lr_schedule=schedule,
-        tokens_per_sample=data.tokens_per_sample,
-        peak_tflops=peak.tflops,
-        checkpoint=checkpoint,
-        start_step=start_step,
-        start_loss=start_loss,
-        sinks=sinks,
-        hooks=hooks,
-        first_micro_batch=first,
-        loss=cfg.loss,
-        batch_keys=data.batch_keys,
-        stop_early=PeakSettled(**context.settle, device=ranks.device, is_main=ranks.is_main) if context.settle else None,
-    )
+    settled = PeakSettled(**context.settle, device=ranks.device, is_main=ranks.is_main) if context.settle else None
+    settings = TrainSettings(steps=train.steps, batch_size=train.batch_size, log_every=train.log_every,
+                             warmup_steps=cfg.metrics.warmup_steps, grad_accum=train.grad_accum,
+                             tokens_per_sample=data.tokens_per_sample, peak_tflops=peak.tflops,
+                             start_step=start_step, start_loss=start_loss)
+    trainer = Trainer(settings, ranks, model, OptimizerStep(optimizer, grad_scaler, schedule), cfg.loss,
+                      Batches(batches, data.batch_keys), MemoryMonitor(ranks.device, cfg.metrics.phase_peaks, runtime),
+                      checkpoint, Hooks(sinks, hooks, first, settled, list(after_fit)))
     context.startup["built"] = time.time()
-    return Built(trainer, checkpoint, wandb, jsonl, progress, figures)
+    return Built(trainer, wandb, jsonl, progress, figures)
 
 
 def log_flops(figures: dict) -> None:

@@ -1,34 +1,28 @@
-"""One rank of a training run (task=train, and each probe of task=max_batch): its
-process group, its figures of the machine, its memory limit, the experiment built on it,
-training, and its figures for the run's summary."""
+"""One rank of a training run (task=train, and each probe of task=max_batch), as four steps:
+join (its process group, its figures of the machine), build (its memory limit and the
+experiment on it), fit (train) and report (the run's figures, its files closed)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import restart_count, resume_point
 from fsdp_exp import distributed
-from fsdp_exp.memory import (
-    OutOfMemory,
-    allocation_failure,
-    apply_limit,
-    held_before_limit_gb,
-    is_out_of_memory,
-    peak_under_limit_gb,
-    records_history,
-    under_limit_figures,
-)
+from fsdp_exp.distributed import Ranks
+from fsdp_exp.memory import OutOfMemory, allocation_failure, apply_limit, is_out_of_memory, records_history
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
-from fsdp_exp.metrics.peaks import device_used_gb, mark_runtime
+from fsdp_exp.metrics.peaks import mark_runtime
 from fsdp_exp.metrics.startup import in_order, process_started
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 from fsdp_exp.rank import worker
-from fsdp_exp.rank.build import build_experiment, start_wandb
+from fsdp_exp.rank.build import Built, build_experiment, start_wandb
+from fsdp_exp.rank.report import after_fit
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -43,6 +37,22 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
     `context`: this rank's copy of the run's (it adds its start-up marks). `probe`: it is a
     probe of task=max_batch. `against_estimate(summary, estimate_file)`: rank 0's figures of
     the run's own estimate beside what it measured, when the run has one (memory.estimate)."""
+    ranks = join(cfg, run_dir, context, probe)
+    try:
+        with out_of_memory_explained(cfg.memory.limit_gb, ranks, run_dir):
+            exp = build(cfg, ranks, run_dir, context, probe, against_estimate)
+            try:
+                summary = exp.trainer.fit() | exp.figures | {"startup": in_order(context.startup)}
+            finally:
+                if exp.progress is not None:
+                    exp.progress.close()
+            return report(cfg, exp, summary, run_dir)
+    finally:
+        distributed.close()
+
+
+def join(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool) -> Ranks:
+    """The rank's process group; rank 0 records the device the run is on."""
     context.startup.update(rank_started=process_started(), rank_ready=time.time())
     if probe:
         worker.console_warnings_only()
@@ -54,58 +64,54 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
         seen = rank_environment(ranks.device)
         write_device_record(run_dir, seen)
         context.environment.update(seen)
+    return ranks
+
+
+def build(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext, probe: bool,
+          against_estimate: Callable[[dict, Path], dict] | None) -> Built:
+    """The rank's runtime marked, its memory limit set, and every object of the run built on
+    it, restored from the checkpoint a restart resumes from."""
     # Under a multi-node launch every node's command chose its own run directory:
     # the checkpoints are rank 0's, so every rank saves into and resumes from those.
     ckpt_dir, settled = distributed.from_main((cfg.checkpoint.dir_for(run_dir), context.resume))
-    limit_gb = cfg.memory.limit_gb
     # The model's module is imported before the runtime is marked, whatever started the
     # rank (forked from the rank server, which imported it already, or fresh): its import
     # is runtime under every launcher, not part of the run's own peak.
     cfg.model.builder()
     wandb = start_wandb(cfg, ranks, run_dir, context)
     runtime = mark_runtime(ranks.device)
+    apply_limit(cfg.memory.limit_gb, ranks.device)
+    if ranks.is_main:
+        log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
+    mine, restored = worker.restarts()
+    restarts = restart_count(ranks.device, mine)
+    resume = resume_point(ckpt_dir, settled, restarts, restored)
+    if restarts and ranks.is_main:
+        log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
+    reports = after_fit(ranks, runtime, cfg.memory.limit_gb, context.estimate_file, against_estimate)
+    return build_experiment(cfg, ranks, run_dir, context, ckpt_dir, resume, probe, wandb, runtime, reports)
+
+
+def report(cfg: Experiment, exp: Built, summary: dict, run_dir: Path) -> dict:
+    """The run's figures, to wandb; its files closed, and the whole model exported when asked."""
+    if cfg.checkpoint.export_full:
+        export_full_model(exp.trainer.model, run_dir / "model.safetensors")
+    if exp.wandb is not None:
+        exp.wandb.finish(summary)
+    if exp.jsonl is not None:
+        exp.jsonl.close()
+    return summary
+
+
+@contextlib.contextmanager
+def out_of_memory_explained(limit_gb: float | None, ranks: Ranks, run_dir: Path) -> Iterator[None]:
+    """Running out of memory as one line (fsdp_exp.memory.OutOfMemory), with the GPU's
+    allocation snapshot saved beside the run."""
     try:
-        apply_limit(limit_gb, ranks.device)
-        if ranks.is_main:
-            log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
-        mine, restored = worker.restarts()
-        restarts = restart_count(ranks.device, mine)
-        resume = resume_point(ckpt_dir, settled, restarts, restored)
-        if restarts and ranks.is_main:
-            log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
-        exp = build_experiment(cfg, ranks, run_dir, context, ckpt_dir, resume, probe, wandb, runtime)
-        context.startup["ready"] = time.time()
-        try:
-            summary = exp.trainer.fit() | exp.figures | {"startup": in_order(context.startup)}
-            if ranks.device.type == "cpu":  # left out of peak_mem_gb (fsdp_exp.metrics.peaks)
-                summary["runtime_gb"] = max(distributed.gather(runtime.gb, ranks.device))
-            counted = held = None
-            mine = peak_under_limit_gb()
-            if mine is not None:  # CPU under a limit, on every rank alike
-                counted = distributed.gather(mine, ranks.device)
-                held = distributed.gather(held_before_limit_gb(), ranks.device)
-            summary |= under_limit_figures(limit_gb, ranks.device.type, summary, counted, held)
-            if ranks.device.type == "cuda" and summary.get("peak_reserved_gb_per_rank"):  # none: nothing trained
-                used = device_used_gb(ranks.device, summary["peak_reserved_gb_per_rank"][ranks.rank])
-                summary["device_used_gb_per_rank"] = distributed.gather(used, ranks.device)
-                summary["device_used_gb"] = max(summary["device_used_gb_per_rank"])
-            if ranks.is_main and context.estimate_file and against_estimate is not None:
-                summary |= against_estimate(summary, Path(context.estimate_file))
-        finally:
-            if exp.progress is not None:
-                exp.progress.close()
-        if cfg.checkpoint.export_full:
-            export_full_model(exp.trainer.model, run_dir / "model.safetensors")
-        if exp.wandb is not None:
-            exp.wandb.finish(summary)
-        if exp.jsonl is not None:
-            exp.jsonl.close()
-        return summary
+        yield
     except Exception as err:
         if not is_out_of_memory(err):
             raise
         dump_cuda_snapshot(run_dir / f"oom_snapshot_rank{ranks.rank}.pickle", ranks.device)
         limit = f" under memory.limit_gb={limit_gb}" if limit_gb else ""
         raise OutOfMemory(f"ran out of memory{limit}: {allocation_failure(err)}") from err
-    finally:
-        distributed.close()

@@ -1,11 +1,12 @@
-"""The training loop. It takes built objects and knows nothing of Hydra or config files."""
+"""The training loop. It takes its settings and built parts and knows nothing of Hydra or
+config files: `Trainer(settings, ranks, model, optimizer, loss, batches, memory, checkpoint, hooks)`."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,14 +14,67 @@ import torch
 from torch import nn
 
 from fsdp_exp import distributed
+from fsdp_exp.batch import Batch, Batches, forward_keys
 from fsdp_exp.distributed import Ranks
-from fsdp_exp.batch import Batch, BatchKeys, forward_keys
 from fsdp_exp.groups import LossOption
 from fsdp_exp.loss import CrossEntropy
-from fsdp_exp.metrics.peaks import MemoryMonitor
+from fsdp_exp.metrics.peaks import MemoryMonitor, over_windows
+from fsdp_exp.metrics.throughput import Throughput, Totals
 from fsdp_exp.sharding import gradient_sync, unwrap
 
 log = logging.getLogger("fsdp_exp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    """The trainer's numbers. `batch_size`: a rank's samples a step, in `grad_accum`
+    micro-batches. Every `log_every` steps (and at the last) one record goes to the sinks;
+    the first `warmup_steps` are left out of the summary's means. `tokens_per_sample` > 0:
+    token data (tokens/s). `peak_tflops`: the device's, for MFU. `start_step`: the step a
+    resumed run continues after (its first `warmup_steps` are warm-up again); `start_loss`:
+    the loss the checkpoint saved at it."""
+
+    steps: int
+    batch_size: int
+    log_every: int = 1
+    warmup_steps: int = 0
+    grad_accum: int = 1
+    tokens_per_sample: int = 0
+    peak_tflops: float | None = None
+    start_step: int = 0
+    start_loss: float | None = None
+
+
+@dataclass
+class OptimizerStep:
+    """The optimizer and what runs with its step: fp16's loss scaler, the learning-rate schedule."""
+
+    optimizer: torch.optim.Optimizer
+    grad_scaler: torch.amp.GradScaler | None = None
+    lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+
+    def step(self) -> None:
+        if self.grad_scaler:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def scheduled(self) -> None:
+        """After the step's memory is measured: the learning rate of the next step."""
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
+
+    def figures(self) -> dict:
+        """The step's learning rate, and fp16's loss scale."""
+        figures = {"lr": self.optimizer.param_groups[0]["lr"]}
+        if self.grad_scaler:
+            figures["loss_scale"] = self.grad_scaler.get_scale()
+        return figures
 
 
 class Sink(Protocol):
@@ -49,8 +103,15 @@ class FirstMicroBatch(Protocol):
     backward of its own (fsdp_exp.rank.build: the FLOP count and the model contract)."""
 
     def running(self) -> contextlib.AbstractContextManager: ...  # around its forward and backward
-    def check(self, logits: torch.Tensor, targets: torch.Tensor) -> None: ...
+    def check(self, output: object, batch: Batch) -> None: ...
     def flops(self) -> tuple[int, int] | None: ...  # after it ran: model and hardware FLOPs per step
+
+
+class AfterFit(Protocol):
+    """Figures added to the summary once training ended (the memory limit's count, the run's
+    own estimate beside its peak), in order, each seeing the ones before. Every rank calls it."""
+
+    def figures(self, summary: dict) -> dict: ...
 
 
 class PeakMemory(Protocol):
@@ -65,74 +126,50 @@ class PeakMemory(Protocol):
     def held_gb(self) -> float: ...
 
 
+@dataclass
+class Hooks:
+    """What the trainer calls besides its own work. `sinks` take each record (rank 0's files,
+    console and wandb). `steps`: called around each step. `first_micro_batch`: what the first
+    micro-batch also does (counts FLOPs, checks the model's output). `stop_early(step,
+    window_peak_gb)`: called by every rank after each step, with what reads the window's peak so
+    far; True ends training there (a probe whose peak has settled, fsdp_exp.rank.settle).
+    `after_fit`: figures added to the summary."""
+
+    sinks: list[Sink] = field(default_factory=list)
+    steps: list[StepHooks] = field(default_factory=list)
+    first_micro_batch: FirstMicroBatch | None = None
+    stop_early: Callable[[int, Callable[[], float | None]], bool] | None = None
+    after_fit: list[AfterFit] = field(default_factory=list)
+
+
 # A micro-batch's count of the items its loss averages over, and what waits for their sum over the ranks.
 Counted = tuple[torch.Tensor, Callable[[], torch.Tensor]]
 
 
-@dataclass(eq=False)
 class Trainer:
-    """Trains `model` for `steps` optimizer steps; every rank measures, `sinks` (rank 0) write.
+    """Trains `model` for `settings.steps` optimizer steps; every rank measures, the sinks
+    (rank 0's) write. Every `log_every` steps (and at the last) the loss is averaged over ranks
+    and one record goes to each sink. A record's window never mixes warm-up steps with later
+    ones, and the summary's averages leave the warm-up steps out. `loss(output, batch)`: the
+    run's loss option (fsdp_exp.loss). `memory`: the memory figures, by default this rank's
+    MemoryMonitor. `checkpoint`: saves the training state."""
 
-    Every `log_every` steps (and at the last) the loss is averaged over ranks and one
-    record goes to each sink. A record's window never mixes warm-up steps with later ones,
-    and the summary's averages leave the warm-up steps out.
-
-    `batches` yields micro-batches of `batch_size // grad_accum` samples; one step takes
-    `grad_accum` of them. `tokens_per_sample` > 0 (language models) adds tokens/s.
-    `flops_per_step`: this rank's model FLOPs per optimizer step; with `peak_tflops`, MFU.
-    `hardware_flops_per_step`: what ran, with the forward activation checkpointing
-    recomputes; with `peak_tflops`, HFU. `start_step`: the step a resumed run continues after
-    (its first `warmup_steps` steps are warm-up again); `start_loss`: the loss the checkpoint
-    saved at it. `phase_peaks`: each phase's peak memory as well as the window's
-    (metrics.phase_peaks). `first_micro_batch`: what the first micro-batch also does (counts
-    FLOPs, checks the logits). `memory`: the memory figures, by default this rank's
-    MemoryMonitor. `stop_early(step, window_peak_gb)`: called by every rank after each step,
-    with what reads the window's peak so far; True ends training there (a probe whose peak
-    has settled, fsdp_exp.rank.settle.PeakSettled). `loss(output, batch)`: the run's loss
-    option (fsdp_exp.loss), cross-entropy by default. `batch_keys`: what of a dict batch the
-    model and the loss read (fsdp_exp.batch).
-    """
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    batches: Iterable  # as the data gives them: (input, target) pairs or dicts
-    ranks: Ranks
-    steps: int
-    batch_size: int
-    log_every: int
-    warmup_steps: int = 0
-    sinks: Iterable[Sink] = ()
-    grad_accum: int = 1
-    grad_scaler: torch.amp.GradScaler | None = None
-    tokens_per_sample: int = 0
-    flops_per_step: int = 0
-    hardware_flops_per_step: int = 0
-    peak_tflops: float | None = None
-    hooks: Iterable[StepHooks] = ()
-    lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None
-    checkpoint: Checkpointer | None = None
-    start_step: int = 0
-    start_loss: float | None = None
-    phase_peaks: bool = True
-    first_micro_batch: FirstMicroBatch | None = None
-    memory: PeakMemory | None = None  # None: a MemoryMonitor of this rank's device, made in __post_init__
-    stop_early: Callable[[int, Callable[[], float | None]], bool] | None = None
-    loss: LossOption = field(default_factory=CrossEntropy)
-    batch_keys: BatchKeys = field(default_factory=BatchKeys)
-    host_data_wait_s: float = field(default=0.0, init=False)
-
-    def __post_init__(self) -> None:
-        self.sinks, self.hooks = list(self.sinks), list(self.hooks)
-        self.takes = forward_keys(unwrap(self.model))
-        self.ignore_index = getattr(self.loss, "ignore_index", -100)  # padding's target, where the loss has one
-        self._tokens: list = []  # this window's micro-batches: the tokens the loss saw (on the device)
-        self._positions = 0  # and their token positions, padding included
-        if self.memory is None:
-            self.memory = MemoryMonitor(self.ranks.device, self.phase_peaks)
-
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.ranks.world_size
+    def __init__(self, settings: TrainSettings, ranks: Ranks, model: nn.Module, optimizer: OptimizerStep,
+                 loss: LossOption | None = None, batches: Batches | None = None, memory: PeakMemory | None = None,
+                 checkpoint: Checkpointer | None = None, hooks: Hooks | None = None):
+        self.settings, self.ranks, self.model, self.optimizer = settings, ranks, model, optimizer
+        self.loss = loss if loss is not None else CrossEntropy()
+        self.batches = batches if batches is not None else Batches([])
+        self.memory = memory if memory is not None else MemoryMonitor(ranks.device)
+        self.checkpoint = checkpoint
+        self.hooks = hooks if hooks is not None else Hooks()
+        self.takes = forward_keys(unwrap(model))
+        self._first_micro_batch = self.hooks.first_micro_batch  # what it does once, then None
+        self.throughput = Throughput(settings.batch_size * ranks.world_size, settings.tokens_per_sample,
+                                     settings.peak_tflops,
+                                     # padding's target, where the loss has one
+                                     ignore_index=getattr(self.loss, "ignore_index", -100))
+        self.host_data_wait_s = 0.0
 
     def _next(self, batches: Iterator) -> Batch:
         """The next batch, on this rank's device; the host's time waiting for it is counted
@@ -140,12 +177,8 @@ class Trainer:
         start = time.perf_counter()
         raw = next(batches)
         self.host_data_wait_s += time.perf_counter() - start
-        batch = self.batch_keys.read(raw, self.takes, self.loss.reads_targets, self.ranks.device)
-        if self.tokens_per_sample:
-            seen = batch.tokens(self.ignore_index)
-            if seen is not None:
-                self._tokens.append(seen)
-                self._positions += batch.positions()
+        batch = self.batches.keys.read(raw, self.takes, self.loss.reads_targets, self.ranks.device)
+        self.throughput.count(batch)
         return batch
 
     def items_over_ranks(self, batch: Batch) -> Counted | None:
@@ -173,9 +206,10 @@ class Trainer:
         ranks only after the last. Returns this rank's part of the step's loss: its mean over
         ranks is the step's loss."""
         total = torch.zeros((), device=self.ranks.device)
-        for micro in range(self.grad_accum):
-            first, self.first_micro_batch = self.first_micro_batch, None
-            with gradient_sync(self.model, enabled=micro == self.grad_accum - 1), \
+        grad_accum = self.settings.grad_accum
+        for micro in range(grad_accum):
+            first, self._first_micro_batch = self._first_micro_batch, None
+            with gradient_sync(self.model, enabled=micro == grad_accum - 1), \
                     first.running() if first is not None else contextlib.nullcontext():
                 self.memory.start_phase("forward")
                 batch = self._next(batches)
@@ -183,87 +217,88 @@ class Trainer:
                 output = batch.forward(self.model)
                 if first is not None:
                     first.check(output, batch)
-                loss = self.weighed(self.loss(output, batch), counted) / self.grad_accum
+                loss = self.weighed(self.loss(output, batch), counted) / grad_accum
                 self.memory.start_phase("backward")
-                (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
-            counted = first.flops() if first is not None else None
-            if counted is not None:
-                self.flops_per_step, self.hardware_flops_per_step = counted
+                self.optimizer.backward(loss)
+            flops = first.flops() if first is not None else None
+            if flops is not None:
+                self.throughput.flops_per_step, self.throughput.hardware_flops_per_step = flops
             total += loss.detach()
         # The backward ends where the optimizer step starts (one read of the allocator's stats,
         # not two): waiting for a save's staging, which runs in its own thread, allocates nothing.
         if self.checkpoint is not None:
             self.checkpoint.before_update()
         self.memory.start_phase("optimizer_step")
-        if self.grad_scaler:
-            self.grad_scaler.step(self.optimizer)
-            self.grad_scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.step()
         self.memory.end_phase()
-        if self.lr_schedule is not None:
-            self.lr_schedule.step()
+        self.optimizer.scheduled()
         return total
 
     def fit(self) -> dict:
-        """Train; return the run's figures: steady-state means and the run's peaks."""
-        if self.start_step >= self.steps:
-            return self._nothing_to_train()
+        """Train; return the run's figures: steady-state means and the run's peaks, then what
+        the `after_fit` hooks add."""
+        summary = self._nothing_to_train() if self.settings.start_step >= self.settings.steps else self._train()
+        for hook in self.hooks.after_fit:
+            summary |= hook.figures(summary)
+        return summary
+
+    def _train(self) -> dict:
+        settings, hooks = self.settings, self.hooks
         self.model.train()
-        batches = iter(self.batches)
-        first, warmup_end = self.start_step + 1, self.start_step + self.warmup_steps
+        batches = iter(self.batches.items)
+        first, warmup_end = settings.start_step + 1, settings.start_step + settings.warmup_steps
         # Work still queued from before training (a checkpoint load) must
         # not fall into the first window's time.
         distributed.synchronize(self.ranks.device)
         self.memory.start_run()
         window = _Window(first_step=first, start=time.perf_counter(), host_data_wait_s=0.0)
-        totals = {"steady": _Totals(), "all": _Totals()}
+        totals = {"steady": Totals(), "all": Totals()}
         run_peaks: dict[str, list[float]] = {}
         record: dict = {}
-        for step in range(first, self.steps + 1):
-            for hook in self.hooks:
+        last = settings.steps
+        for step in range(first, settings.steps + 1):
+            for hook in hooks.steps:
                 hook.before_step(step)
             loss = self.train_step(batches)
-            for hook in self.hooks:
+            for hook in hooks.steps:
                 hook.after_step(step)
             if self.checkpoint is not None:
-                self.checkpoint.after_step(step, last=step == self.steps, loss=loss)
-            stop = self.stop_early is not None and self.stop_early(
+                self.checkpoint.after_step(step, last=step == settings.steps, loss=loss)
+            stop = hooks.stop_early is not None and hooks.stop_early(
                 step, lambda: self.memory.window_peaks().get("peak_mem_gb"))
-            logged = step % self.log_every == 0 or step == self.steps or stop
+            logged = step % settings.log_every == 0 or step == settings.steps or stop
             if logged or step == warmup_end:  # a window never straddles warm-up
-                record, per_rank = self._record(step, loss, window, warmup_end)
+                record, per_rank, counted = self._record(step, loss, window, warmup_end)
                 for key, values in per_rank.items():
-                    run_peaks[key] = _over_windows(key, run_peaks.get(key), values)
+                    run_peaks[key] = over_windows(key, run_peaks.get(key), values)
                 for name in ("steady", "all") if step > warmup_end else ("all",):
-                    totals[name].add(step - window.first_step + 1, record)
+                    totals[name].add(counted)
                 if logged:
-                    for sink in self.sinks:
+                    for sink in hooks.sinks:
                         sink.log(record)
                 window = _Window(first_step=step + 1, start=time.perf_counter(),
                                  host_data_wait_s=self.host_data_wait_s)
                 self.memory.start_window()
             if stop:
-                self.steps = step
+                last = step
                 break
         if self.checkpoint is not None:
             self.checkpoint.close()
         steady = totals["steady"] if totals["steady"].steps else totals["all"]
         summary = {
-            "steps": self.steps,
+            "steps": last,
             "final_loss": record["loss"],
             "world_size": self.ranks.world_size,
-            "global_batch_size": self.global_batch,
+            "global_batch_size": self.throughput.global_batch,
             "warmup_only": not totals["steady"].steps,
-            **self._means(steady),
+            **self.throughput.means(steady),
             **{key: max(values) for key, values in run_peaks.items()},
             "peak_mem_gb_per_rank": run_peaks["peak_mem_gb"],
             **({"peak_reserved_gb_per_rank": run_peaks["peak_reserved_gb"]} if "peak_reserved_gb" in run_peaks else {}),
             "held_mem_gb": max(distributed.gather(self.memory.held_gb(), self.ranks.device)),
         }
-        if self.start_step:
-            summary["resumed_from_step"] = self.start_step
+        if settings.start_step:
+            summary["resumed_from_step"] = settings.start_step
         saves = self.checkpoint.blocked_s if self.checkpoint is not None else []
         if saves:
             summary["checkpoint_saves"] = len(saves)
@@ -273,72 +308,35 @@ class Trainer:
     def _nothing_to_train(self) -> dict:
         """A restart after the final checkpoint (a rank died, or the job was preempted, after
         the last step): no step is left, so no throughput either; the loss is the saved one."""
+        settings = self.settings
         if self.ranks.is_main:
-            log.warning("resumed at step %d of %d: nothing left to train", self.start_step, self.steps)
+            log.warning("resumed at step %d of %d: nothing left to train", settings.start_step, settings.steps)
         if self.checkpoint is not None:
             self.checkpoint.close()
-        return {"steps": self.steps, "resumed_from_step": self.start_step, "final_loss": self.start_loss,
-                "world_size": self.ranks.world_size, "global_batch_size": self.global_batch}
+        return {"steps": settings.steps, "resumed_from_step": settings.start_step, "final_loss": settings.start_loss,
+                "world_size": self.ranks.world_size, "global_batch_size": self.throughput.global_batch}
 
     def _record(self, step: int, loss: torch.Tensor, window: _Window,
-                warmup_end: int) -> tuple[dict, dict[str, list[float]]]:
-        """The record for the window ending at `step`, and its memory peaks per rank."""
+                warmup_end: int) -> tuple[dict, dict[str, list[float]], Totals]:
+        """The record for the window ending at `step`, its memory peaks per rank and its totals."""
         mean_loss = distributed.mean(loss)
         distributed.synchronize(self.ranks.device)
         elapsed = time.perf_counter() - window.start
         per_rank = {k: distributed.gather(v, self.ranks.device) for k, v in self.memory.window_peaks().items()}
-        tokens = positions = 0.0
-        if self._tokens:  # the window's, summed over ranks (ranks may pad their batches differently)
-            tokens, positions = distributed.total([sum(self._tokens), self._positions], self.ranks.device)
-            self._tokens, self._positions = [], 0
+        counted = self.throughput.window(step - window.first_step + 1, elapsed,
+                                         self.host_data_wait_s - window.host_data_wait_s, self.ranks.device)
         record = {
             "step": step,
             "time": time.time(),  # wall clock, for start-up and timeline figures
             "loss": mean_loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            **self._means(_Totals(step - window.first_step + 1, elapsed,
-                                  self.host_data_wait_s - window.host_data_wait_s, tokens, positions)),
+            **self.optimizer.figures(),
+            **self.throughput.means(counted),
             **{key: max(values) for key, values in per_rank.items()},
             "peak_mem_gb_per_rank": per_rank["peak_mem_gb"],
         }
-        if self.grad_scaler:
-            record["loss_scale"] = self.grad_scaler.get_scale()
         if step <= warmup_end:
             record["warmup"] = True
-        return record, per_rank
-
-    def _means(self, t: _Totals) -> dict:
-        """Throughput figures over `t.steps` steps that took `t.time_s`."""
-        means = {
-            "samples_per_s": self.global_batch * t.steps / t.time_s,
-            "steps_per_s": t.steps / t.time_s,
-            "step_time_s": t.time_s / t.steps,
-            "host_data_wait_share": t.host_data_wait_s / t.time_s,
-        }
-        seen = 1.0  # the share of the token positions the loss sees
-        if t.positions:  # token data whose padding the batches show
-            seen = t.tokens / t.positions
-            means |= {"tokens_per_s": t.tokens / t.time_s, "padded_tokens_per_s": t.positions / t.time_s,
-                      "padding_share": 1 - seen}
-        elif self.tokens_per_sample:
-            means["tokens_per_s"] = means["samples_per_s"] * self.tokens_per_sample
-        if self.flops_per_step:  # the model FLOPs of the tokens the loss sees; HFU counts every one
-            means["tflops_per_device"] = self.flops_per_step * seen * t.steps / t.time_s / 1e12
-            means["mfu"] = means["tflops_per_device"] / self.peak_tflops if self.peak_tflops else None
-        if self.hardware_flops_per_step:
-            hardware_tflops = self.hardware_flops_per_step * t.steps / t.time_s / 1e12
-            means["hfu"] = hardware_tflops / self.peak_tflops if self.peak_tflops else None
-        return means
-
-
-def _over_windows(key: str, run: list[float] | None, window: list[float]) -> list[float]:
-    """A run's figure per rank from its windows': the sum of the allocator's counts
-    (retries, out-of-memory errors), the largest of the peaks."""
-    if run is None:
-        return list(window)
-    if key in MemoryMonitor.COUNTS:
-        return [a + b for a, b in zip(run, window)]
-    return [max(a, b) for a, b in zip(run, window)]
+        return record, per_rank, counted
 
 
 @dataclass
@@ -346,21 +344,3 @@ class _Window:
     first_step: int
     start: float
     host_data_wait_s: float
-
-
-@dataclass
-class _Totals:
-    steps: int = 0
-    time_s: float = 0.0
-    host_data_wait_s: float = 0.0
-    tokens: float = 0.0  # the tokens the loss saw, on every rank (token data whose padding the batches show)
-    positions: float = 0.0  # their token positions, padding included
-
-    def add(self, steps: int, record: dict) -> None:
-        time_s = record["step_time_s"] * steps
-        self.steps += steps
-        self.time_s += time_s
-        self.host_data_wait_s += record["host_data_wait_share"] * time_s
-        if "padded_tokens_per_s" in record:
-            self.tokens += record["tokens_per_s"] * time_s
-            self.positions += record["padded_tokens_per_s"] * time_s

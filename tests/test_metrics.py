@@ -19,6 +19,7 @@ from fsdp_exp.metrics.sinks import Progress, record_line, summary_table
 from fsdp_exp.models.vit import build_vit
 from fsdp_exp.batch import Batches
 from fsdp_exp.metrics.peaks import MemoryMonitor
+from fsdp_exp.metrics.startup import MARKS
 from fsdp_exp.rank.trainer import Hooks, OptimizerStep, Trainer, TrainSettings
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, refused_here, run_cli
 
@@ -186,6 +187,11 @@ def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
     assert seen["device_memory_gb"] > 0 and seen["host"] == env["driver_host"]
     assert summary["mfu"] is None, "a CPU has no known peak: no MFU rather than a wrong one"
     assert summary["tflops_per_device"] > 0
+    # every start-up mark, the driver's and rank 0's; rank 0's in the order it passed them
+    startup = summary["startup"]
+    assert list(startup) == list(MARKS)
+    ranks = [startup[mark] for mark in ("rank_ready", "process_group", "built", "ready")]
+    assert ranks == sorted(ranks), startup
 
 
 # 300 MiB of 1 MiB blocks freed before training: after a large free, glibc serves such

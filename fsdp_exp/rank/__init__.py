@@ -3,6 +3,6 @@
 `worker.run_rank` (its variables, logging, time limit) runs the task's rank function
 (`train.train_rank`, ...), which joins the process group (`distributed`), builds the
 object graph (`build`: the sharded model, data, optimizer, checkpointer, metric sinks),
-runs `trainer.Trainer.fit`, and reports (`report`: the figures added once training ended).
+and runs `trainer.Trainer.fit`, whose hooks in `report` add the figures known once training ended.
 Nothing here knows Hydra.
 """

@@ -43,6 +43,7 @@ from fsdp_exp.metrics.sinks import METRICS, JsonLines, Progress, Wandb
 from fsdp_exp.metrics.peaks import MemoryMonitor, Runtime
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.trainer import AfterFit, Hooks, OptimizerStep, Trainer, TrainSettings
+from fsdp_exp.rank.report import Known, StartupMarks
 from fsdp_exp.rank.settle import PeakSettled
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.schedule import lr_schedule
@@ -170,7 +171,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
     bar of its own. `wandb`: rank 0's wandb run, started before the runtime was marked
     (`start_wandb`). `runtime`: what this rank held before it built its model, which its
     peak_mem_gb leaves out (`mark_runtime`). `after_fit`: what adds to the trainer's figures
-    once it trained (fsdp_exp.rank.report)."""
+    once it trained, after what the build knew and the start-up marks (fsdp_exp.rank.report)."""
     model, fsdp_units = build_model_for_training(cfg, ranks)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
 
@@ -230,7 +231,8 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
                              start_step=start_step, start_loss=start_loss)
     trainer = Trainer(settings, ranks, model, OptimizerStep(optimizer, grad_scaler, schedule), cfg.loss,
                       Batches(batches, data.batch_keys), MemoryMonitor(ranks.device, cfg.metrics.phase_peaks, runtime),
-                      checkpoint, Hooks(sinks, hooks, first, settled, list(after_fit)))
+                      checkpoint, Hooks(sinks, hooks, first, settled,
+                                        [Known(figures), StartupMarks(context.startup), *after_fit]))
     context.startup["built"] = time.time()
     return Built(trainer, wandb, jsonl, progress, figures)
 

@@ -1,6 +1,7 @@
 """What a rank adds to its run's figures once training ended (`Trainer`'s `after_fit` hooks):
-its runtime, the peak as memory.limit_gb counts it, what the GPU held, and the run's own
-estimate beside what it measured. Every rank calls each one, in this order."""
+what the build knew and the first micro-batch counted, the start-up marks, its runtime, the
+peak as memory.limit_gb counts it, what the GPU held, and the run's own estimate beside what
+it measured. Every rank calls each one, in this order."""
 
 from __future__ import annotations
 
@@ -12,6 +13,29 @@ from fsdp_exp import distributed
 from fsdp_exp.distributed import Ranks
 from fsdp_exp.memory import held_before_limit_gb, peak_under_limit_gb, under_limit_figures
 from fsdp_exp.metrics.peaks import Runtime, device_used_gb
+from fsdp_exp.metrics.startup import in_order
+from fsdp_exp.rank.trainer import AfterFit
+
+
+@dataclass
+class Known:
+    """What the build knew and the first micro-batch counted (FSDP units, FLOPs per step, the
+    device's peak FLOP/s: fsdp_exp.rank.build), as they are once training ended."""
+
+    known: dict
+
+    def figures(self, summary: dict) -> dict:
+        return dict(self.known)
+
+
+@dataclass
+class StartupMarks:
+    """The run's start-up marks, in order (fsdp_exp.metrics.startup)."""
+
+    startup: dict
+
+    def figures(self, summary: dict) -> dict:
+        return {"startup": in_order(self.startup)}
 
 
 @dataclass
@@ -74,9 +98,10 @@ class AgainstEstimate:
 
 
 def after_fit(ranks: Ranks, runtime: Runtime, limit_gb: float | None, estimate_file: str | None,
-              against_estimate: Callable[[dict, Path], dict] | None) -> list:
-    """The hooks a training run reports with, in order: each sees the figures of the ones before."""
-    hooks: list = [RuntimeHeld(ranks, runtime), UnderLimit(ranks, limit_gb), DeviceUsed(ranks)]
+              against_estimate: Callable[[dict, Path], dict] | None) -> list[AfterFit]:
+    """The hooks a training run reports with after what it knew (`Known`) and its start-up
+    (`StartupMarks`), in order: each sees the figures of the ones before."""
+    hooks: list[AfterFit] = [RuntimeHeld(ranks, runtime), UnderLimit(ranks, limit_gb), DeviceUsed(ranks)]
     if estimate_file and against_estimate is not None:
         hooks.append(AgainstEstimate(ranks, Path(estimate_file), against_estimate))
     return hooks

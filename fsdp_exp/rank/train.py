@@ -1,6 +1,7 @@
 """One rank of a training run (task=train, and each probe of task=max_batch), as four steps:
 join (its process group, its figures of the machine), build (its memory limit and the
-experiment on it), fit (train) and report (the run's figures, its files closed)."""
+experiment on it), fit (train, and the figures added after it, fsdp_exp.rank.report) and
+report (the figures to wandb, the files closed, the model exported)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from fsdp_exp.distributed import Ranks
 from fsdp_exp.memory import OutOfMemory, allocation_failure, apply_limit, is_out_of_memory, records_history
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
 from fsdp_exp.metrics.peaks import mark_runtime
-from fsdp_exp.metrics.startup import in_order, process_started
+from fsdp_exp.metrics.startup import process_started
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.build import Built, build_experiment, start_wandb
@@ -41,8 +42,9 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
     try:
         with out_of_memory_explained(cfg.memory.limit_gb, ranks, run_dir):
             exp = build(cfg, ranks, run_dir, context, probe, against_estimate)
+            context.startup["ready"] = time.time()
             try:
-                summary = exp.trainer.fit() | exp.figures | {"startup": in_order(context.startup)}
+                summary = exp.trainer.fit()
             finally:
                 if exp.progress is not None:
                     exp.progress.close()

@@ -30,7 +30,7 @@ class TrainSettings:
     """The trainer's numbers. `batch_size`: a rank's samples a step, in `grad_accum`
     micro-batches. Every `log_every` steps (and at the last) one record goes to the sinks;
     the first `warmup_steps` are left out of the summary's means. `tokens_per_sample` > 0:
-    token data (tokens/s). `peak_tflops`: the device's, for MFU. `start_step`: the step a
+    token data (tokens/s). `peak_tflops`: the device's, for MFU and HFU. `start_step`: the step a
     resumed run continues after (its first `warmup_steps` are warm-up again); `start_loss`:
     the loss the checkpoint saved at it."""
 
@@ -69,12 +69,13 @@ class OptimizerStep:
         if self.lr_schedule is not None:
             self.lr_schedule.step()
 
-    def figures(self) -> dict:
-        """The step's learning rate, and fp16's loss scale."""
-        figures = {"lr": self.optimizer.param_groups[0]["lr"]}
-        if self.grad_scaler:
-            figures["loss_scale"] = self.grad_scaler.get_scale()
-        return figures
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def loss_scale(self) -> dict:
+        """fp16's loss scale, for a record; nothing without a scaler."""
+        return {"loss_scale": self.grad_scaler.get_scale()} if self.grad_scaler else {}
 
 
 class Sink(Protocol):
@@ -329,10 +330,11 @@ class Trainer:
             "step": step,
             "time": time.time(),  # wall clock, for start-up and timeline figures
             "loss": mean_loss,
-            **self.optimizer.figures(),
+            "lr": self.optimizer.lr,
             **self.throughput.means(counted),
             **{key: max(values) for key, values in per_rank.items()},
             "peak_mem_gb_per_rank": per_rank["peak_mem_gb"],
+            **self.optimizer.loss_scale(),
         }
         if step <= warmup_end:
             record["warmup"] = True

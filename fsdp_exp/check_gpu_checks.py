@@ -7,7 +7,6 @@ pass or fail, with one line of what it saw.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,11 +14,13 @@ from pathlib import Path
 
 import torch
 
+from fsdp_exp.metrics.summary import SUMMARY, Summary
+
 
 @dataclass
 class RunResult:
     dir: Path
-    summary: dict | None  # None: the run wrote no summary.json (a bad config, a killed run)
+    summary: Summary | None  # None: the run wrote no summary.json (a bad config, a killed run)
     losses: dict[int, float]  # step -> loss
     records: list[dict]
     error: str = ""  # the run's error, or the last line it printed to stderr
@@ -141,7 +142,7 @@ def runs(setup: CheckSetup, workdir: Path) -> dict[str, Overrides]:
 
 def at_max_batch(search: RunResult, memory_gpt: list[str], limit_gb: float) -> list[str] | None:
     """The search's answer trained once more, directly, under the same limit."""
-    size = (search.summary or {}).get("max_batch_size")
+    size = search.summary.max_batch_size if search.summary is not None else None
     if not size:
         return None
     return [*memory_gpt, f"memory.limit_gb={limit_gb:g}", f"train.batch_size={size}", "train.steps=3",
@@ -183,7 +184,7 @@ def checks(setup: CheckSetup) -> list[Check]:
 
 def not_ok(run: RunResult, name: str = "") -> str | None:
     """Why a run cannot be judged (it did not end ok), or None."""
-    status = (run.summary or {}).get("status", "no summary.json")
+    status = run.summary.status if run.summary is not None else "no summary.json"
     if status == "ok":
         return None
     return f"{name + ': ' if name else ''}{status}: {run.error or '(no error recorded)'}"[:300]
@@ -226,7 +227,7 @@ def parity(reference: RunResult, run: RunResult, tolerance: float) -> tuple[bool
                              for k, w in reference.weights.items())
     if not worst_weight < tolerance:
         return False, f"weight {name} differs by {worst_weight:.1e} (tolerance {tolerance:g})"
-    ranks = run.summary.get("world_size")
+    ranks = run.summary.world_size
     alone = " (1 rank: nothing is sharded across ranks; parity across ranks needs 2 GPUs)" if ranks == 1 else ""
     return True, (f"{len(ref)} steps on {ranks} rank(s): losses within {worst_loss:.1e}, weights within "
                   f"{worst_weight:.1e} of sharding=none{alone}")
@@ -242,7 +243,7 @@ def trains(run: RunResult) -> tuple[bool, str]:
     first, last = run.losses[steps[0]], run.losses[steps[-1]]
     scale = [r["loss_scale"] for r in run.records if "loss_scale" in r]
     detail = f"loss {first:.4f} at step {steps[0]}, {last:.4f} at step {steps[-1]}"
-    if run.summary.get("choices", {}).get("precision") == "fp16":
+    if (run.summary.choices or {}).get("precision") == "fp16":
         if not scale or not (math.isfinite(scale[-1]) and scale[-1] > 0):
             return False, f"{detail}; no usable loss scale recorded ({scale[-1:] or 'none'})"
         detail += f"; loss scale {scale[-1]:g}"
@@ -254,7 +255,7 @@ def trains_on_every_gpu(run: RunResult, gpus: int) -> tuple[bool, str]:
     sit on the CPU, and the loss scaler agrees on inf/NaN across ranks: a collective that
     one rank skips, so only a run on 2 or more GPUs shows that it works."""
     passed, detail = trains(run)
-    ranks = (run.summary or {}).get("world_size")
+    ranks = run.summary.world_size if run.summary is not None else None
     if passed and gpus >= 2 and ranks != gpus:
         return False, f"ran on {ranks} rank(s), not the {gpus} GPUs visible: {detail}"
     if passed and ranks == 1:
@@ -268,9 +269,9 @@ def resumes(uninterrupted: RunResult, first_half: RunResult, resumed: RunResult,
     if problem := (not_ok(uninterrupted, "uninterrupted") or not_ok(first_half, "first half")
                    or not_ok(resumed, "resumed")):
         return False, problem
-    saved_at = first_half.summary.get("steps")
-    if resumed.summary.get("resumed_from_step") != saved_at:
-        return False, f"resumed from step {resumed.summary.get('resumed_from_step')}, not {saved_at}"
+    saved_at = first_half.summary.steps
+    if resumed.summary.resumed_from_step != saved_at:
+        return False, f"resumed from step {resumed.summary.resumed_from_step}, not {saved_at}"
     after = {s: v for s, v in uninterrupted.losses.items() if s > saved_at}
     worst, problem = same_losses(after, resumed.losses, tolerance)
     if problem or not after:
@@ -283,15 +284,15 @@ def mfu(run: RunResult) -> tuple[bool, str]:
     if problem := not_ok(run):
         return False, problem
     s = run.summary
-    counted = s.get("flops_per_step_counted", s.get("flops_per_step"))
-    analytic = s.get("flops_per_step_analytic")
+    counted = s.get("flops_per_step_counted", s.flops_per_step)
+    analytic = s.flops_per_step_analytic
     ratio = counted / analytic if counted and analytic else None
     flops = f"counted FLOPs {ratio:.3f} x 6N" if ratio else "no 6N count to compare with"
-    if s.get("mfu") is None:
-        return False, (f"no MFU: no peak TFLOP/s for {s.get('environment', {}).get('device')}; rerun with "
+    if s.mfu is None:
+        return False, (f"no MFU: no peak TFLOP/s for {(s.environment or {}).get('device')}; rerun with "
                        f"--peak-tflops <its dense bf16 peak>; {flops}")
-    detail = f"MFU {s['mfu']:.1%} of {s.get('peak_tflops'):g} TFLOP/s ({s.get('peak_tflops_source')}); {flops}"
-    return 0 < s["mfu"] < 1 and ratio is not None and abs(ratio - 1) <= 0.1, detail
+    detail = f"MFU {s.mfu:.1%} of {s.peak_tflops:g} TFLOP/s ({s.peak_tflops_source}); {flops}"
+    return 0 < s.mfu < 1 and ratio is not None and abs(ratio - 1) <= 0.1, detail
 
 
 ESTIMATE_ERROR = 0.10  # the estimate's goal: within 10% of what a run measures
@@ -306,35 +307,35 @@ def estimated(run: RunResult, estimate: RunResult) -> tuple[bool, str]:
     if problem := not_ok(run, "run") or not_ok(estimate, "estimate"):
         return False, problem
     s, e = run.summary, estimate.summary
-    pairs = [("peak", e.get("peak_mem_gb"), s.get("peak_mem_gb"))]
-    if s.get("device") == "cuda":
-        pairs.append(("reserved", e.get("peak_reserved_gb"), s.get("peak_reserved_gb")))
+    pairs = [("peak", e.peak_mem_gb, s.peak_mem_gb)]
+    if s.device == "cuda":
+        pairs.append(("reserved", e.peak_reserved_gb, s.peak_reserved_gb))
     missing = [name for name, guess, seen in pairs if guess is None or not seen]
     if missing:
         return False, f"no {' or '.join(missing)} figure in summary.json to compare"
-    if s.get("device") == "cuda":  # the run's own check (memory.estimate) took its GPU path
+    if s.device == "cuda":  # the run's own check (memory.estimate) took its GPU path
         own = [k for k in ("device_used_gb", "estimated_device_used_gb") if not s.get(k)]
         if own:
-            why = f" ({s['estimate_failed']})" if "estimate_failed" in s else ""
+            why = f" ({s.estimate_failed})" if s.estimate_failed is not None else ""
             return False, f"the run's summary.json has no {' or '.join(own)}{why}"
     errors = [(name, guess, seen, guess / seen - 1) for name, guess, seen in pairs]
     shown = list(errors)
-    if e.get("device_used_gb") and s.get("device_used_gb"):  # what the whole device held: shown, not judged
-        shown.append(("device (not judged)", e["device_used_gb"], s["device_used_gb"], e["device_used_gb"] / s["device_used_gb"] - 1))
+    if e.device_used_gb and s.device_used_gb:  # what the whole device held: shown, not judged
+        shown.append(("device (not judged)", e.device_used_gb, s.device_used_gb, e.device_used_gb / s.device_used_gb - 1))
     detail = "; ".join(f"{name}: estimated {guess:.2f} GB, measured {seen:.2f} GB ({err:+.0%})"
                        for name, guess, seen, err in shown)
-    if s.get("device") != "cuda":
+    if s.device != "cuda":
         return True, f"{detail} (on CPU not judged)"
     return all(abs(err) <= ESTIMATE_ERROR for *_, err in errors), detail
 
 
-def limited_peak(summary: dict) -> tuple[float | None, str]:
+def limited_peak(summary: Summary) -> tuple[float | None, str]:
     """The peak that memory.limit_gb caps, as task=max_batch reads it: the limit's own count
     on CPU, the allocator's reserved memory on a GPU."""
     for key, what in (("peak_under_limit_gb", "as the limit counts it"), ("peak_reserved_gb", "reserved"),
                       ("peak_mem_gb", "the run's own")):
         if summary.get(key) is not None:
-            return summary[key], what
+            return summary.get(key), what
     return None, ""
 
 
@@ -363,7 +364,7 @@ def answer_trains(search: RunResult, run: RunResult, limit_gb: float) -> tuple[b
     and training at it fits under the limit."""
     if problem := not_ok(search, "task=max_batch"):
         return False, problem
-    size, bounded_by = search.summary.get("max_batch_size"), search.summary.get("bounded_by")
+    size, bounded_by = search.summary.max_batch_size, search.summary.bounded_by
     if not size:
         return False, f"task=max_batch found no size that fits under memory.limit_gb={limit_gb:g}"
     if problem := not_ok(run, f"train.batch_size={size}"):
@@ -379,8 +380,8 @@ def device_memory_search(run: RunResult) -> tuple[bool, str]:
     if problem := not_ok(run, "task=max_batch"):
         return False, problem
     s = run.summary
-    size, bounded_by, limit = s.get("max_batch_size"), s.get("bounded_by"), s.get("limit_gb")
-    device_gb = s.get("environment", {}).get("device_memory_gb")
+    size, bounded_by, limit = s.max_batch_size, s.bounded_by, s.limit_gb
+    device_gb = (s.environment or {}).get("device_memory_gb")
     if not limit or (device_gb and not 0.5 * device_gb <= limit <= 1.01 * device_gb):
         return False, f"limit_gb {limit} for a device of {device_gb} GB"
     detail = f"max batch {size} (bounded by {bounded_by}) under the device's {limit:.1f} GB"
@@ -388,7 +389,7 @@ def device_memory_search(run: RunResult) -> tuple[bool, str]:
 
 
 def out_of_memory(run: RunResult) -> tuple[bool, str]:
-    status = (run.summary or {}).get("status", "no summary.json")
+    status = run.summary.status if run.summary is not None else "no summary.json"
     return status == "oom", f"status {status}: {run.error}"[:300]
 
 
@@ -396,14 +397,14 @@ def device(run: RunResult, expected: str) -> tuple[bool, str]:
     """The device rank 0 trained on, and the peak TFLOP/s MFU was measured against."""
     if run.summary is None:
         return False, f"no summary.json: {run.error}"[:300]
-    s, env = run.summary, run.summary.get("environment", {})
+    s, env = run.summary, run.summary.environment or {}
     memory = env.get("device_memory_gb")
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "cuda", "nccl") if env.get(k))
-    peak = (f"peak {s['peak_tflops']:g} TFLOP/s ({s.get('peak_tflops_source')})" if s.get("peak_tflops")
+    peak = (f"peak {s.peak_tflops:g} TFLOP/s ({s.peak_tflops_source})" if s.peak_tflops
             else "no peak TFLOP/s")
-    detail = (f"{s.get('device')}: {env.get('device')} (x{env.get('device_count')}"
+    detail = (f"{s.device}: {env.get('device')} (x{env.get('device_count')}"
               f"{f', {memory:.0f} GB' if memory else ''}), seen by {env.get('device_seen_by')}; {versions}; {peak}")
-    return s.get("device") == expected and env.get("device_seen_by") == "rank 0", detail
+    return s.device == expected and env.get("device_seen_by") == "rank 0", detail
 
 
 def limit_recorded(run: RunResult, limit_gb: float) -> tuple[bool, str]:
@@ -412,13 +413,13 @@ def limit_recorded(run: RunResult, limit_gb: float) -> tuple[bool, str]:
     if problem := not_ok(run):
         return False, problem
     s = run.summary
-    peak, per_rank = s.get("peak_under_limit_gb"), s.get("peak_under_limit_gb_per_rank") or []
-    if s.get("limit_gb") != limit_gb or peak is None or len(per_rank) != s.get("world_size"):
-        return False, (f"summary.json: limit_gb {s.get('limit_gb')}, peak_under_limit_gb {peak}, "
-                       f"{len(per_rank)} rank(s) of {s.get('world_size')} in peak_under_limit_gb_per_rank")
+    peak, per_rank = s.peak_under_limit_gb, s.peak_under_limit_gb_per_rank or []
+    if s.limit_gb != limit_gb or peak is None or len(per_rank) != s.world_size:
+        return False, (f"summary.json: limit_gb {s.limit_gb}, peak_under_limit_gb {peak}, "
+                       f"{len(per_rank)} rank(s) of {s.world_size} in peak_under_limit_gb_per_rank")
     detail = f"limit_gb {limit_gb:g}, peak_under_limit_gb {peak:.3f} GB (per rank {', '.join(f'{p:.3f}' for p in per_rank)})"
-    if s.get("device") == "cuda" and peak != s.get("peak_reserved_gb"):
-        return False, f"{detail}: not the reserved peak, {s.get('peak_reserved_gb')} GB"
+    if s.device == "cuda" and peak != s.peak_reserved_gb:
+        return False, f"{detail}: not the reserved peak, {s.peak_reserved_gb} GB"
     return True, detail
 
 
@@ -427,13 +428,13 @@ def compiled_probe(run: RunResult) -> tuple[bool, str]:
     its warm-up, so a measured step is a small part of the probe's wall time."""
     if problem := not_ok(run):
         return False, problem
-    summaries = [json.loads(f.read_text()) for f in sorted((run.dir / "probes").glob("*/summary.json"))]
-    ok = [p for p in summaries if p.get("status") == "ok"]
+    summaries = [Summary.read(f.parent) for f in sorted((run.dir / "probes").glob(f"*/{SUMMARY}"))]
+    ok = [p for p in summaries if p is not None and p.ok]
     if not ok:
-        return False, f"no probe trained ({[p.get('error') for p in summaries]})"[:300]
-    lines = [f"batch {p['batch_size']}: {p['step_time_s']:.3f} s a step after {p['steps']} steps in "
-             f"{p['wall_s']:.0f} s" for p in ok]
-    slow = [p for p in ok if not p["step_time_s"] < 0.05 * p["wall_s"]]
+        return False, f"no probe trained ({[p.error for p in summaries if p is not None]})"[:300]
+    lines = [f"batch {p.batch_size}: {p.step_time_s:.3f} s a step after {p.steps} steps in "
+             f"{p.wall_s:.0f} s" for p in ok]
+    slow = [p for p in ok if not p.step_time_s < 0.05 * p.wall_s]
     if slow:
         return False, f"the compiler is in the measured steps: {'; '.join(lines)}"
     return True, f"{'; '.join(lines)} (compiling in the warm-up)"

@@ -36,7 +36,7 @@ from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import stop_on_signals, stop_signal
-from fsdp_exp.metrics.sinks import write_summary
+from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.metrics.startup import process_started
 
 
@@ -195,7 +195,7 @@ class RunTask:
         """To a launcher plugin's process, which checks its run there again: without the plans."""
         return {**self.__dict__, "plans": {}}
 
-    def __call__(self, cfg: DictConfig) -> dict | Future:
+    def __call__(self, cfg: DictConfig) -> Summary | Future:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
@@ -210,8 +210,8 @@ class RunTask:
         except ConfigError as err:
             plan = Refused(str(err))
         if isinstance(plan, Refused):  # one bad combination of a sweep: a row of its own, the others run
-            summary = {"status": "refused", "error": plan.reason, "overrides": overrides, "choices": choices}
-            write_summary(run_dir, summary)
+            summary = Summary(status="refused", error=plan.reason, overrides=overrides, choices=choices)
+            summary.write(run_dir)
             return summary
         startup = {"command": process_started(), "imported": IMPORTED, "composed": time.time()}
         launcher = plan.launcher

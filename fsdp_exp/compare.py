@@ -22,6 +22,7 @@ from fsdp_exp.finished_runs import CompareError, Run, Skipped, find_run_dirs, is
 from fsdp_exp.keys import MISSING, lookup
 from fsdp_exp.metrics.plots import none_fits, plot_comparison, plot_throughput_vs_memory
 from fsdp_exp.metrics.sinks import wandb_project
+from fsdp_exp.metrics.summary import Summary
 
 EXIT_BAD_INPUT = 2
 COLUMNS = ["setup", "task", "status", "max_batch_size", "fastest_batch_size", "near_fastest_batch_size",
@@ -154,24 +155,24 @@ def comparison_rows(runs: list[Run]) -> list[dict]:
 
 def row(run: Run, setup: str) -> dict:
     s = run.summary
-    task = (s.get("choices") or {}).get("task") or s.get("task") or "train"
-    limit = s.get("limit_gb") if task in SEARCHES else lookup(run.config, "memory.limit_gb")
+    task = (s.choices or {}).get("task") or s.task or "train"
+    limit = s.limit_gb if task in SEARCHES else lookup(run.config, "memory.limit_gb")
     return {
-        "setup": setup, "task": task, "status": s["status"],
+        "setup": setup, "task": task, "status": s.status,
         **{k: s.get(k) for k in ("fastest_batch_size", "near_fastest_batch_size", "smallest_batch_needs_gb",
                                  "resolution")},
-        "samples_per_s": s.get("samples_per_s"), "warmup_only": s.get("warmup_only"), "limit_gb": None if limit is MISSING else limit,
-        "peak_under_limit_gb": s.get("peak_under_limit_gb"), "peak_mem_gb": s.get("peak_mem_gb"),
+        "samples_per_s": s.samples_per_s, "warmup_only": s.warmup_only, "limit_gb": None if limit is MISSING else limit,
+        "peak_under_limit_gb": s.peak_under_limit_gb, "peak_mem_gb": s.peak_mem_gb,
         # the run's own estimate (memory.estimate); summaries before the figures were named
         # after what they predict called it estimated_peak_gb
         "estimated_peak_mem_gb": s.get("estimated_peak_mem_gb", s.get("estimated_peak_gb")),
-        "peak_in_use_gb": s.get("peak_in_use_gb"),
-        "estimate_error": s["estimate_ratio"] - 1 if s.get("estimate_ratio") else None,
-        "world_size": s.get("world_size"), "mfu": s.get("mfu"),
+        "peak_in_use_gb": s.peak_in_use_gb,
+        "estimate_error": s.estimate_ratio - 1 if s.estimate_ratio else None,
+        "world_size": s.world_size, "mfu": s.mfu,
         **{k: s.get(k) for k in ("final_loss", "eval_loss", "eval_accuracy")},
-        "note": failure_reason(s) if s["status"] != "ok" else None,
+        "note": failure_reason(s) if s.status != "ok" else None,
         **task_figures(task, s, run),
-        "run_dir": run.source, "error": s.get("error"), "overrides": " ".join(run.overrides),
+        "run_dir": run.source, "error": s.error, "overrides": " ".join(run.overrides),
     }
 
 
@@ -179,32 +180,32 @@ def row(run: Run, setup: str) -> dict:
 SEARCHES = ("max_batch", "tune", "estimate")
 
 
-def task_figures(task: str, s: dict, run: Run) -> dict:
+def task_figures(task: str, s: Summary, run: Run) -> dict:
     """The batch a row's figures are for, and its largest batch, in each task's own terms:
     a search's answer; a tune's winner (its batch, the largest it fits, its peak); an
     estimate's batch and the largest it puts under the limit (its peak is estimated, so it
     goes in the estimate's column); a run's configured batch."""
     if task == "max_batch":
-        max_batch = s.get("max_batch_size")
-        verified = s.get("verification")  # with none fitting, there was nothing to verify
+        max_batch = s.max_batch_size
+        verified = s.verification  # with none fitting, there was nothing to verify
         note = verification_note(s) if verified not in (None, "completed") and (max_batch or verified == "none completed") \
             else none_fits(s) if max_batch == 0 else None
         return {"max_batch_size": max_batch, "batch_size": max_batch,
-                **({"note": note} if note and s["status"] == "ok" else {})}
+                **({"note": note} if note and s.status == "ok" else {})}
     if task == "tune":
-        peak_key = "peak_under_limit_gb" if s.get("limit_gb") is not None else "peak_mem_gb"
-        return {"max_batch_size": s.get("max_batch_size"), "batch_size": s.get("batch_size"),
-                peak_key: s.get("peak_gb"), **({"note": tune_note(s)} if s["status"] == "ok" else {})}
+        peak_key = "peak_under_limit_gb" if s.limit_gb is not None else "peak_mem_gb"
+        return {"max_batch_size": s.max_batch_size, "batch_size": s.batch_size,
+                peak_key: s.peak_gb, **({"note": tune_note(s)} if s.status == "ok" else {})}
     if task == "estimate":
-        return {"max_batch_size": s.get("largest_batch_fitting"), "batch_size": s.get("batch_size"),
-                "estimated_peak_mem_gb": s.get("peak_mem_gb"), "peak_mem_gb": None,
-                **({"note": "estimated, not measured"} if s["status"] == "ok" else {})}
+        return {"max_batch_size": s.largest_batch_fitting, "batch_size": s.batch_size,
+                "estimated_peak_mem_gb": s.peak_mem_gb, "peak_mem_gb": None,
+                **({"note": "estimated, not measured"} if s.status == "ok" else {})}
     return {"max_batch_size": None, "batch_size": train_batch_size(run)}
 
 
-def verification_note(s: dict) -> str:
+def verification_note(s: Summary) -> str:
     """What the run of the command at the search's answer said (fsdp_exp.tasks.max_batch.verify)."""
-    status, found = s.get("verification"), s.get("searched_max_batch_size")
+    status, found = s.verification, s.searched_max_batch_size
     if status == "stepped down":
         return f"stepped down from {found}: a run of the command there ran out of memory"
     if status == "none completed":
@@ -213,20 +214,20 @@ def verification_note(s: dict) -> str:
                                else "task.verify_steps=0")
 
 
-def tune_note(s: dict) -> str:
-    if not s.get("winner"):
+def tune_note(s: Summary) -> str:
+    if not s.winner:
         return "no setup trained under the limit"
-    confirmed = s.get("confirmed")
+    confirmed = s.confirmed
     if not confirmed:
-        return f"winner {s['winner']}, NOT CONFIRMED: its command line was never run"
+        return f"winner {s.winner}, NOT CONFIRMED: its command line was never run"
     if confirmed.get("status") != "ok":
-        return f"winner {s['winner']}, NOT CONFIRMED: its command line did not train ({confirmed.get('status')})"
-    return f"winner {s['winner']}"
+        return f"winner {s.winner}, NOT CONFIRMED: its command line did not train ({confirmed.get('status')})"
+    return f"winner {s.winner}"
 
 
-def failure_reason(summary: dict) -> str:
+def failure_reason(summary: Summary) -> str:
     """The first line of what a failed, out-of-memory or refused run recorded."""
-    text = str(summary.get("error") or summary.get("reason") or "").strip()
+    text = str(summary.error or summary.reason or "").strip()
     return text.splitlines()[0] if text else "no error recorded"
 
 
@@ -235,7 +236,7 @@ def train_batch_size(run: Run) -> int | float | None:
     configured = lookup(run.config, "train.batch_size")
     if isinstance(configured, int) and not isinstance(configured, bool):
         return configured
-    total, world = run.summary.get("global_batch_size"), run.summary.get("world_size")
+    total, world = run.summary.global_batch_size, run.summary.world_size
     if not total or not world:
         return None
     return total // world if total % world == 0 else total / world
@@ -325,7 +326,7 @@ def setting(run: Run, key: str) -> tuple[str, str] | None:
         if override.startswith("~") or "=" not in override:  # deleted from the config
             return "", ABSENT
         return override, comparable(override.split("=", 1)[1])
-    choices = run.summary.get("choices") or {}
+    choices = run.summary.choices or {}
     value = choices[key] if key in choices else lookup(run.config, key)
     if value is MISSING:
         # A recorded config without the key: the run did not have it (a `+key=` elsewhere).

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_exp.errors import one_line
-from fsdp_exp.metrics.sinks import SUMMARY
+from fsdp_exp.metrics.summary import SUMMARY, Summary
 
 NOT_FINISHED = "no summary.json: the run did not finish (interrupted or still running)"
 INTERRUPTED = "interrupted: the run was stopped before it finished"
@@ -24,7 +24,7 @@ class CompareError(Exception):
 @dataclass
 class Run:
     source: str  # the run directory, or the wandb run's URL
-    summary: dict
+    summary: Summary
     overrides: list[str]
     config: dict  # the experiment's config when known: train.batch_size, values not overridden
 
@@ -92,7 +92,7 @@ def load_run(run_dir: Path) -> Run | Skipped:
         return Skipped(str(run_dir), INTERRUPTED)
     overrides = summary["overrides"] if "overrides" in summary else read_yaml(run_dir / ".hydra" / "overrides.yaml")
     config = read_yaml(run_dir / ".hydra" / "config.yaml")
-    return Run(str(run_dir), summary, list(overrides or []), config if isinstance(config, dict) else {})
+    return Run(str(run_dir), Summary.of(summary), list(overrides or []), config if isinstance(config, dict) else {})
 
 
 def read_yaml(path: Path) -> Any:
@@ -126,9 +126,9 @@ def wandb_run(run: Any) -> Run | Skipped:
         return Skipped(run.url, "still running on wandb")
     if run.state == "killed":
         return Skipped(run.url, INTERRUPTED)
-    summary = {k: v for k, v in run.summary.items() if not k.startswith("_")}
+    summary = Summary.of({k: v for k, v in run.summary.items() if not k.startswith("_")})
     config = dict(run.config)
     # wandb keeps no list or dict in its summary, so the status and task come from the run itself.
-    summary.setdefault("status", "ok" if run.state == "finished" else "failed")
-    summary["choices"] = {"task": summary.get("task") or run.job_type or "train"}
+    summary.status = summary.status or ("ok" if run.state == "finished" else "failed")
+    summary.choices = {"task": summary.task or run.job_type or "train"}
     return Run(run.url, summary, [t for t in run.tags if "=" in t], config)

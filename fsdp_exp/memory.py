@@ -13,10 +13,14 @@ import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from fsdp_exp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fsdp_exp.metrics.summary import Summary
 
 GB = 2**30
 
@@ -140,7 +144,7 @@ def peak_under_limit_gb() -> float | None:
     return (resident + peak_data - data) / GB
 
 
-def under_limit_figures(limit_gb: float | None, device_type: str, run: dict,
+def under_limit_figures(limit_gb: float | None, device_type: str, run: Summary,
                         counted_gb_per_rank: list[float] | None = None,
                         held_gb_per_rank: list[float] | None = None) -> dict:
     """The summary's figures under memory.limit_gb: the limit, and the peak it caps per rank
@@ -155,7 +159,7 @@ def under_limit_figures(limit_gb: float | None, device_type: str, run: dict,
     if limit_gb is None:
         return {}
     if device_type == "cuda":
-        per_rank, held = run.get("peak_reserved_gb_per_rank"), None
+        per_rank, held = run.peak_reserved_gb_per_rank, None
     else:
         per_rank, held = counted_gb_per_rank, held_gb_per_rank
     if not per_rank:

@@ -43,6 +43,7 @@ from fsdp_exp.check_gpu_checks import (
 )
 from fsdp_exp.cli import compose_config
 from fsdp_exp.driver.plan import prepare
+from fsdp_exp.metrics.summary import Summary
 from tests.conftest import run_cli
 
 GPU = setup_for("cuda", gpus=2)
@@ -59,7 +60,7 @@ def result(status: str = "ok", losses: dict | None = None, weights: dict | None 
     full = {"status": status, "world_size": 2, "device": "cuda", "choices": {"precision": "fp32"}, **summary}
     if error:
         full["error"] = error
-    return RunResult(Path("run"), full, losses, records, error, WEIGHTS if weights is None else weights)
+    return RunResult(Path("run"), Summary.of(full), losses, records, error, WEIGHTS if weights is None else weights)
 
 
 # ---- without a GPU ----------------------------------------------------------------------------
@@ -81,7 +82,7 @@ def test_every_run_composes_and_passes_the_plan(setup, tmp_path: Path, monkeypat
     on a (pretended) 2-GPU machine with 80 GB each, and on CPU."""
     monkeypatch.setattr(memory, "device_memory_gb", lambda device: 80.0)
     gpus = 2 if setup.device == "cuda" else 0
-    made = {"max_batch": RunResult(tmp_path, {"status": "ok", "max_batch_size": 3}, {}, [])}
+    made = {"max_batch": RunResult(tmp_path, Summary(status="ok", max_batch_size=3), {}, [])}
     for name, overrides in runs(setup, tmp_path).items():
         line = command(overrides(made) if callable(overrides) else overrides, tmp_path / name)
         assert line[1:3] == ["-m", "fsdp_exp"] and line[-1] == f"hydra.run.dir={tmp_path / name}"
@@ -250,7 +251,7 @@ def probe_run(tmp_path: Path, step_time_s: float, wall_s: float) -> RunResult:
     probe.mkdir(parents=True, exist_ok=True)
     (probe / "summary.json").write_text(json.dumps({"status": "ok", "batch_size": 1, "steps": 3,
                                                     "step_time_s": step_time_s, "wall_s": wall_s}))
-    return RunResult(tmp_path / "run", {"status": "ok"}, {}, [])
+    return RunResult(tmp_path / "run", Summary(status="ok"), {}, [])
 
 
 def test_a_compiled_probe_passes_when_compiling_is_in_its_warmup(tmp_path: Path) -> None:
@@ -258,7 +259,7 @@ def test_a_compiled_probe_passes_when_compiling_is_in_its_warmup(tmp_path: Path)
         True, "batch 1: 0.120 s a step after 3 steps in 61 s (compiling in the warm-up)")
     assert compiled_probe(probe_run(tmp_path / "b", 24.0, 61.0)) == (
         False, "the compiler is in the measured steps: batch 1: 24.000 s a step after 3 steps in 61 s")
-    assert compiled_probe(RunResult(tmp_path / "c", {"status": "failed"}, {}, [], "rank 0 failed")) == (
+    assert compiled_probe(RunResult(tmp_path / "c", Summary(status="failed"), {}, [], "rank 0 failed")) == (
         False, "failed: rank 0 failed")
 
 
@@ -375,7 +376,7 @@ def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path, mo
     monkeypatch.setattr(memory, "device_memory_gb", lambda device: float(memory_gb))
     setup = setup_for("cuda", gpus=2, memory_gb=memory_gb)
     plan = runs(setup, tmp_path)
-    made = {"max_batch": RunResult(tmp_path, {"status": "ok", "max_batch_size": 3}, {}, [])}
+    made = {"max_batch": RunResult(tmp_path, Summary(status="ok", max_batch_size=3), {}, [])}
     for name, overrides in plan.items():
         overrides = overrides(made) if callable(overrides) else overrides
         prepare(compose_config(command(overrides, tmp_path / name)[3:]), 2)  # a limit above the card is refused

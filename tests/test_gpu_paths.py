@@ -428,8 +428,8 @@ def test_a_runs_retries_are_the_sum_of_its_windows(monkeypatch: pytest.MonkeyPat
     trainer = tiny_trainer(steps=6, log_every=2, sinks=(records,))
     summary = trainer.fit()
     assert [r["alloc_retries"] for r in records.logged] == [2.0, 2.0, 2.0]
-    assert summary["alloc_retries"] == 6.0 and summary["ooms"] == 3.0
-    assert summary["peak_mem_gb"] == 1.0 and summary["peak_reserved_gb"] == 1.5
+    assert summary.alloc_retries == 6.0 and summary.ooms == 3.0
+    assert summary.peak_mem_gb == 1.0 and summary.peak_reserved_gb == 1.5
 
 
 # ---- what measuring memory costs a step ---------------------------------------------------
@@ -451,7 +451,7 @@ def stats_reads_per_step(fake_gpu: FakeCachingAllocator, phase_peaks: bool, grad
                       batches=Batches(batches), memory=MemoryMonitor(torch.device("cuda", 0), phase_peaks=phase_peaks),
                       hooks=Hooks(steps=[hook]))
     summary = trainer.fit()
-    assert summary["peak_reserved_gb"] >= 0 and summary["alloc_retries"] == 0  # the window's figures stay
+    assert summary.peak_reserved_gb >= 0 and summary.alloc_retries == 0  # the window's figures stay
     return reads
 
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from fsdp_exp.data.images import SyntheticImages
 from fsdp_exp.distributed import Ranks
-from fsdp_exp.metrics.sinks import Progress, record_line, summary_table
+from fsdp_exp.metrics.sinks import Progress, record_line
+from fsdp_exp.metrics.summary import Summary, summary_table
 from fsdp_exp.models.vit import build_vit
 from fsdp_exp.batch import Batches
 from fsdp_exp.metrics.peaks import MemoryMonitor
@@ -53,9 +54,9 @@ def test_samples_per_s_agrees_with_wall_time(one_rank_group: Ranks) -> None:
     summary = trainer.fit()
     assert [r["step"] for r in records] == [4, 8, 12] and records[0].get("warmup") is True
     steady_wall = records[-1]["time"] - records[0]["time"]
-    assert summary["samples_per_s"] == pytest.approx(8 * 64 / steady_wall, rel=0.05)
-    assert 0 <= summary["host_data_wait_share"] < 1
-    assert summary["warmup_only"] is False
+    assert summary.samples_per_s == pytest.approx(8 * 64 / steady_wall, rel=0.05)
+    assert 0 <= summary.host_data_wait_share < 1
+    assert summary.warmup_only is False
 
 
 @pytest.mark.parametrize("phase_peaks", [True, False])
@@ -66,7 +67,7 @@ def test_each_phase_has_its_peak_unless_turned_off(one_rank_group: Ranks, phase_
     batches = SyntheticImages(num_samples=512).batches(64, 0, 1, seed=0)
     summary = Trainer(TrainSettings(steps=3, batch_size=64, log_every=3), one_rank_group, model,
                       OptimizerStep(torch.optim.AdamW(model.parameters())), batches=Batches(batches),
-                      memory=MemoryMonitor(one_rank_group.device, phase_peaks=phase_peaks)).fit()
+                      memory=MemoryMonitor(one_rank_group.device, phase_peaks=phase_peaks)).fit().as_dict()
     phases = {k: v for k, v in summary.items() if k.startswith("peak_") and k.endswith("_gb")
               and k not in ("peak_mem_gb", "peak_resident_gb", "peak_in_use_gb")}
     if phase_peaks:
@@ -185,7 +186,7 @@ def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
     seen = read_json(out / "device.json")  # written by rank 0, not by the driver
     assert env["device_seen_by"] == "rank 0" and {k: env[k] for k in seen} == seen
     assert seen["device_memory_gb"] > 0 and seen["host"] == env["driver_host"]
-    assert summary["mfu"] is None, "a CPU has no known peak: no MFU rather than a wrong one"
+    assert summary.get("mfu") is None, "a CPU has no known peak: no MFU rather than a wrong one"
     assert summary["tflops_per_device"] > 0
     # every start-up mark, the driver's and rank 0's; rank 0's in the order it passed them
     startup = summary["startup"]
@@ -358,8 +359,8 @@ def test_progress_bar_and_summary_table(capsys: pytest.CaptureFixture) -> None:
     bar.close()
     out = capsys.readouterr().out
     assert "2/4" in out and "loss 1.5000" in out and "100.0 samples/s" in out and "1.25 GB" in out
-    table = summary_table({"status": "ok", "steps": 4, "final_loss": 1.5, "samples_per_s": 100.0,
-                           "peak_mem_gb": 1.25, "peak_mem_gb_per_rank": [1.25, 1.0], "mfu": None})
+    table = summary_table(Summary(status="ok", steps=4, final_loss=1.5, samples_per_s=100.0, peak_mem_gb=1.25,
+                                  peak_mem_gb_per_rank=[1.25, 1.0], mfu=None))
     assert "samples/s" in table and "1.25, 1.00 GB" in table and "MFU" not in table
 
 
@@ -369,11 +370,11 @@ def test_a_run_of_warmup_steps_only_says_so_where_its_throughput_is_shown() -> N
     figures = {"status": "ok", "steps": 3, "final_loss": 1.5, "samples_per_s": 226.1, "step_time_s": 0.25,
                "peak_mem_gb": 1.25}
     rows = {line.split("  ")[1].strip(): line.strip() for line in summary_table(
-        {**figures, "warmup_only": True}).splitlines()}
+        Summary.of({**figures, "warmup_only": True})).splitlines()}
     assert rows["samples/s"].split(None, 1)[1].strip() == (
         "226.1 (warm-up steps only: raise train.steps above metrics.warmup_steps to measure)")
     assert rows["step time"].endswith("0.2500 s (warm-up)")
-    assert "warm-up" not in summary_table({**figures, "warmup_only": False})
+    assert "warm-up" not in summary_table(Summary.of({**figures, "warmup_only": False}))
     record = {"step": 3, "loss": 1.5, "samples_per_s": 226.1, "peak_mem_gb": 1.25}
     assert record_line({**record, "warmup": True}, 3).endswith("(warm-up)")
     assert "warm-up" not in record_line(record, 3)

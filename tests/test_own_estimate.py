@@ -22,7 +22,8 @@ from fsdp_exp.compare import main as compare
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.estimate.beside import WAIT_S, EstimateBeside, at_idle_priority
 from fsdp_exp.estimate.settle import ESTIMATE_FILE, checked, settle, settled_summary
-from fsdp_exp.metrics.sinks import PENDING, write_json
+from fsdp_exp.metrics.sinks import write_json
+from fsdp_exp.metrics.summary import PENDING
 from tests.conftest import REPO, SMALL_VIT, read_json, run_cli
 from tests.test_estimate import STACK
 

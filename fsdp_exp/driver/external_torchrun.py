@@ -124,7 +124,7 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
         OmegaConf.save(OmegaConf.create(argv), run_dir / ".hydra" / "overrides.yaml")
     dist.barrier()
     summary = run_experiment(plan, run_dir, argv, made.choices, writes_files=rank == 0)
-    return 0 if summary["status"] == "ok" else 1
+    return 0 if summary.ok else 1
 
 
 def plan_here(argv: list[str], compose: Callable[[list[str]], DictConfig],

@@ -14,7 +14,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from fsdp_exp.errors import one_line
-from fsdp_exp.metrics.sinks import read_summary
+from fsdp_exp.metrics.summary import Summary
 
 EXIT_RUN_FAILED = 1
 
@@ -30,7 +30,7 @@ class RunOutcomes(Callback):
     submitit_local, submitit_slurm) is read from the summary.json each of its runs wrote."""
 
     def __init__(self) -> None:
-        self.ended: list[tuple[str, dict | Future]] = []  # (run directory, summary) of the runs that ran here
+        self.ended: list[tuple[str, Summary | Future]] = []  # (run directory, summary) of the runs that ran here
         self.start = time.time()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -41,15 +41,15 @@ class RunOutcomes(Callback):
             self.ended.append((config.hydra.runtime.output_dir, job_return.return_value))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if any(summary["status"] != "ok" for _, summary in self.ended):  # the run has said why
+        if any(not summary.ok for _, summary in self.ended):  # the run has said why
             sys.exit(EXIT_RUN_FAILED)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         ended = [(run_dir, outcome(summary)) for run_dir, summary in self.ended] or \
             self.ended_elsewhere(Path(config.hydra.sweep.dir).absolute())
-        failed = [f"{run_dir}: {summary.get('error', summary['status'])}"
-                  for run_dir, summary in ended if summary["status"] not in ("ok", "refused")]
-        refused = [run_dir for run_dir, summary in ended if summary["status"] == "refused"]
+        failed = [f"{run_dir}: {summary.error or summary.status}"
+                  for run_dir, summary in ended if summary.status not in ("ok", "refused")]
+        refused = [run_dir for run_dir, summary in ended if summary.status == "refused"]
         if refused:  # each was named, with its reason, before the sweep started
             print(f"fsdp_exp: {len(refused)} of {len(ended)} runs refused by their check (status refused): "
                   f"{', '.join(refused)}", file=sys.stderr)
@@ -60,24 +60,24 @@ class RunOutcomes(Callback):
         if failed:
             sys.exit(EXIT_RUN_FAILED)
 
-    def ended_elsewhere(self, sweep: Path) -> list[tuple[str, dict]]:
+    def ended_elsewhere(self, sweep: Path) -> list[tuple[str, Summary]]:
         made = [p.parent for p in [*sweep.glob("*/.hydra"), *sweep.glob("*/*/.hydra")] if p.stat().st_mtime >= self.start]
         ended = []
         for run_dir in sorted(made, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]):
-            summary = read_summary(run_dir)
+            summary = Summary.read(run_dir)
             if summary is not None:
                 ended.append((str(run_dir), summary))
             else:
-                ended.append((str(run_dir), {"status": "failed", "error": "no summary.json: the run did not "
-                                             "finish (see the launcher's logs)"}))
+                ended.append((str(run_dir), Summary(status="failed", error="no summary.json: the run did not "
+                                                    "finish (see the launcher's logs)")))
         return ended
 
 
-def outcome(summary: dict | Future) -> dict:
+def outcome(summary: Summary | Future) -> Summary:
     """A run's summary; for a run side by side, once it has ended."""
     if not isinstance(summary, Future):
         return summary
     try:
         return summary.result()
     except Exception as err:  # noqa: BLE001 - a run that failed outside its launch is a failed run
-        return {"status": "failed", "error": one_line(err, named=True, whole=True)}
+        return Summary(status="failed", error=one_line(err, named=True, whole=True))

@@ -25,7 +25,8 @@ from fsdp_exp.metrics.environment import (
     rank_environment,
     read_device_record,
 )
-from fsdp_exp.metrics.sinks import METRICS, SUMMARY, JsonLines, summary_table, write_summary
+from fsdp_exp.metrics.sinks import METRICS, JsonLines
+from fsdp_exp.metrics.summary import SUMMARY, Summary, summary_table
 from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")
@@ -39,7 +40,7 @@ def run_experiment(
     group: str | None = None,
     writes_files: bool = True,
     startup: dict[str, float] | None = None,
-) -> dict:
+) -> Summary:
     """Run the planned experiment: its task's driver side, which launches the ranks; the
     run's summary (written to summary.json unless `writes_files` is off: under an external
     torchrun only rank 0 writes). `startup`: the command's start-up marks so far."""
@@ -57,29 +58,29 @@ def run_experiment(
     start = time.perf_counter()
     try:
         figures = exp.task.run(exp, context, run_dir, exp.launcher, nproc)
-        summary = {"status": "ok", **figures}
+        summary = Summary(status="ok").with_figures(figures)
     except RunFailed as err:
         log.error("%s", err)
-        status = "oom" if err.out_of_memory else "failed"
-        summary = {"status": status, "error": str(err), "world_size": nproc}
+        summary = Summary(status="oom" if err.out_of_memory else "failed", error=str(err), world_size=nproc)
     except ConfigError as err:  # found only once the run directory exists (resume=auto)
         log.error("%s", err)
-        summary = {"status": "failed", "error": str(err), "world_size": nproc}
+        summary = Summary(status="failed", error=str(err), world_size=nproc)
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (fsdp_exp.launch.core.Interrupted)
         signal_name = stop_signal(err).name
         step = last_logged_step(run_dir)
         at = "" if choices.get("task", "train") != "train" else \
             f" after step {step} of {exp.train.steps}" if step is not None else " before its first logged step"
-        summary = {"status": "interrupted", "signal": signal_name, "steps_done": step, "world_size": nproc}
         if writes_files:
-            write_summary(run_dir, {**summary, **record(), "wall_s": time.perf_counter() - start})
+            Summary(status="interrupted", signal=signal_name, steps_done=step, world_size=nproc,
+                    wall_s=time.perf_counter() - start).with_figures(record()).write(run_dir)
             log.warning("interrupted (%s)%s; summary in %s", signal_name, at, run_dir / SUMMARY)
         err.run_reported = True  # the command adds no line of its own (fsdp_exp.cli)
         raise
-    summary.update(record(), wall_s=time.perf_counter() - start)
+    summary.with_figures(record())
+    summary.wall_s = time.perf_counter() - start
     if writes_files:
-        write_summary(run_dir, summary)
-        if summary["status"] == "ok":
+        summary.write(run_dir)
+        if summary.ok:
             log.info("%s\n%s", run_dir / SUMMARY, summary_table(summary))
     return summary
 

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.predict import estimate
 from fsdp_exp.estimate.settle import ESTIMATE_FILE, RECORD_FILE, checked
-from fsdp_exp.metrics.sinks import PENDING, read_json, write_json
+from fsdp_exp.metrics.sinks import read_json, write_json
+from fsdp_exp.metrics.summary import PENDING
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

@@ -14,14 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_exp.metrics.sinks import ESTIMATED, PENDING, SUMMARY, estimate_ratio, estimated, read_json, write_json
+from fsdp_exp.metrics.sinks import read_json
+from fsdp_exp.metrics.summary import ESTIMATED, PENDING, SUMMARY, Summary, estimate_ratio, estimated
 
 ESTIMATE_FILE = "estimate.json"
 RECORD_FILE = ".estimate_record.json"  # the record, written by the tracing process before it becomes this one
 POLL_S = 0.2
 
 
-def checked(summary: dict, record: dict) -> dict:
+def checked(summary: Summary | dict, record: dict) -> dict:
     """The estimate beside what the run measured: each figure of the record that the run
     measured too (`ESTIMATED`: the record names them as the run does) as
     `estimated_<figure>`, and estimated over measured as `estimate_ratio_<figure>`; the
@@ -35,8 +36,8 @@ def checked(summary: dict, record: dict) -> dict:
         if record.get(measured) is None or summary.get(measured) is None:
             continue
         found[estimated(measured)] = record[measured]
-        if summary[measured]:
-            found[estimate_ratio(measured)] = record[measured] / summary[measured]
+        if summary.get(measured):
+            found[estimate_ratio(measured)] = record[measured] / summary.get(measured)
             found.setdefault("estimate_ratio", found[estimate_ratio(measured)])
     return found
 
@@ -44,22 +45,22 @@ def checked(summary: dict, record: dict) -> dict:
 def settle(run_dir: Path) -> bool:
     """A summary that says `estimate: pending`, with the estimate checked against it, once
     the record is there; True if it was."""
-    summary, record = read_json(run_dir / SUMMARY), read_json(run_dir / ESTIMATE_FILE)
-    if summary is None or record is None or summary.get("estimate") != PENDING:
+    summary, record = Summary.read(run_dir), read_json(run_dir / ESTIMATE_FILE)
+    if summary is None or record is None or summary.estimate != PENDING:
         return False
-    summary.pop("estimate")
-    write_json(run_dir / SUMMARY, summary | checked(summary, record))  # the driver wrote it once, before
+    summary.estimate = None
+    summary.with_figures(checked(summary, record)).write(run_dir)  # the driver wrote it once, before
     return True
 
 
-def settled_summary(run_dir: Path, timeout_s: float = 300) -> dict | None:
+def settled_summary(run_dir: Path, timeout_s: float = 300) -> Summary | None:
     """A run's summary.json once its own estimate is in it (or `timeout_s` has passed): a
     run does not wait for its trace (`estimate: pending`), which adds it when it ends. None
     when the run wrote no summary."""
     deadline = time.monotonic() + timeout_s
     while True:
-        summary = read_json(Path(run_dir) / SUMMARY)
-        if summary is None or summary.get("estimate") != PENDING or time.monotonic() > deadline:
+        summary = Summary.read(run_dir)
+        if summary is None or summary.estimate != PENDING or time.monotonic() > deadline:
             return summary
         time.sleep(POLL_S)
 

@@ -14,6 +14,7 @@ from fsdp_exp.distributed import Ranks
 from fsdp_exp.memory import held_before_limit_gb, peak_under_limit_gb, under_limit_figures
 from fsdp_exp.metrics.peaks import Runtime, device_used_gb
 from fsdp_exp.metrics.startup import in_order
+from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.rank.trainer import AfterFit
 
 
@@ -24,7 +25,7 @@ class Known:
 
     known: dict
 
-    def figures(self, summary: dict) -> dict:
+    def figures(self, summary: Summary) -> dict:
         return dict(self.known)
 
 
@@ -34,7 +35,7 @@ class StartupMarks:
 
     startup: dict
 
-    def figures(self, summary: dict) -> dict:
+    def figures(self, summary: Summary) -> dict:
         return {"startup": in_order(self.startup)}
 
 
@@ -46,7 +47,7 @@ class RuntimeHeld:
     ranks: Ranks
     runtime: Runtime
 
-    def figures(self, summary: dict) -> dict:
+    def figures(self, summary: Summary) -> dict:
         if self.ranks.device.type != "cpu":
             return {}
         return {"runtime_gb": max(distributed.gather(self.runtime.gb, self.ranks.device))}
@@ -60,7 +61,7 @@ class UnderLimit:
     ranks: Ranks
     limit_gb: float | None
 
-    def figures(self, summary: dict) -> dict:
+    def figures(self, summary: Summary) -> dict:
         counted = held = None
         mine = peak_under_limit_gb()
         if mine is not None:  # CPU under a limit, on every rank alike
@@ -76,8 +77,8 @@ class DeviceUsed:
 
     ranks: Ranks
 
-    def figures(self, summary: dict) -> dict:
-        reserved = summary.get("peak_reserved_gb_per_rank")
+    def figures(self, summary: Summary) -> dict:
+        reserved = summary.peak_reserved_gb_per_rank
         if self.ranks.device.type != "cuda" or not reserved:  # none: nothing trained
             return {}
         used = distributed.gather(device_used_gb(self.ranks.device, reserved[self.ranks.rank]), self.ranks.device)
@@ -91,14 +92,14 @@ class AgainstEstimate:
 
     ranks: Ranks
     estimate_file: Path
-    checked: Callable[[dict, Path], dict]
+    checked: Callable[[Summary, Path], dict]
 
-    def figures(self, summary: dict) -> dict:
+    def figures(self, summary: Summary) -> dict:
         return self.checked(summary, self.estimate_file) if self.ranks.is_main else {}
 
 
 def after_fit(ranks: Ranks, runtime: Runtime, limit_gb: float | None, estimate_file: str | None,
-              against_estimate: Callable[[dict, Path], dict] | None) -> list[AfterFit]:
+              against_estimate: Callable[[Summary, Path], dict] | None) -> list[AfterFit]:
     """The hooks a training run reports with after what it knew (`Known`) and its start-up
     (`StartupMarks`), in order: each sees the figures of the ones before."""
     hooks: list[AfterFit] = [RuntimeHeld(ranks, runtime), UnderLimit(ranks, limit_gb), DeviceUsed(ranks)]

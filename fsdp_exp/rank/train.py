@@ -20,6 +20,7 @@ from fsdp_exp.memory import OutOfMemory, allocation_failure, apply_limit, is_out
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
 from fsdp_exp.metrics.peaks import mark_runtime
 from fsdp_exp.metrics.startup import process_started
+from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.build import Built, build_experiment, start_wandb
@@ -33,7 +34,7 @@ log = logging.getLogger("fsdp_exp")
 
 
 def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool = False,
-               against_estimate: Callable[[dict, Path], dict] | None = None) -> dict:
+               against_estimate: Callable[[Summary, Path], dict] | None = None) -> dict:
     """One rank's whole training run; returns the run's figures (the same on every rank).
     `context`: this rank's copy of the run's (it adds its start-up marks). `probe`: it is a
     probe of task=max_batch. `against_estimate(summary, estimate_file)`: rank 0's figures of
@@ -70,7 +71,7 @@ def join(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool) -> Ra
 
 
 def build(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext, probe: bool,
-          against_estimate: Callable[[dict, Path], dict] | None) -> Built:
+          against_estimate: Callable[[Summary, Path], dict] | None) -> Built:
     """The rank's runtime marked, its memory limit set, and every object of the run built on
     it, restored from the checkpoint a restart resumes from."""
     # Under a multi-node launch every node's command chose its own run directory:
@@ -94,15 +95,17 @@ def build(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext, pro
     return build_experiment(cfg, ranks, run_dir, context, ckpt_dir, resume, probe, wandb, runtime, reports)
 
 
-def report(cfg: Experiment, exp: Built, summary: dict, run_dir: Path) -> dict:
-    """The run's figures, to wandb; its files closed, and the whole model exported when asked."""
+def report(cfg: Experiment, exp: Built, summary: Summary, run_dir: Path) -> dict:
+    """The run's figures, to wandb; its files closed, and the whole model exported when asked.
+    The figures go back to the driver as summary.json names them (fsdp_exp.metrics.summary)."""
+    figures = summary.as_dict()
     if cfg.checkpoint.export_full:
         export_full_model(exp.trainer.model, run_dir / "model.safetensors")
     if exp.wandb is not None:
-        exp.wandb.finish(summary)
+        exp.wandb.finish(figures)
     if exp.jsonl is not None:
         exp.jsonl.close()
-    return summary
+    return figures
 
 
 @contextlib.contextmanager

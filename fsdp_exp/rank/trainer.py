@@ -19,6 +19,7 @@ from fsdp_exp.distributed import Ranks
 from fsdp_exp.groups import LossOption
 from fsdp_exp.loss import CrossEntropy
 from fsdp_exp.metrics.peaks import MemoryMonitor, over_windows
+from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.metrics.throughput import Throughput, Totals
 from fsdp_exp.sharding import gradient_sync, unwrap
 
@@ -112,7 +113,7 @@ class AfterFit(Protocol):
     """Figures added to the summary once training ended (the memory limit's count, the run's
     own estimate beside its peak), in order, each seeing the ones before. Every rank calls it."""
 
-    def figures(self, summary: dict) -> dict: ...
+    def figures(self, summary: Summary) -> dict: ...
 
 
 class PeakMemory(Protocol):
@@ -235,15 +236,15 @@ class Trainer:
         self.optimizer.scheduled()
         return total
 
-    def fit(self) -> dict:
+    def fit(self) -> Summary:
         """Train; return the run's figures: steady-state means and the run's peaks, then what
         the `after_fit` hooks add."""
         summary = self._nothing_to_train() if self.settings.start_step >= self.settings.steps else self._train()
         for hook in self.hooks.after_fit:
-            summary |= hook.figures(summary)
+            summary.with_figures(hook.figures(summary))
         return summary
 
-    def _train(self) -> dict:
+    def _train(self) -> Summary:
         settings, hooks = self.settings, self.hooks
         self.model.train()
         batches = iter(self.batches.items)
@@ -286,27 +287,21 @@ class Trainer:
         if self.checkpoint is not None:
             self.checkpoint.close()
         steady = totals["steady"] if totals["steady"].steps else totals["all"]
-        summary = {
-            "steps": last,
-            "final_loss": record["loss"],
-            "world_size": self.ranks.world_size,
-            "global_batch_size": self.throughput.global_batch,
-            "warmup_only": not totals["steady"].steps,
-            **self.throughput.means(steady),
-            **{key: max(values) for key, values in run_peaks.items()},
-            "peak_mem_gb_per_rank": run_peaks["peak_mem_gb"],
-            **({"peak_reserved_gb_per_rank": run_peaks["peak_reserved_gb"]} if "peak_reserved_gb" in run_peaks else {}),
-            "held_mem_gb": max(distributed.gather(self.memory.held_gb(), self.ranks.device)),
-        }
-        if settings.start_step:
-            summary["resumed_from_step"] = settings.start_step
+        summary = Summary(steps=last, final_loss=record["loss"], world_size=self.ranks.world_size,
+                          global_batch_size=self.throughput.global_batch, warmup_only=not totals["steady"].steps)
+        summary.with_figures(self.throughput.means(steady))
+        summary.with_figures({key: max(values) for key, values in run_peaks.items()})
+        summary.peak_mem_gb_per_rank = run_peaks["peak_mem_gb"]
+        summary.peak_reserved_gb_per_rank = run_peaks.get("peak_reserved_gb")
+        summary.held_mem_gb = max(distributed.gather(self.memory.held_gb(), self.ranks.device))
+        summary.resumed_from_step = settings.start_step or None
         saves = self.checkpoint.blocked_s if self.checkpoint is not None else []
         if saves:
-            summary["checkpoint_saves"] = len(saves)
-            summary["checkpoint_blocked_s"] = max(distributed.gather(sum(saves) / len(saves), self.ranks.device))
+            summary.checkpoint_saves = len(saves)
+            summary.checkpoint_blocked_s = max(distributed.gather(sum(saves) / len(saves), self.ranks.device))
         return summary
 
-    def _nothing_to_train(self) -> dict:
+    def _nothing_to_train(self) -> Summary:
         """A restart after the final checkpoint (a rank died, or the job was preempted, after
         the last step): no step is left, so no throughput either; the loss is the saved one."""
         settings = self.settings
@@ -314,8 +309,8 @@ class Trainer:
             log.warning("resumed at step %d of %d: nothing left to train", settings.start_step, settings.steps)
         if self.checkpoint is not None:
             self.checkpoint.close()
-        return {"steps": settings.steps, "resumed_from_step": settings.start_step, "final_loss": settings.start_loss,
-                "world_size": self.ranks.world_size, "global_batch_size": self.throughput.global_batch}
+        return Summary(steps=settings.steps, resumed_from_step=settings.start_step, final_loss=settings.start_loss,
+                       world_size=self.ranks.world_size, global_batch_size=self.throughput.global_batch)
 
     def _record(self, step: int, loss: torch.Tensor, window: _Window,
                 warmup_end: int) -> tuple[dict, dict[str, list[float]], Totals]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from fsdp_exp.checkpoint.resume import resolve_resume
 from fsdp_exp.estimate.beside import EstimateBeside, wait_for_estimate
 from fsdp_exp.estimate.settle import checked
-from fsdp_exp.metrics.sinks import ESTIMATE_LATER, estimate_line
+from fsdp_exp.metrics.summary import ESTIMATE_LATER, Summary, estimate_line
 from fsdp_exp.rank.train import train_rank
 from fsdp_exp.tasks import Task
 
@@ -58,7 +58,7 @@ class Train(Task):
         return beside.add_to(figures) if beside is not None else figures
 
 
-def estimate_checked(summary: dict, path: Path) -> dict:
+def estimate_checked(summary: Summary, path: Path) -> dict:
     """Rank 0: the driver's estimate of this run beside what it measured, if it is traced
     by now (fsdp_exp.estimate.beside); nothing if not (it is added to summary.json later)."""
     record, waited = wait_for_estimate(path)
@@ -66,5 +66,5 @@ def estimate_checked(summary: dict, path: Path) -> dict:
         log.info("the estimate of this run is still tracing: %s", ESTIMATE_LATER)
         return {"estimate_wait_s": waited}
     found = checked(summary, record) | {"estimate_wait_s": waited}
-    log.info("task=estimate against this run: %s", estimate_line(summary | found))
+    log.info("task=estimate against this run: %s", estimate_line(Summary.of({**summary.as_dict(), **found})))
     return found

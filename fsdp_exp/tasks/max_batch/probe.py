@@ -21,7 +21,8 @@ from fsdp_exp.blocks import warmup_steps_to_skip
 from fsdp_exp.checkpoint import NoCheckpoint
 from fsdp_exp.config import Device, Experiment, as_dict
 from fsdp_exp.launch.core import Launcher, RunFailed
-from fsdp_exp.metrics.sinks import WandbMode, write_summary
+from fsdp_exp.metrics.sinks import WandbMode
+from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.profile import NoProfile
 from fsdp_exp.rank.train import train_rank
 from fsdp_exp.run_context import RunContext
@@ -186,10 +187,10 @@ def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def startup_s(figures: dict, launched: float) -> float | None:
+def startup_s(summary: Summary, launched: float) -> float | None:
     """From the launch to the first step's start, by rank 0's marks (none from a launcher
     whose ranks do not report them)."""
-    ready = figures.get("startup", {}).get("ready")
+    ready = (summary.startup or {}).get("ready")
     return None if ready is None else ready - launched
 
 
@@ -212,34 +213,35 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
         run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb)
     start = time.perf_counter()
     try:
-        figures = launcher.launch(partial(train_rank, context=context, probe=True), run_cfg, probe_dir, world_size,
-                                  time_limit_s=timeout_s)
+        summary = Summary(status="ok").with_figures(
+            launcher.launch(partial(train_rank, context=context, probe=True), run_cfg, probe_dir, world_size,
+                            time_limit_s=timeout_s))
         probe = Probe(
             batch_size, "ok",
-            peak_mem_gb=figures["peak_mem_gb"],
-            peak_mem_gb_per_rank=figures["peak_mem_gb_per_rank"],
-            peak_reserved_gb=figures.get("peak_reserved_gb"),
-            peak_reserved_gb_per_rank=figures.get("peak_reserved_gb_per_rank"),
-            peak_under_limit_gb=figures.get("peak_under_limit_gb"),
-            peak_under_limit_gb_per_rank=figures.get("peak_under_limit_gb_per_rank"),
-            held_before_limit_gb_per_rank=figures.get("held_before_limit_gb_per_rank"),
-            held_mem_gb=figures["held_mem_gb"],
-            alloc_retries=figures.get("alloc_retries"),
-            samples_per_s=figures["samples_per_s"],
-            tokens_per_s=figures.get("tokens_per_s"),
-            mfu=figures.get("mfu"),
-            startup_s=startup_s(figures, context.startup["launched"]),
-            steps=figures.get("steps"),
+            peak_mem_gb=summary.peak_mem_gb,
+            peak_mem_gb_per_rank=summary.peak_mem_gb_per_rank,
+            peak_reserved_gb=summary.peak_reserved_gb,
+            peak_reserved_gb_per_rank=summary.peak_reserved_gb_per_rank,
+            peak_under_limit_gb=summary.peak_under_limit_gb,
+            peak_under_limit_gb_per_rank=summary.peak_under_limit_gb_per_rank,
+            held_before_limit_gb_per_rank=summary.held_before_limit_gb_per_rank,
+            held_mem_gb=summary.held_mem_gb,
+            alloc_retries=summary.alloc_retries,
+            samples_per_s=summary.samples_per_s,
+            tokens_per_s=summary.tokens_per_s,
+            mfu=summary.mfu,
+            startup_s=startup_s(summary, context.startup["launched"]),
+            steps=summary.steps,
         )
-        summary = {"status": "ok", **figures}
     except RunFailed as err:
         status = "oom" if err.out_of_memory else "failed"
         reason = f"ran past task.probe_timeout={timeout_s:g} s" if err.timed_out else str(err)
         probe = Probe(batch_size, status, reason=reason, killed=err.killed_by is not None and not err.timed_out,
                       timed_out=err.timed_out)
-        summary = {"status": status, "error": reason}
+        summary = Summary(status=status, error=reason)
     probe.wall_s = time.perf_counter() - start
     probe.dir = f"{probe_dir.parent.name}/{probe_dir.name}"
     shutil.rmtree(probe_dir / "checkpoints", ignore_errors=True)
-    write_summary(probe_dir, {**summary, "batch_size": batch_size, "wall_s": probe.wall_s})
+    summary.batch_size, summary.wall_s = batch_size, probe.wall_s
+    summary.write(probe_dir)
     return probe

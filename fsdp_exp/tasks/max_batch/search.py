@@ -28,7 +28,8 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
     write_device_record,
 )
-from fsdp_exp.metrics.sinks import read_summary, write_json
+from fsdp_exp.metrics.sinks import write_json
+from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.rank.worker import rank_log_path
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.sharding.wrap import units_line
@@ -235,7 +236,8 @@ class MaxBatchSearch(Verifying):
         probe shards it alike, and a probe's own lines stay in its rank logs."""
         if self.units_told:
             return
-        units = (read_summary(probe_dir) or {}).get("fsdp_units")
+        summary = Summary.read(probe_dir)
+        units = summary.fsdp_units if summary is not None else None
         if units:
             log.info("%s", units_line(units, rank_log_path(probe_dir, 0)))
             self.units_told = True

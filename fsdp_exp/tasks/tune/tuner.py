@@ -35,6 +35,7 @@ from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.metrics.sinks import write_json
+from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.tune.report import RECORD, command_words, report, tune_record
 from fsdp_exp.tasks.max_batch.answer import speeds
@@ -288,28 +289,28 @@ class Tuner(Confirming, SetupsSideBySide):
         search = entry.search
         assert search is not None
         try:
-            figures = search.finish()
+            answer = Summary.of(search.finish())
         except (RunFailed, ConfigError) as err:
             self.conclude(entry, "failed", one_line(err))
             return
-        entry.row.max_batch_size = figures["max_batch_size"]
-        if not figures["max_batch_size"]:
-            need = figures.get("smallest_batch_needs_gb")
-            self.conclude(entry, "does not fit", f"batch {figures['searched_from']} "
+        largest = entry.row.max_batch_size = answer.max_batch_size
+        if not largest:
+            need = answer.smallest_batch_needs_gb
+            self.conclude(entry, "does not fit", f"batch {answer.searched_from} "
                         + (f"needs {need:.3f} GB" if need else "runs out of memory") + " under the limit")
             return
-        fastest = figures["fastest_batch_size"]
+        fastest = answer.fastest_batch_size
         probe = max((p for p in self.trained(entry) if p.batch_size == fastest), key=lambda p: p.samples_per_s or 0.0)
         self.fill_row(entry.row, probe, search.limit_gb)
-        how = f"fastest of {entry.row.probes} probes; max batch {figures['max_batch_size']}"
-        above = figures["max_batch_size"] + self.settings.resolution
+        how = f"fastest of {entry.row.probes} probes; max batch {largest}"
+        above = largest + self.settings.resolution
         failed = next((p for p in search.probes if p.batch_size == above and p.status == "failed"), None)
-        if figures["bounded_by"] == "failed" and failed is not None:
+        if answer.bounded_by == "failed" and failed is not None:
             how += f" ({above} did not train, not for lack of memory: {failed.reason})"
         if self.settings.global_batch is None:
             self.conclude(entry, "measured", how)
         else:
-            self.split(entry, figures["max_batch_size"], how)
+            self.split(entry, largest, how)
 
     def split(self, entry: TunedSetup, largest: int, how: str) -> None:
         """task.global_batch: the setup's fastest micro-batch and accumulation under its largest

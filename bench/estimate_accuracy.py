@@ -108,7 +108,7 @@ def run(overrides: list[str], out: Path, pythonpath: Path) -> dict:
     if result.returncode:
         sys.exit(f"failed: {' '.join(overrides)} (log: {out}/fsdp_exp.log)\n{result.stdout[-1500:]}{result.stderr[-1500:]}")
     summary = settled_summary(out, timeout_s=900)  # a run does not wait for its own estimate
-    return summary | {"command_s": time.perf_counter() - start,
+    return summary.as_dict() | {"command_s": time.perf_counter() - start,
                       "estimate": json.loads((out / "estimate.json").read_text())}
 
 

@@ -466,9 +466,10 @@ def test_the_bar_chart_stays_readable_at_60_runs(tmp_path: Path) -> None:
 
     from fsdp_exp.compare import Run, comparison_rows
     from fsdp_exp.metrics.plots import MAX_BARS
+    from fsdp_exp.metrics.summary import Summary
 
-    texts = plot_comparison(comparison_rows([Run(str(sweep / str(n)), json.loads(
-        (sweep / str(n) / "summary.json").read_text()), [], {}) for n in range(61)]), tmp_path / "chart.png")
+    texts = plot_comparison(comparison_rows([Run(str(sweep / str(n)), Summary.read(sweep / str(n)), [], {})
+                                             for n in range(61)]), tmp_path / "chart.png")
     assert texts[:MAX_BARS] == [f"{100.0 + 10 * n:,.1f}" for n in range(59, 59 - MAX_BARS, -1)]
     assert texts[-1] == (f"the {MAX_BARS} highest by samples/s of 61 runs; {61 - MAX_BARS} left out "
                          "(every run is in comparison.md and comparison.csv)")
@@ -548,12 +549,13 @@ def test_runs_that_differ_in_many_settings_are_named_by_where_each_is_unusual() 
     """A folder of a user's runs: past 4 differing settings, a run's name leaves out the
     values most runs share; a sweep of a few settings keeps every one of them."""
     from fsdp_exp.compare import Run, setup_names
+    from fsdp_exp.metrics.summary import Summary
 
     base = [f"train.key_{k}=1" for k in range(6)]
-    runs = [Run(f"r{n}", {"status": "ok"}, [o.replace("=1", "=2") if i == n else o for i, o in enumerate(base)], {})
+    runs = [Run(f"r{n}", Summary(status="ok"), [o.replace("=1", "=2") if i == n else o for i, o in enumerate(base)], {})
             for n in range(6)]
     assert setup_names(runs) == [f"train.key_{n}=2" for n in range(6)]
-    sweep = [Run(f"s{n}", {"status": "ok"}, [f"sharding={s}", f"precision={p}"], {})
+    sweep = [Run(f"s{n}", Summary(status="ok"), [f"sharding={s}", f"precision={p}"], {})
              for n, (s, p) in enumerate([("full", "fp32"), ("full", "bf16"), ("ddp", "fp32")])]
     assert setup_names(sweep) == ["sharding=full precision=fp32", "sharding=full precision=bf16",
                                   "sharding=ddp precision=fp32"]

@@ -39,6 +39,6 @@ def test_each_example_trains_and_peaks_within_a_tenth_of_its_own_estimate(name: 
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [r["loss"] for r in read_jsonl(run / "metrics.jsonl")]
     assert losses[-1] < losses[0], losses
-    summary = settled_summary(run)
+    summary = settled_summary(run).as_dict()
     assert "estimate_failed" not in summary, summary.get("estimate_failed")
     assert abs(summary["estimate_ratio"] - 1) <= 0.1, {k: v for k, v in summary.items() if "estimat" in k or "peak" in k}

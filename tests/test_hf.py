@@ -51,7 +51,7 @@ def train(out: Path, *overrides: str) -> list[float]:
     """One run through the driver; its loss at every step (a resumed run: the steps it trained)."""
     args = [*COMMON, *overrides]
     summary = run_experiment(prepare(compose_config(args), torch.cuda.device_count()), out, args, {})
-    assert summary["status"] == "ok", summary.get("error")
+    assert summary.ok, summary.error
     return [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
 
 

@@ -177,7 +177,7 @@ def test_rank_0s_whole_model_under_meta_is_its_peak_on_cpu(tmp_path: Path) -> No
                      "train.steps=2", "memory.limit_gb=4", "wandb.mode=disabled", f"hydra.run.dir={out}",
                      cwd=REPO, timeout=400, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = settled_summary(out)
+    summary = settled_summary(out).as_dict()
     record = read_json(out / "estimate.json")
     rank0, rank1 = summary["peak_under_limit_gb_per_rank"]
     assert rank0 > rank1 + 0.1, (rank0, rank1)

@@ -42,7 +42,7 @@ def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(
     result = run_cli("-m", "memory.estimate=true,false", *RUN, "wandb.mode=offline", f"hydra.sweep.dir={sweep}",
                      cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    checked_run, plain = settled_summary(sweep / "0"), read_json(sweep / "1" / "summary.json")
+    checked_run, plain = settled_summary(sweep / "0").as_dict(), read_json(sweep / "1" / "summary.json")
 
     alone = tmp_path / "estimate"
     estimated = run_cli("task=estimate", *RUN, f"hydra.run.dir={alone}", cwd=tmp_path)
@@ -94,7 +94,7 @@ def test_a_model_the_estimate_cannot_trace_still_trains_and_says_why(tmp_path: P
     out = tmp_path / "run"
     result = run_cli(*stack, "train.steps=2", f"hydra.run.dir={out}", cwd=REPO, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = settled_summary(out)
+    summary = settled_summary(out).as_dict()
     assert summary["status"] == "ok" and summary["peak_mem_gb"] > 0
     assert summary["estimate_failed"].startswith("task=estimate could not trace this setup"), summary
     assert "estimated_peak_mem_gb" not in summary
@@ -181,7 +181,7 @@ def test_under_a_cpu_limit_the_estimate_is_within_5_percent_for_fsdp_and_ddp(tmp
                      timeout=400, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
     for run in ("0", "1"):
-        summary = settled_summary(sweep / run)
+        summary = settled_summary(sweep / run).as_dict()
         assert abs(summary["estimate_ratio_peak_under_limit"] - 1) <= 0.05, (
             summary["choices"], summary["estimated_peak_under_limit_gb"], summary["peak_under_limit_gb"])
 
@@ -245,7 +245,7 @@ def test_a_checkpoint_save_that_outgrows_the_step_is_named_and_counted(tmp_path:
     result = run_cli("-m", "checkpoint=dcp_async_pinned,dcp", *WIDE_RUN, "++checkpoint.every=1",
                      f"hydra.sweep.dir={sweep}", cwd=REPO, timeout=400, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    pinned, sync = (settled_summary(sweep / run) for run in ("0", "1"))
+    pinned, sync = (settled_summary(sweep / run).as_dict() for run in ("0", "1"))
     staged, plain = (read_json(sweep / run / ESTIMATE_FILE) for run in ("0", "1"))
     assert staged["phase"] == "checkpoint save" and plain["phase"] != "checkpoint save", (staged["phase"], plain["phase"])
     phases = staged["batches"][0]["phases_gb"]

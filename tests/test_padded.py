@@ -122,7 +122,7 @@ def test_a_hugging_face_model_trains_on_padded_instructions_through_its_own_loss
             "loss=model", "sharding=full"]
     out = tmp_path / "run"
     summary = run_experiment(prepare(compose_config(args), 0), out, args, {})
-    assert summary["status"] == "ok", summary.get("error")
+    assert summary.ok, summary.error
     records = read_jsonl(out / "metrics.jsonl")
 
     model = AutoModelForCausalLM.from_pretrained(llama_dir)

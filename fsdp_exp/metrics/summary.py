@@ -1,6 +1,7 @@
 """summary.json: a run's record. The driver writes it (`Summary.write`, fsdp_exp.driver.run);
-whatever reads a finished run reads it (`Summary.read`): compare, a sweep's outcome, a
-probe's search, check_gpu, the run's own estimate added later. Each figure has one name, a
+whatever reads a finished run reads it as one (`Summary.read`, or `Summary.of` the file's
+dict): compare, a sweep's outcome, a probe's search, check_gpu, the run's own estimate added
+later. Each figure has one name, a
 field here, as the README and docs/ name it; what a task adds beyond these, and keys of
 older summaries, are kept in `more`.
 
@@ -20,7 +21,7 @@ from fsdp_exp.metrics.sinks import read_json, write_json
 SUMMARY = "summary.json"  # a run directory's summary, written by its driver
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Summary:
     # How the run ended (fsdp_exp.driver.run); `reason`: why its check refused it (a sweep's row)
     status: str | None = None  # ok, failed, oom, interrupted, refused

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fsdp_exp.data.images import SyntheticImages
 from fsdp_exp.distributed import Ranks
 from fsdp_exp.metrics.sinks import Progress, record_line
-from fsdp_exp.metrics.summary import Summary, summary_table
+from fsdp_exp.metrics.summary import NAMES, Summary, summary_table
 from fsdp_exp.models.vit import build_vit
 from fsdp_exp.batch import Batches
 from fsdp_exp.metrics.peaks import MemoryMonitor
@@ -193,6 +193,22 @@ def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
     assert list(startup) == list(MARKS)
     ranks = [startup[mark] for mark in ("rank_ready", "process_group", "built", "ready")]
     assert ranks == sorted(ranks), startup
+    assert set(summary) <= NAMES, set(summary) - NAMES  # every figure under a name the record knows
+
+
+def test_a_summary_is_written_and_read_back_as_one_record(tmp_path: Path) -> None:
+    """summary.json through `Summary`: a figure not known is left out, a key it has no field for
+    (an older summary's) is kept, and a name that is no field cannot be set."""
+    written = Summary(status="ok", steps=4, peak_mem_gb=1.5, mfu=None).with_figures({"estimated_peak_gb": 1.4})
+    written.write(tmp_path)
+    on_disk = read_json(tmp_path / "summary.json")
+    assert on_disk == {"status": "ok", "steps": 4, "peak_mem_gb": 1.5, "estimated_peak_gb": 1.4}
+    read = Summary.read(tmp_path)
+    assert read == written and read.peak_mem_gb == 1.5 and read.mfu is None
+    assert read.more == {"estimated_peak_gb": 1.4} and read.get("estimated_peak_gb") == 1.4
+    with pytest.raises(AttributeError):
+        read.peak_mem = 1.0  # type: ignore[attr-defined]
+    assert Summary.read(tmp_path / "none") is None
 
 
 # 300 MiB of 1 MiB blocks freed before training: after a large free, glibc serves such

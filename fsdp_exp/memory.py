@@ -13,14 +13,10 @@ import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from fsdp_exp.errors import ConfigError
-
-if TYPE_CHECKING:
-    from fsdp_exp.metrics.summary import Summary
 
 GB = 2**30
 
@@ -144,7 +140,7 @@ def peak_under_limit_gb() -> float | None:
     return (resident + peak_data - data) / GB
 
 
-def under_limit_figures(limit_gb: float | None, device_type: str, run: Summary,
+def under_limit_figures(limit_gb: float | None, device_type: str, reserved_gb_per_rank: list[float] | None,
                         counted_gb_per_rank: list[float] | None = None,
                         held_gb_per_rank: list[float] | None = None) -> dict:
     """The summary's figures under memory.limit_gb: the limit, and the peak it caps per rank
@@ -152,14 +148,14 @@ def under_limit_figures(limit_gb: float | None, device_type: str, run: Summary,
 
     GPU: set_per_process_memory_fraction caps what the caching allocator reserves (it
     refuses a new segment that would take its reserved bytes past the fraction, in
-    c10/cuda/CUDACachingAllocator.cpp), so the peak is the run's reserved peak, from `run`
-    (the trainer's figures). CPU: the limit's own count on each rank
+    c10/cuda/CUDACachingAllocator.cpp), so the peak is the run's reserved peak per rank
+    (`reserved_gb_per_rank`, the trainer's). CPU: the limit's own count on each rank
     (`peak_under_limit_gb()`, gathered), with what each rank held when its limit was set.
     """
     if limit_gb is None:
         return {}
     if device_type == "cuda":
-        per_rank, held = run.peak_reserved_gb_per_rank, None
+        per_rank, held = reserved_gb_per_rank, None
     else:
         per_rank, held = counted_gb_per_rank, held_gb_per_rank
     if not per_rank:

@@ -494,10 +494,10 @@ def test_under_a_limit_a_gpu_run_records_the_reserved_peak_the_limit_caps(fake_g
     hook = SimpleNamespace(before_step=step_allocates, after_step=lambda step: None)
     trainer = tiny_trainer(steps=4, log_every=2, hooks=(hook,), memory=MemoryMonitor(torch.device("cuda", 0)))
     summary = trainer.fit()
-    assert under_limit_figures(8.0, "cuda", summary) == {
+    assert under_limit_figures(8.0, "cuda", summary.peak_reserved_gb_per_rank) == {
         "limit_gb": 8.0, "peak_under_limit_gb": 1.5, "peak_under_limit_gb_per_rank": [1.5]}
-    assert under_limit_figures(None, "cuda", summary) == {}
-    assert under_limit_figures(1.0, "cpu", {"peak_mem_gb": 0.9}, [0.7, 0.8], [0.4, 0.5]) == {
+    assert under_limit_figures(None, "cuda", summary.peak_reserved_gb_per_rank) == {}
+    assert under_limit_figures(1.0, "cpu", None, [0.7, 0.8], [0.4, 0.5]) == {
         "limit_gb": 1.0, "peak_under_limit_gb": 0.8, "peak_under_limit_gb_per_rank": [0.7, 0.8],
         "held_before_limit_gb_per_rank": [0.4, 0.5]}
 

@@ -67,7 +67,8 @@ class UnderLimit:
         if mine is not None:  # CPU under a limit, on every rank alike
             counted = distributed.gather(mine, self.ranks.device)
             held = distributed.gather(held_before_limit_gb(), self.ranks.device)
-        return under_limit_figures(self.limit_gb, self.ranks.device.type, summary, counted, held)
+        return under_limit_figures(self.limit_gb, self.ranks.device.type, summary.peak_reserved_gb_per_rank,
+                                   counted, held)
 
 
 @dataclass

@@ -25,6 +25,8 @@ from fsdp_exp.memory import allocation_failure, is_out_of_memory, records_histor
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.peaks import GB, MemoryMonitor, device_used_gb
 from fsdp_exp.batch import Batches
+from fsdp_exp.metrics.summary import Summary
+from fsdp_exp.rank.report import DeviceUsed
 from fsdp_exp.rank.trainer import Hooks, OptimizerStep, Trainer, TrainSettings
 
 # ---- a CPU tensor in a GPU run's process group --------------------------------------------
@@ -512,3 +514,18 @@ def test_what_the_device_held_at_the_reserved_peak(monkeypatch: pytest.MonkeyPat
     assert device_used_gb(torch.device("cuda", 0), peak_reserved_gb=9.0) == pytest.approx(11.0)
     assert device_used_gb(torch.device("cuda", 0), peak_reserved_gb=8.0) == pytest.approx(10.0)
     assert device_used_gb(torch.device("cpu"), peak_reserved_gb=8.0) is None
+
+
+def test_a_rank_reports_what_its_device_held_at_its_own_reserved_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeviceUsed, the after-fit hook: rank 1 of 2 adds how far below its own peak (9 GB, not
+    rank 0's 3 GB) its allocator's reserve now is. One process here, so the gather returns this
+    rank's figure alone; the gather itself runs on 2 real ranks in the CPU runs."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GB, 80 * GB))  # 10 GB in use
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 8 * GB)
+    second = distributed.Ranks(rank=1, local_rank=1, world_size=2, device=torch.device("cuda", 1))
+    summary = Summary(peak_reserved_gb_per_rank=[3.0, 9.0])
+    assert DeviceUsed(second).figures(summary) == {"device_used_gb_per_rank": [pytest.approx(11.0)],
+                                                   "device_used_gb": pytest.approx(11.0)}
+    assert DeviceUsed(second).figures(Summary()) == {}  # nothing trained: no peak to add to
+    on_cpu = distributed.Ranks(rank=1, local_rank=1, world_size=2, device=torch.device("cpu"))
+    assert DeviceUsed(on_cpu).figures(summary) == {}

@@ -21,9 +21,10 @@ from fsdp_exp.cli import compose_checked
 from fsdp_exp.compare import main as compare
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.estimate.beside import WAIT_S, EstimateBeside, at_idle_priority
-from fsdp_exp.estimate.settle import ESTIMATE_FILE, checked, settle, settled_summary
+from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
+from fsdp_exp.estimate.settle import checked, settle, settled_summary
 from fsdp_exp.metrics.sinks import write_json
-from fsdp_exp.metrics.summary import PENDING
+from fsdp_exp.metrics.summary import PENDING, Summary
 from tests.conftest import REPO, SMALL_VIT, read_json, run_cli
 from tests.test_estimate import STACK
 
@@ -132,21 +133,41 @@ def test_on_a_gpu_the_reserved_and_device_figures_are_checked_too() -> None:
     """A GPU run's record and summary (figures by hand): allocated against allocated,
     the replay's reserved against the allocator's reserved peak, and what the device holds
     against torch.cuda.mem_get_info's use at that peak: each under the run's own name."""
-    record = {"peak_mem_gb": 10.0, "peak_under_limit_gb": 11.0, "peak_reserved_gb": 11.0, "device_used_gb": 12.2}
-    summary = {"peak_mem_gb": 9.5, "peak_reserved_gb": 12.0, "device_used_gb": 13.0}
+    record = EstimateRecord(peak_mem_gb=10.0, peak_under_limit_gb=11.0, peak_reserved_gb=11.0, device_used_gb=12.2)
+    summary = Summary(peak_mem_gb=9.5, peak_reserved_gb=12.0, device_used_gb=13.0)
     assert checked(summary, record) == {
         "estimated_peak_mem_gb": 10.0, "estimate_ratio_peak_mem": pytest.approx(10 / 9.5),
         "estimate_ratio": pytest.approx(10 / 9.5),
         "estimated_peak_reserved_gb": 11.0, "estimate_ratio_peak_reserved": pytest.approx(11 / 12),
         "estimated_device_used_gb": 12.2, "estimate_ratio_device_used": pytest.approx(12.2 / 13)}
-    cpu_under_a_limit = checked({"peak_mem_gb": 0.5, "peak_in_use_gb": 0.3, "peak_under_limit_gb": 1.0},
-                                {"peak_mem_gb": 0.4, "peak_in_use_gb": 0.33, "peak_under_limit_gb": 0.9})
+    cpu_under_a_limit = checked(Summary(peak_mem_gb=0.5, peak_in_use_gb=0.3, peak_under_limit_gb=1.0),
+                                EstimateRecord(peak_mem_gb=0.4, peak_in_use_gb=0.33, peak_under_limit_gb=0.9))
     assert cpu_under_a_limit == {"estimated_peak_in_use_gb": 0.33, "estimate_ratio_peak_in_use": pytest.approx(1.1),
                                  "estimate_ratio": pytest.approx(1.1),
                                  "estimated_peak_mem_gb": 0.4, "estimate_ratio_peak_mem": pytest.approx(0.8),
                                  "estimated_peak_under_limit_gb": 0.9,
                                  "estimate_ratio_peak_under_limit": pytest.approx(0.9)}
-    assert checked({"peak_mem_gb": 1.0}, {"error": "no"}) == {"estimate_failed": "no"}
+    assert checked(Summary(peak_mem_gb=1.0), EstimateRecord(error="no")) == {"estimate_failed": "no"}
+
+
+def test_an_estimate_is_written_and_read_back_as_one_record(tmp_path: Path) -> None:
+    """estimate.json through `EstimateRecord`: figures in field order, one not known left out,
+    a key it has no field for kept, a failed trace only its error, a damaged file no record."""
+    written = EstimateRecord(device="cpu", world_size=2, peak_mem_gb=0.4, limit_gb=None,
+                             batches=[{"batch_size": 8, "peak_under_limit_gb": 0.5}]).with_figures({"older": 1})
+    written.write(tmp_path)
+    assert read_json(tmp_path / ESTIMATE_FILE) == {"device": "cpu", "world_size": 2, "peak_mem_gb": 0.4,
+                                                   "batches": [{"batch_size": 8, "peak_under_limit_gb": 0.5}],
+                                                   "older": 1}
+    assert list(read_json(tmp_path / ESTIMATE_FILE)) == ["device", "world_size", "peak_mem_gb", "batches", "older"]
+    read = EstimateRecord.read(tmp_path)
+    assert read == written and read.more == {"older": 1} and not read.judged
+    with pytest.raises(AttributeError):
+        read.peak_gb = 1.0  # type: ignore[attr-defined]
+    EstimateRecord(error="no").write(tmp_path)
+    assert read_json(tmp_path / ESTIMATE_FILE) == {"error": "no"}
+    (tmp_path / ESTIMATE_FILE).write_text('{"device": "cp')
+    assert EstimateRecord.read(tmp_path) is None and EstimateRecord.read(tmp_path / "none") is None
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 
 from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.predict import estimate
-from fsdp_exp.estimate.settle import ESTIMATE_FILE, RECORD_FILE, checked
-from fsdp_exp.metrics.sinks import read_json, write_json
-from fsdp_exp.metrics.summary import PENDING
+from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
+from fsdp_exp.estimate.settle import RECORD_FILE, checked
+from fsdp_exp.metrics.summary import PENDING, Summary
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -53,12 +53,13 @@ class EstimateBeside:
         self.process = start_tracing(self.run_dir, (exp, nproc, ranks_per_node))
 
     def add_to(self, summary: dict) -> dict:
-        """`summary` with the estimate checked against it, unless rank 0 did so; if it is
-        still tracing, `estimate: pending` (the tracing process adds it when it ends)."""
+        """`summary` (the ranks' figures) with the estimate checked against it, unless rank 0
+        did so; if it is still tracing, `estimate: pending` (the tracing process adds it when
+        it ends)."""
         if "estimate_ratio" in summary or "estimate_failed" in summary:
             return summary
-        record = read_json(self.path)
-        return summary | ({"estimate": PENDING} if record is None else checked(summary, record))
+        record = EstimateRecord.read_from(self.path)
+        return summary | ({"estimate": PENDING} if record is None else checked(Summary.of(summary), record))
 
     def stop(self) -> None:
         """The run was stopped: so is its trace (the process and the one tracing)."""
@@ -87,12 +88,12 @@ def at_idle_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-def wait_for_estimate(path: Path, wait_s: float = WAIT_S) -> tuple[dict | None, float]:
+def wait_for_estimate(path: Path, wait_s: float = WAIT_S) -> tuple[EstimateRecord | None, float]:
     """Rank 0: the driver's estimate record if it is written within `wait_s`, and how long
     it looked."""
     start = time.perf_counter()
     while True:
-        record = read_json(path)
+        record = EstimateRecord.read_from(path)
         waited = time.perf_counter() - start
         if record is not None or waited >= wait_s:
             return record, waited
@@ -110,10 +111,10 @@ def main() -> None:
     try:
         record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node)
     except Exception as err:  # noqa: BLE001 - recorded in one line; the run goes on
-        record = {"error": one_line(err, limit=300)}
+        record = EstimateRecord(error=one_line(err, limit=300))
     # What is left is to wait for the run's summary: done by a light process in this one's
     # place, which puts the record in place as it starts, once this one's memory is gone.
-    write_json(run_dir / RECORD_FILE, record)
+    record.write_to(run_dir / RECORD_FILE)
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, "-m", "fsdp_exp.estimate.settle", *sys.argv[1:4]])
 

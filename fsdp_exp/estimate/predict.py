@@ -17,6 +17,7 @@ from fsdp_exp.estimate.breakdown import GB, estimate_batch, evaluation_gb
 from fsdp_exp.estimate.curve import PeakCurve
 from fsdp_exp.estimate.gpu import Gpu, cublas_workspaces, outside_allocator_gb
 from fsdp_exp.estimate.host import HostSetup, host_memory
+from fsdp_exp.estimate.record import EstimateRecord
 from fsdp_exp.launch.core import POLL_S, RunFailed, alongside
 from fsdp_exp.metrics.peaks import anonymous_bytes
 
@@ -28,7 +29,7 @@ TIME_LIMIT_S = 900  # a trace past this is stopped: something in it does not run
 
 def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
              baseline_gb: float | None = None, stop_above_gb: float | None = None, gpu: Gpu | None = None,
-             ranks_per_node: int | None = None) -> dict:
+             ranks_per_node: int | None = None) -> EstimateRecord:
     """The estimate record, traced in a fresh process (see `trace_in_child`). With
     `stop_above_gb`, the sizes are traced in order up to the first whose step is predicted
     to peak above it. On a GPU, `gpu` (task.gpu) names the device whose memory it must fit in.
@@ -69,44 +70,46 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
                              crossing([(b.batch_size, b.device_used_gb or 0.0) for b in batches], gpu_gb),
                              crossing([(b.batch_size, b.host["host_gb"]) for b in batches], host_limit))
                  if c is not None]
-    return {
-        "device": "cuda" if on_gpu else "cpu",
-        "world_size": world_size,
-        "shards": traced.shard_count,
-        "params": traced.params,
-        "batch_size": chosen.batch_size,
-        # Each figure a run measures under the name the run gives it (its summary has each
-        # beside the measured one as estimated_<name>):
-        # peak_mem_gb: the largest while it trains, the runtime left out, the data set and the build's imports in
-        "peak_mem_gb": chosen.training_gb() - chosen.breakdown_gb["baseline"] + data_gb + build_held_gb,
-        **({"peak_in_use_gb": chosen.peak_in_use_gb} if chosen.peak_in_use_gb is not None else {}),
-        "peak_under_limit_gb": chosen.peak_under_limit_gb,  # what memory.limit_gb caps
-        **({"peak_reserved_gb": chosen.peak_reserved_gb, "device_used_gb": chosen.device_used_gb} if on_gpu else {}),
+    gpu_named = gpu if on_gpu else None
+    return EstimateRecord(
+        device="cuda" if on_gpu else "cpu",
+        world_size=world_size,
+        shards=traced.shard_count,
+        params=traced.params,
+        batch_size=chosen.batch_size,
+        # Each figure a run measures, under the name the run gives it:
+        # the largest while it trains, the runtime left out, the data set and the build's imports in
+        peak_mem_gb=chosen.training_gb() - chosen.breakdown_gb["baseline"] + data_gb + build_held_gb,
+        peak_in_use_gb=chosen.peak_in_use_gb,
+        peak_under_limit_gb=chosen.peak_under_limit_gb,
+        peak_reserved_gb=chosen.peak_reserved_gb if on_gpu else None,
+        device_used_gb=chosen.device_used_gb if on_gpu else None,
         # and what no run measures apart: the rank's whole peak with its runtime, which phase
         # sets it (a model build can outgrow the steps), and the runtime itself
-        "peak_with_runtime_gb": chosen.peak_with_runtime_gb,
-        "peak_mem_with_build_gb": chosen.peak_with_runtime_gb - chosen.breakdown_gb["baseline"] + data_gb + build_held_gb,
-        "runtime_gb": chosen.breakdown_gb["baseline"] - data_gb - build_held_gb,
-        "data_gb": data_gb,  # CPU: what making the data set grew the tracing process by (measured, to a MB or so)
-        "build_held_gb": build_held_gb,  # CPU: what building the model grew it by besides its tensors (imports)
-        "step_peak_gb": chosen.step_peak_gb,
-        "phase": chosen.phase,
-        "breakdown_gb": chosen.breakdown_gb,
-        **({"outside_allocator_gb": outside,
-            "cublas_workspaces_mb": [n / 2**20 for n in workspaces]} if on_gpu else {}),
-        **({"gpu": gpu.name, "gpu_memory_gb": gpu.memory_gb} if gpu is not None and on_gpu else {}),
-        **({"offloaded_gb": chosen.offloaded_gb} if chosen.offloaded_gb is not None else {}),
-        "build_peak_gb": (traced.build_bytes / GB + baseline_gb) if builds_whole else None,
-        "limit_gb": limit,
-        **chosen.host,  # host_gb (per node), host_phase, host_per_rank_gb
-        "ranks_per_node": on_host.ranks_per_node,
-        "host_limit_gb": host_limit,
-        "largest_batch_fitting": fitting[-1].batch_size if fitting else (0 if judged else None),
-        "predicted_max_batch": min(crossings) if crossings else None,
-        "batches": [b.to_json() for b in batches],
-        "trace_s": traced.seconds,
-        "wall_s": time.perf_counter() - start,
-    }
+        peak_with_runtime_gb=chosen.peak_with_runtime_gb,
+        peak_mem_with_build_gb=chosen.peak_with_runtime_gb - chosen.breakdown_gb["baseline"] + data_gb + build_held_gb,
+        runtime_gb=chosen.breakdown_gb["baseline"] - data_gb - build_held_gb,
+        data_gb=data_gb,
+        build_held_gb=build_held_gb,
+        step_peak_gb=chosen.step_peak_gb,
+        phase=chosen.phase,
+        breakdown_gb=chosen.breakdown_gb,
+        outside_allocator_gb=outside if on_gpu else None,
+        cublas_workspaces_mb=[n / 2**20 for n in workspaces] if on_gpu else None,
+        gpu=gpu_named.name if gpu_named else None,
+        gpu_memory_gb=gpu_named.memory_gb if gpu_named else None,
+        offloaded_gb=chosen.offloaded_gb,
+        build_peak_gb=(traced.build_bytes / GB + baseline_gb) if builds_whole else None,
+        limit_gb=limit,
+        **chosen.host,  # host_gb (per node), host_phase, host_per_rank_gb, host_launcher_gb
+        ranks_per_node=on_host.ranks_per_node,
+        host_limit_gb=host_limit,
+        largest_batch_fitting=fitting[-1].batch_size if fitting else (0 if judged else None),
+        predicted_max_batch=min(crossings) if crossings else None,
+        batches=[b.to_json() for b in batches],
+        trace_s=traced.seconds,
+        wall_s=time.perf_counter() - start,
+    )
 
 
 def fits(batch: dict, limit_gb: float | None, gpu_memory_gb: float | None,

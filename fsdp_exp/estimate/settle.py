@@ -14,30 +14,29 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_exp.metrics.sinks import read_json
+from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
 from fsdp_exp.metrics.summary import ESTIMATED, PENDING, SUMMARY, Summary, estimate_ratio, estimated
 
-ESTIMATE_FILE = "estimate.json"
 RECORD_FILE = ".estimate_record.json"  # the record, written by the tracing process before it becomes this one
 POLL_S = 0.2
 
 
-def checked(summary: Summary | dict, record: dict) -> dict:
+def checked(summary: Summary, record: EstimateRecord) -> dict:
     """The estimate beside what the run measured: each figure of the record that the run
     measured too (`ESTIMATED`: the record names them as the run does) as
     `estimated_<figure>`, and estimated over measured as `estimate_ratio_<figure>`; the
     first of those is `estimate_ratio`: on CPU what the allocations held where the step's
     phases end (the resident peak also holds what glibc keeps of freed blocks), on a GPU
     the allocator's peak. Or why there is none."""
-    if "error" in record:
-        return {"estimate_failed": record["error"]}
+    if record.error is not None:
+        return {"estimate_failed": record.error}
     found: dict = {}
     for _, measured in ESTIMATED:
         if record.get(measured) is None or summary.get(measured) is None:
             continue
-        found[estimated(measured)] = record[measured]
+        found[estimated(measured)] = record.get(measured)
         if summary.get(measured):
-            found[estimate_ratio(measured)] = record[measured] / summary.get(measured)
+            found[estimate_ratio(measured)] = record.get(measured) / summary.get(measured)
             found.setdefault("estimate_ratio", found[estimate_ratio(measured)])
     return found
 
@@ -45,7 +44,7 @@ def checked(summary: Summary | dict, record: dict) -> dict:
 def settle(run_dir: Path) -> bool:
     """A summary that says `estimate: pending`, with the estimate checked against it, once
     the record is there; True if it was."""
-    summary, record = Summary.read(run_dir), read_json(run_dir / ESTIMATE_FILE)
+    summary, record = Summary.read(run_dir), EstimateRecord.read(run_dir)
     if summary is None or record is None or summary.estimate != PENDING:
         return False
     summary.estimate = None

@@ -11,18 +11,16 @@ run's, the answer's or tune's winner's (compare reads them by task)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from fsdp_exp.metrics.sinks import read_json, write_json
+from fsdp_exp.metrics.json_record import JsonRecord
 
 SUMMARY = "summary.json"  # a run directory's summary, written by its driver
 
 
 @dataclass(kw_only=True, slots=True)
-class Summary:
+class Summary(JsonRecord):
     # How the run ended (fsdp_exp.driver.run); `reason`: why its check refused it (a sweep's row)
     status: str | None = None  # ok, failed, oom, interrupted, refused
     error: str | None = None
@@ -167,45 +165,14 @@ class Summary:
 
     more: dict[str, Any] = field(default_factory=dict)  # any other key, as it was written
 
-    @classmethod
-    def of(cls, figures: Mapping[str, Any]) -> Summary:
-        """The record of these figures: each under its field, any other key in `more`."""
-        return cls().with_figures(figures)
-
-    def with_figures(self, figures: Mapping[str, Any]) -> Summary:
-        """This record with `figures` added (a figure already here is replaced)."""
-        for key, value in figures.items():
-            if key in NAMES:
-                setattr(self, key, value)
-            else:
-                self.more[key] = value
-        return self
-
-    def as_dict(self) -> dict[str, Any]:
-        """As summary.json holds it: every figure that is set, then `more`."""
-        known = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "more"}
-        return {**{k: v for k, v in known.items() if v is not None}, **self.more}
-
-    def get(self, name: str, default: Any = None) -> Any:
-        """A figure by its name (a field's, or one in `more`), or `default` when it is not set."""
-        value = getattr(self, name) if name in NAMES else self.more.get(name)
-        return default if value is None else value
+    FILE: ClassVar[str] = SUMMARY
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
-    def write(self, run_dir: Path) -> None:
-        write_json(Path(run_dir) / SUMMARY, self.as_dict())
 
-    @classmethod
-    def read(cls, run_dir: Path) -> Summary | None:
-        """A run directory's summary; None where there is none or it cannot be read."""
-        record = read_json(Path(run_dir) / SUMMARY)
-        return None if record is None else cls.of(record)
-
-
-NAMES = frozenset(f.name for f in fields(Summary) if f.name != "more")
+NAMES = Summary.names()
 
 
 # What a run measures that its own estimate predicts (memory.estimate, fsdp_exp.estimate.beside),

@@ -19,11 +19,10 @@ from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.estimate.breakdown import PARTS
 from fsdp_exp.estimate.gpu import Gpu, gpu_named
 from fsdp_exp.estimate.predict import estimate, fits
-from fsdp_exp.estimate.settle import ESTIMATE_FILE
+from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import device_memory_gb
 from fsdp_exp.metrics.plots import plot_tokens
-from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.tasks import Task, setup_line
 
 if TYPE_CHECKING:
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
     from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")
-
-RECORD = ESTIMATE_FILE
 
 
 @dataclass
@@ -95,18 +92,17 @@ class Estimate(Task):
                  f"batch {sizes[0]}" if len(sizes) == 1 else f"{len(sizes)} batch sizes, {sizes[0]} to {sizes[-1]}")
         record = estimate(exp, nproc, sizes, self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu(),
                           ranks_per_node=per_node)
-        record["setup"] = setup_line(context)
+        record.setup = setup_line(context)
         tokens(record, exp)
         if self.seq_lens:
-            record["by_seq_len"] = [self.at_seq_len(exp, length, nproc, per_node) for length in sorted(set(self.seq_lens))]
-        write_json(Path(run_dir) / RECORD, record)
+            record.by_seq_len = [self.at_seq_len(exp, length, nproc, per_node) for length in sorted(set(self.seq_lens))]
+        record.write(run_dir)
         print(table(record), flush=True)
         if self.seq_lens:
             print(seq_len_table(record), flush=True)
-            plot_tokens(record, Path(run_dir) / "estimate_seq_lens.png")
-        log.info("%s -> %s", answer_line(record), run_dir / RECORD)
-        return {"task": "estimate", **{k: record[k] for k in SUMMARY_KEYS},
-                **{k: record[k] for k in (*GPU_KEYS, *TOKEN_KEYS) if k in record}}
+            plot_tokens(record.by_seq_len, record.limit_gb, record.gpu, Path(run_dir) / "estimate_seq_lens.png")
+        log.info("%s -> %s", answer_line(record), run_dir / ESTIMATE_FILE)
+        return {"task": "estimate", **{k: record.get(k) for k in (*SUMMARY_KEYS, *GPU_KEYS, *TOKEN_KEYS)}}
 
     def at_seq_len(self, exp: Experiment, length: int, nproc: int, per_node: int) -> dict:
         """The estimate with data.seq_len=`length`: the largest batch that fits and its tokens,
@@ -118,29 +114,30 @@ class Estimate(Task):
         except RunFailed as err:
             return {"seq_len": length, "error": str(err)}
         tokens(found, longer)
-        return {"seq_len": length, **{k: found[k] for k in ("batch_size", "peak_mem_gb", "largest_batch_fitting",
-                                                             "predicted_max_batch", *TOKEN_KEYS) if k in found}}
+        return {"seq_len": length, **{k: found.get(k) for k in ("batch_size", "peak_mem_gb", "largest_batch_fitting",
+                                                                 "predicted_max_batch", *TOKEN_KEYS)
+                                      if found.get(k) is not None}}
 
 
-def tokens(record: dict, exp: Experiment) -> None:
+def tokens(record: EstimateRecord, exp: Experiment) -> None:
     """For token data, the answer in tokens: a micro-batch of the largest batch that fits
     (or of the batch estimated) times data.seq_len."""
     if not isinstance(exp.data, TokenData):
         return
-    batch = record["largest_batch_fitting"] if record["largest_batch_fitting"] is not None else record["batch_size"]
-    record["seq_len"] = exp.data.seq_len
-    record["tokens_per_micro_batch"] = batch // exp.train.grad_accum * exp.data.seq_len
-    if record.get("predicted_max_batch") is not None:
-        record["predicted_max_tokens"] = record["predicted_max_batch"] // exp.train.grad_accum * exp.data.seq_len
+    batch = record.largest_batch_fitting if record.largest_batch_fitting is not None else record.batch_size
+    record.seq_len = exp.data.seq_len
+    record.tokens_per_micro_batch = batch // exp.train.grad_accum * exp.data.seq_len
+    if record.predicted_max_batch is not None:
+        record.predicted_max_tokens = record.predicted_max_batch // exp.train.grad_accum * exp.data.seq_len
 
 
-def seq_len_table(record: dict) -> str:
+def seq_len_table(record: EstimateRecord) -> str:
     """The largest batch and its tokens per micro-batch at each sequence length."""
-    fitted = record["limit_gb"] is not None or "gpu" in record
+    fitted = record.limit_gb is not None or record.gpu is not None
     head = "largest batch" if fitted else "batch"
     lines = [f"{'seq_len':>8} {head:>14} {'tokens/micro-batch':>19} {'peak GB':>8}"
              + (f" {'curve: batch':>13} {'tokens':>9}" if fitted else "")]
-    for row in record["by_seq_len"]:
+    for row in record.by_seq_len or []:
         if "error" in row:
             lines.append(f"{row['seq_len']:>8}  {row['error']}")
             continue
@@ -161,62 +158,65 @@ GPU_KEYS = ("peak_in_use_gb", "peak_reserved_gb", "device_used_gb", "gpu", "gpu_
 TOKEN_KEYS = ("seq_len", "tokens_per_micro_batch", "predicted_max_tokens")
 
 
-def answer_line(record: dict) -> str:
-    where = f"{record['world_size']} ranks on {record['device']}"
-    runtime = record["runtime_gb"]
-    line = (f"predicted peak per rank at batch {record['batch_size']}: {record['peak_mem_with_build_gb']:.2f} GB "
-            f"({where}, at the {record['phase'] or 'step'}), {record['peak_with_runtime_gb']:.2f} GB "
-            f"with {runtime:.2f} GB of runtime")
-    if "device_used_gb" in record:
-        line += f"; the GPU holds {record['device_used_gb']:.2f} GB ({record['peak_reserved_gb']:.2f} GB reserved by torch)"
-    room = " and ".join(([f"under memory.limit_gb={record['limit_gb']:g}"] if record["limit_gb"] is not None else [])
-                        + ([f"on {record['gpu']} ({record['gpu_memory_gb']:g} GB)"] if "gpu" in record else [])
-                        + ([f"with the host under memory.host_limit_gb={record['host_limit_gb']:g}"]
-                           if record.get("host_limit_gb") is not None else []))
-    if room and len(record["batches"]) > 1:
-        fitting = record["largest_batch_fitting"]
+def answer_line(record: EstimateRecord) -> str:
+    where = f"{record.world_size} ranks on {record.device}"
+    line = (f"predicted peak per rank at batch {record.batch_size}: {record.peak_mem_with_build_gb:.2f} GB "
+            f"({where}, at the {record.phase or 'step'}), {record.peak_with_runtime_gb:.2f} GB "
+            f"with {record.runtime_gb:.2f} GB of runtime")
+    if record.device_used_gb is not None:
+        line += f"; the GPU holds {record.device_used_gb:.2f} GB ({record.peak_reserved_gb:.2f} GB reserved by torch)"
+    room = " and ".join(([f"under memory.limit_gb={record.limit_gb:g}"] if record.limit_gb is not None else [])
+                        + ([f"on {record.gpu} ({record.gpu_memory_gb:g} GB)"] if record.gpu is not None else [])
+                        + ([f"with the host under memory.host_limit_gb={record.host_limit_gb:g}"]
+                           if record.host_limit_gb is not None else []))
+    if room and len(record.batches) > 1:
+        fitting = record.largest_batch_fitting
         line += (f"; largest batch predicted to fit {room}: {fitting}" if fitting
                  else f"; no batch asked for fits {room}")
-        if record["predicted_max_batch"] is not None:
-            line += f" (the estimate's curve reaches it at {record['predicted_max_batch']})"
+        if record.predicted_max_batch is not None:
+            line += f" (the estimate's curve reaches it at {record.predicted_max_batch})"
     elif room:
-        fit = fits(record["batches"][0], record["limit_gb"], record.get("gpu_memory_gb"), record.get("host_limit_gb"))
-        line += f"; {'fits' if fit else 'does not fit'} {room}"
+        line += f"; {'fits' if fitting_batch(record, record.batches[0]) else 'does not fit'} {room}"
     return line
 
 
-def table(record: dict) -> str:
+def fitting_batch(record: EstimateRecord, batch: dict) -> bool | None:
+    """Whether a traced batch of the record fits where it must (predict.fits)."""
+    return fits(batch, record.limit_gb, record.gpu_memory_gb, record.host_limit_gb)
+
+
+def table(record: EstimateRecord) -> str:
     """One screen: the peak per batch size and what it is made of, in GB."""
     columns = [*PARTS, "baseline"]
-    on_gpu = record["device"] == "cuda"
+    on_gpu = record.device == "cuda"
     short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
              "temporaries": "temps", "unsharded_and_buffers": "unshard", "baseline": "outside" if on_gpu else "rt+data"}
-    runtime = record["runtime_gb"]
-    judged = record["limit_gb"] is not None or "gpu" in record or record.get("host_limit_gb") is not None
-    lines = [f"estimate for {record['setup']}: {record['params']:,} parameters, {record['world_size']} ranks "
-             f"({record['shards']} sharing each parameter), {record['device']}",
+    runtime = record.runtime_gb
+    judged = record.judged
+    lines = [f"estimate for {record.setup}: {record.params:,} parameters, {record.world_size} ranks "
+             f"({record.shards} sharing each parameter), {record.device}",
              f"{'batch':>6} {'peak GB':>8} {'+runtime':>8}" + (f" {'reserved':>8} {'device':>8}" if on_gpu else "")
              + f" {'phase':<15}" + "".join(f"{short[c]:>8}" for c in columns) + (f" {'fits':>5}" if judged else "")]
-    for b in record["batches"]:
+    for b in record.batches:
         own = b["peak_with_runtime_gb"] - runtime
         row = (f"{b['batch_size']:>6} {own:>8.3f} {b['peak_with_runtime_gb']:>8.3f}"
                + (f" {b['peak_reserved_gb']:>8.3f} {b['device_used_gb']:>8.3f}" if on_gpu else "") + f" {b['phase'] or 'step':<15}")
         row += "".join(f"{b['breakdown_gb'][c]:>8.3f}" for c in columns)
         if judged:
-            row += f" {'yes' if fits(b, record['limit_gb'], record.get('gpu_memory_gb'), record.get('host_limit_gb')) else 'no':>5}"
+            row += f" {'yes' if fitting_batch(record, b) else 'no':>5}"
         lines.append(row)
     if on_gpu:
-        outside = ", ".join(f"{k.replace('_', ' ')} {v:.2f} GB" for k, v in record["outside_allocator_gb"].items())
+        outside = ", ".join(f"{k.replace('_', ' ')} {v:.2f} GB" for k, v in record.outside_allocator_gb.items())
         lines.append(f"on the GPU: reserved is what torch's caching allocator holds (memory.limit_gb caps it); "
                      f"the device also holds {outside} outside it")
     lines.append(host_line(record))
-    evaluated = [b for b in record["batches"] if b.get("eval_gb") is not None]
+    evaluated = [b for b in record.batches if b.get("eval_gb") is not None]
     if evaluated:
         lines.append("task=eval of these weights, in one process at task.batch_size "
                      + ", ".join(f"{b['batch_size']}: {b['eval_gb']:.2f} GB" for b in evaluated)
                      + " (the whole model, and a weights file read beside it or the forward without gradients)")
     for name, (what, avoid) in OUTGROWING.items():
-        outgrown = [b for b in record["batches"] if b["phase"] == name]
+        outgrown = [b for b in record.batches if b["phase"] == name]
         if outgrown:
             lines.append(f"{what} peaks above a step at batch {', '.join(str(b['batch_size']) for b in outgrown)} "
                          f"({outgrown[0]['phases_gb'].get(name, outgrown[0]['peak_with_runtime_gb']):.3f} GB "
@@ -224,17 +224,17 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def host_line(record: dict) -> str:
+def host_line(record: EstimateRecord) -> str:
     """The host's memory per node at the answer's batch: the total, what each rank holds,
     and against what it is judged (memory.host_limit_gb, else this machine's RAM)."""
-    parts = ", ".join(f"{name} {gb:.2f} GB" for name, gb in record["host_per_rank_gb"].items())
-    limit = record.get("host_limit_gb")
+    parts = ", ".join(f"{name} {gb:.2f} GB" for name, gb in record.host_per_rank_gb.items())
+    limit = record.host_limit_gb
     against = (f"memory.host_limit_gb={limit:g}" if limit is not None
                else f"this machine's {device_memory_gb('cpu'):.1f} GB of RAM (memory.host_limit_gb sets a node's)")
-    fits_in = record["host_gb"] <= (limit if limit is not None else device_memory_gb("cpu"))
-    line = (f"host per node at batch {record['batch_size']}: {record['host_gb']:.2f} GB at its {record['host_phase']} "
-            f"({record['ranks_per_node']} rank(s), each {parts}; the launching command and its rank server "
-            f"{record['host_launcher_gb']:.2f} GB); "
+    fits_in = record.host_gb <= (limit if limit is not None else device_memory_gb("cpu"))
+    line = (f"host per node at batch {record.batch_size}: {record.host_gb:.2f} GB at its {record.host_phase} "
+            f"({record.ranks_per_node} rank(s), each {parts}; the launching command and its rank server "
+            f"{record.host_launcher_gb:.2f} GB); "
             f"{'fits' if fits_in else 'does not fit'} {against}")
     if not fits_in:
         line += "; " + HOST_SAVINGS

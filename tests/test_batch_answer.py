@@ -13,6 +13,7 @@ from fsdp_exp.tasks.max_batch.answer import (
     probe_to_place_fastest,
 )
 from fsdp_exp.tasks.max_batch.probe import Probe
+from fsdp_exp.tasks.max_batch.record import MaxBatchRecord
 from fsdp_exp.tasks.max_batch.report import summary_figures
 from fsdp_exp.tasks.max_batch.verify import step_down
 
@@ -66,14 +67,15 @@ def test_one_more_probe_places_a_fastest_batch_whose_neighbours_are_far():
     assert probe_to_place_fastest(close, up_to=656, resolution=1) is None
 
 
-def record(**changes) -> dict:
-    return {"max_batch_size": 652, "world_size": 2, "resolution": 4, "limit_gb": LIMIT, "search_up_to": 4096,
-            "bounded_by": "oom", "noise_band_gb": 0.6 * MB, "noise_band_samples": 3.04, "peak_under_limit_gb": 0.5991,
-            "recommended_batch_size": 352, "margin": 0.1, "fastest_batch_size": 624,
-            "fastest_samples_per_s": 1536.6, "near_fastest_batch_size": 428, "smallest_batch_needs_gb": None,
-            "probe_count": 7, "probe_wall_s": 91.0, "searched_max_batch_size": 652, "verify_wall_s": 40.0,
-            "verification": {"steps": 50, "status": "completed", "ran_out_of_memory_at": [],
-                             "runs": [{"batch_size": 652, "status": "ok", "reason": None}]}} | changes
+def record(**changes) -> MaxBatchRecord:
+    return MaxBatchRecord(**{
+        "max_batch_size": 652, "world_size": 2, "resolution": 4, "limit_gb": LIMIT, "search_up_to": 4096,
+        "bounded_by": "oom", "noise_band_gb": 0.6 * MB, "noise_band_samples": 3.04, "peak_under_limit_gb": 0.5991,
+        "recommended_batch_size": 352, "margin": 0.1, "fastest_batch_size": 624,
+        "fastest_samples_per_s": 1536.6, "near_fastest_batch_size": 428, "smallest_batch_needs_gb": None,
+        "probe_count": 7, "probe_wall_s": 91.0, "searched_max_batch_size": 652, "verify_wall_s": 40.0,
+        "verification": {"steps": 50, "status": "completed", "ran_out_of_memory_at": [],
+                         "runs": [{"batch_size": 652, "status": "ok", "reason": None}]}} | changes)
 
 
 def test_the_answer_line_names_the_counted_peak_the_noise_band_and_the_fastest_batch():

@@ -11,7 +11,9 @@ import pytest
 import yaml
 
 from fsdp_exp.compare import main
-from fsdp_exp.metrics.plots import plot_comparison, plot_max_batch
+from fsdp_exp.metrics.plots import plot_comparison
+from fsdp_exp.tasks.max_batch.plot import plot_max_batch
+from fsdp_exp.tasks.max_batch.record import MaxBatchRecord
 from tests.conftest import REPO, SMALL_VIT, read_json, run_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -307,7 +309,7 @@ def test_wandb_without_a_key_is_one_clear_line(tmp_path: Path) -> None:
     assert "API key" in lines[0]
 
 
-def max_batch_record(**changes) -> dict:
+def max_batch_record(**changes) -> MaxBatchRecord:
     """A max_batch.json as a search writes it, on GPU: peaks as the limit counts them."""
     probe = {"status": "ok", "reason": None, "peak_mem_gb_per_rank": None, "held_mem_gb": 0.7,
              "predicted_peak_gb": None, "wall_s": 7.1, "within_noise": False, "alloc_retries": 0.0}
@@ -331,7 +333,7 @@ def max_batch_record(**changes) -> dict:
               "memory_model": {"intercept_gb": 0.8, "slope_gb_per_sample": 0.003, "points": 3,
                                "measure": "peak_reserved_gb"},
               "probes": probes, "probe_count": 6, "wall_s": 40.2}
-    return record | changes
+    return MaxBatchRecord(**record | changes)
 
 
 def test_plot_max_batch_draws_the_limit_its_noise_band_and_the_batch_to_use(tmp_path: Path) -> None:
@@ -346,7 +348,7 @@ def test_plot_max_batch_draws_the_limit_its_noise_band_and_the_batch_to_use(tmp_
 def test_plot_max_batch_when_none_fits(tmp_path: Path) -> None:
     record = max_batch_record(max_batch_size=0, recommended_batch_size=0, memory_model=None,
                               smallest_batch_needs_gb=3.6512, fastest_batch_size=None, bounded_by="oom")
-    record["probes"] = [p | {"status": "oom", "batch_size": 1} for p in record["probes"][:1]]
+    record.probes = [p | {"status": "oom", "batch_size": 1} for p in record.probes[:1]]
     texts = plot_max_batch(record, tmp_path / "max_batch.png")
     assert "none fits (batch 1 needs 3.65 GB)" in texts and "no probe trained" in texts
 
@@ -354,7 +356,7 @@ def test_plot_max_batch_when_none_fits(tmp_path: Path) -> None:
 def test_plot_max_batch_without_an_answer_or_a_model(tmp_path: Path) -> None:
     """Even batch 1 ran out of memory and no limit was set: nothing to fit, nothing to mark."""
     record = max_batch_record(max_batch_size=None, recommended_batch_size=None, memory_model=None, limit_gb=None)
-    record["probes"] = [p for p in record["probes"] if p["status"] != "ok"]
+    record.probes = [p for p in record.probes if p["status"] != "ok"]
     plot_max_batch(record, tmp_path / "max_batch.png")
     png = (tmp_path / "max_batch.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 1000

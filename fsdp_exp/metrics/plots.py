@@ -1,4 +1,5 @@
-"""Figures for people: where a batch-size search met the memory limit, and runs side by side.
+"""Figures for people: runs side by side (compare, task=tune), and task=estimate's tokens by
+sequence length. A batch-size search's own figure is fsdp_exp.tasks.max_batch.plot.
 
 matplotlib is imported inside each function, with the Agg backend, so importing this module
 costs nothing and a machine without a display can still draw.
@@ -11,11 +12,9 @@ from pathlib import Path
 from typing import Any
 
 DPI = 120
-# Past this spread of probed sizes, a linear axis crushes the small probes into one spot.
-LOG_X_ABOVE_RATIO = 16
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,105 +23,16 @@ def _pyplot() -> Any:
     return plt
 
 
-MEASURES = {"peak_under_limit_gb": "peak as memory.limit_gb counts it", "peak_reserved_gb": "peak reserved",
-            "peak_mem_gb": "peak memory"}
+def none_fits(row: Any) -> str:
+    """A max-batch row (a Summary, or compare's row of one) where not even the smallest size
+    fits, in a few words."""
+    size = row.get("searched_from") or row.get("resolution") or 1  # past sizes too small to train
+    return none_fits_at(size, row.get("smallest_batch_needs_gb"))
 
 
-def plot_max_batch(record: dict, path: Path) -> list[str]:
-    """max_batch.json drawn: above, the peak the limit counts per probed batch size, the
-    fitted line, the limit with its noise band and the answer; below, samples/s per batch
-    size with the fastest batch and the smallest within 5% of it. Returns the texts drawn
-    (legend entries and notes)."""
-    plt = _pyplot()
-    probes = sorted(record.get("probes", []), key=lambda p: p["batch_size"])
-    model = record.get("memory_model")
-    measure = (model or {}).get("measure", "peak_under_limit_gb")
-    fits = [p for p in probes if p["status"] == "ok" and p.get(measure) is not None]
-    limit_gb = record.get("limit_gb")
-    # oom and failed probes have no peak; they are drawn where they hit: the limit, or just
-    # above the highest peak when no limit was set.
-    top = max((p[measure] for p in fits), default=1.0)
-    no_fit_height = limit_gb if limit_gb is not None else top * 1.05
-
-    fig, (memory_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, height_ratios=[3, 2])
-    for within, style in ((False, {"color": "tab:blue"}), (True, {"color": "tab:orange"})):
-        shown = [p for p in fits if bool(p.get("within_noise")) == within]
-        if shown:
-            label = f"{MEASURES.get(measure, measure)} (max over ranks)" if not within else "fit inside the noise band"
-            memory_ax.plot([p["batch_size"] for p in shown], [p[measure] for p in shown], "o", label=label, **style)
-    sizes = [p["batch_size"] for p in probes]
-    log_x = bool(sizes) and min(sizes) > 0 and max(sizes) / min(sizes) > LOG_X_ABOVE_RATIO
-    if model is not None and sizes:
-        import numpy as np
-
-        lo, hi = min(sizes), max(sizes)
-        batch = np.geomspace(lo, hi, 100) if log_x else np.linspace(lo, hi, 100)
-        memory_ax.plot(batch, model["intercept_gb"] + model["slope_gb_per_sample"] * batch, "-",
-                       color="tab:blue", alpha=0.5,
-                       label=f"fit: {model['intercept_gb']:.2f} GB + {model['slope_gb_per_sample']:.4f} GB/sample")
-    if limit_gb is not None:
-        memory_ax.axhline(limit_gb, color="black", linestyle="--", linewidth=1, label="memory.limit_gb")
-        noise = record.get("noise_band_gb")
-        if noise:
-            memory_ax.axhspan(limit_gb - noise, limit_gb, color="grey", alpha=0.25,
-                              label=f"noise band ({noise * 1024:.1f} MB)")
-    for status, style in (("oom", {"marker": "x", "color": "red", "s": 60}),
-                          ("failed", {"marker": "s", "color": "grey", "s": 40})):
-        hit = [p["batch_size"] for p in probes if p["status"] == status]
-        if hit:
-            memory_ax.scatter(hit, [no_fit_height] * len(hit), zorder=3, label=f"{status} probe", **style)
-    answer = record.get("max_batch_size")
-    for ax in (memory_ax, speed_ax):
-        if answer:
-            ax.axvline(answer, color="tab:green", linewidth=1.5,
-                       label=f"max batch size = {answer}" if ax is memory_ax else None)
-        if record.get("recommended_batch_size"):
-            ax.axvline(record["recommended_batch_size"], color="tab:green", linestyle=":", linewidth=1,
-                       label=f"recommended = {record['recommended_batch_size']}" if ax is memory_ax else None)
-    if log_x:
-        memory_ax.set_xscale("log")
-    memory_ax.set_ylabel("peak memory per rank (GB)")
-    memory_ax.set_ylim(0, max(no_fit_height, top) * 1.15)  # room above the limit for the oom marks
-    if not answer:
-        memory_ax.text(0.5, 0.5, none_fits(record), transform=memory_ax.transAxes, ha="center", color="dimgrey")
-    memory_ax.legend(loc="lower right", fontsize="small")
-    memory_ax.set_title(textwrap.fill(record.get("setup") or "(defaults)", 80), fontsize="medium")
-    _plot_speed(speed_ax, record, fits)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    texts = [t.get_text() for ax in (memory_ax, speed_ax) for t in ax.texts]
-    texts += [t.get_text() for ax in (memory_ax, speed_ax) if ax.get_legend() for t in ax.get_legend().get_texts()]
-    plt.close(fig)
-    return texts
-
-
-def _plot_speed(ax: Any, record: dict, fits: list[dict]) -> None:
-    speed = [p for p in fits if p.get("samples_per_s") is not None]
-    ax.plot([p["batch_size"] for p in speed], [p["samples_per_s"] for p in speed], "^:", color="tab:purple",
-            label="samples/s")
-    retried = [p for p in speed if p.get("alloc_retries")]
-    if retried:
-        ax.scatter([p["batch_size"] for p in retried], [p["samples_per_s"] for p in retried], s=120,
-                   facecolors="none", edgecolors="red", label="allocator retries")
-    if record.get("fastest_batch_size"):
-        ax.scatter([record["fastest_batch_size"]], [record["fastest_samples_per_s"]], marker="*", s=200,
-                   color="gold", edgecolors="black", zorder=3, label=f"fastest = {record['fastest_batch_size']}")
-        near = record.get("near_fastest_batch_size")
-        ax.axhspan(0.95 * record["fastest_samples_per_s"], record["fastest_samples_per_s"], color="gold", alpha=0.2,
-                   label=f"within 5% of the fastest, from {near}")
-    ax.set_xlabel("batch size (per rank)")
-    ax.set_ylabel("samples/s")
-    ax.set_ylim(bottom=0)
-    if speed:
-        ax.legend(loc="lower right", fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no probe trained", transform=ax.transAxes, ha="center", color="dimgrey")
-
-
-def none_fits(record: dict) -> str:
-    """The max-batch result when not even the smallest size fits, in a few words."""
-    need = record.get("smallest_batch_needs_gb")
-    size = record.get("searched_from") or record.get("resolution") or 1  # past sizes too small to train
-    return f"none fits (batch {size} needs {need:.2f} GB)" if need is not None else f"none fits (batch {size} does not)"
+def none_fits_at(size: int, need_gb: float | None) -> str:
+    return f"none fits (batch {size} needs {need_gb:.2f} GB)" if need_gb is not None else \
+        f"none fits (batch {size} does not)"
 
 
 # Past this many runs the bar chart shows the fastest; the table and the CSV keep every run.
@@ -151,7 +61,7 @@ def plot_comparison(rows: list[dict], path: Path, max_bars: int = MAX_BARS) -> l
     grey. Past `max_bars` runs, the fastest (by samples/s, else max batch) are drawn, fastest
     first, with a note of how many were left out. Returns the texts drawn on the bars, then
     that note."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = []
     if any(r.get("max_batch_size") is not None for r in rows):
         panels.append(("max_batch_size", "max batch size (per rank)", "{:,.0f}"))
@@ -245,7 +155,7 @@ def plot_throughput_vs_memory(points: list[tuple[str, float, float]], path: Path
     `limit_gb` a dashed line. Points carry their number in `points` (from 1), and a key
     beside the axes names them: every point while few enough to read, else the front.
     Returns the texts drawn: the key's entries, then any note, then the legend's."""
-    plt = _pyplot()
+    plt = pyplot()
     front = pareto_front(points)
     fig, (ax, key_ax) = plt.subplots(1, 2, figsize=(13, 6.5), width_ratios=[3, 2])
     others = [p for i, p in enumerate(points) if i not in front]
@@ -310,7 +220,7 @@ def plot_tokens(by_seq_len: list[dict], limit_gb: float | None, gpu: str | None,
     rows = [r for r in by_seq_len if "error" not in r]
     if not rows:
         return
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     lengths = [r["seq_len"] for r in rows]
     fitted = limit_gb is not None or gpu is not None

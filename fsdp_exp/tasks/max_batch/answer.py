@@ -1,6 +1,7 @@
 """What task=max_batch's probes say besides where the boundary is: how far the peak moves
 between runs of one setup (the noise band), which probes fit with room for it, the batch
-to train with, and the answer in one line. Pure functions of the probes; nothing here runs.
+to train with, and the answer in one line (from the search's record, a `MaxBatchRecord`).
+Pure functions of the probes; nothing here runs.
 
 Why a noise band. A probe's peak, as the limit counts it, moves a little from one run of the
 same setup to the next: on CPU with what a rank holds before its limit is set (torch, the
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fsdp_exp.tasks.max_batch.probe import Probe
+    from fsdp_exp.tasks.max_batch.record import MaxBatchRecord
 
 NOISE_FLOOR = 0.001  # the noise band is at least this share of the limit
 NEAR_FASTEST = 0.05  # the batch to use: the smallest whose samples/s is within this of the fastest
@@ -103,61 +105,61 @@ def probe_to_place_fastest(probes: Sequence[Probe], up_to: int, resolution: int)
     return size if a < size < b else None
 
 
-def answer_line(record: dict, limit_gb: float | None) -> str:
+def answer_line(record: MaxBatchRecord, limit_gb: float | None) -> str:
     """The search's answer in one line, for the log. Only a size that ran out of memory is
     said to fail under the limit: a probe that failed otherwise is named with its reason."""
-    under = f"memory.limit_gb={limit_gb:g}" if limit_gb else f"the device's {record['limit_gb']:.0f} GB"
-    count = record["probe_count"]
-    cost = f"{count} probe{'s' if count != 1 else ''}, {record['probe_wall_s']:.0f} s of probing"
-    check = record.get("verification") or {}
+    under = f"memory.limit_gb={limit_gb:g}" if limit_gb else f"the device's {record.limit_gb:.0f} GB"
+    count = record.probe_count
+    cost = f"{count} probe{'s' if count != 1 else ''}, {record.probe_wall_s:.0f} s of probing"
+    check = record.verification or {}
     if check.get("runs"):
-        cost += f", {record['verify_wall_s']:.0f} s verifying"
-    size, ranks, step = record["max_batch_size"], record["world_size"], record["resolution"]
+        cost += f", {record.verify_wall_s:.0f} s verifying"
+    size, ranks, step = record.max_batch_size, record.world_size, record.resolution
     small = too_small_words(record)
     if not size and check.get("status") == "none completed":
-        return "; ".join([f"max batch: none verified under {under}: the probes found {record['searched_max_batch_size']}"
+        return "; ".join([f"max batch: none verified under {under}: the probes found {record.searched_max_batch_size}"
                           f", but a {check['steps']}-step run of the command ran out of memory at "
                           f"{sizes_words(check['ran_out_of_memory_at'])}, down to the smallest size tried", cost])
     if not size:
         return "; ".join([f"max batch: none fits under {under}: {needs(record)}", *small, cost])
-    noise = f"{record['noise_band_gb'] / MB:.1f} MB"
-    samples = record.get("noise_band_samples")
+    noise = f"{record.noise_band_gb / MB:.1f} MB"
+    samples = record.noise_band_samples
     band = noise + (f" ({samples:.1f} samples)" if samples else "")
-    if record["bounded_by"] == "data":
-        left = record["limit_gb"] - record["peak_under_limit_gb"]
+    if record.bounded_by == "data":
+        left = record.limit_gb - record.peak_under_limit_gb
         head = (f"max batch: {size} per rank on {ranks} rank(s), bounded by the data "
-                f"({record['data_share_per_rank']} samples a rank); {left:.1f} GB of {record['limit_gb']:g} left")
-    elif record["bounded_by"] == "verification":
-        head = (f"max batch: {size} per rank on {ranks} rank(s) (the probes found {record['searched_max_batch_size']}, "
+                f"({record.data_share_per_rank} samples a rank); {left:.1f} GB of {record.limit_gb:g} left")
+    elif record.bounded_by == "verification":
+        head = (f"max batch: {size} per rank on {ranks} rank(s) (the probes found {record.searched_max_batch_size}, "
                 f"but a {check['steps']}-step run of the command ran out of memory at "
                 f"{sizes_words(check['ran_out_of_memory_at'])} under {under})")
     else:
-        why = {"search_up_to": f"fits at task.search_up_to={record['search_up_to']} under {under}",
+        why = {"search_up_to": f"fits at task.search_up_to={record.search_up_to} under {under}",
                "oom": f"{size + step} ran out of memory under {under}",
                "noise": f"{size + step} fit with less than the {noise} that runs of this setup vary by to spare "
                         f"under {under}",
-               }.get(record["bounded_by"], f"{size + step} did not train, not for lack of memory: "
-                                           f"{failure(record, size + step)}")
+               }.get(record.bounded_by, f"{size + step} did not train, not for lack of memory: "
+                                        f"{failure(record, size + step)}")
         head = f"max batch: {size} per rank on {ranks} rank(s) ({why})"
-    parts = [head, verified_words(record), f"peak {record['peak_under_limit_gb']:.3f} GB as the limit counts it, "
+    parts = [head, verified_words(record), f"peak {record.peak_under_limit_gb:.3f} GB as the limit counts it, "
              f"noise band {band}" + length_words(record)]
-    if record.get("alloc_retries"):
-        parts.append(f"at {size} the allocator freed its cache to allocate {record['alloc_retries']:.0f} time(s), "
+    if record.alloc_retries:
+        parts.append(f"at {size} the allocator freed its cache to allocate {record.alloc_retries:.0f} time(s), "
                      "which slows a step")
-    if record.get("recommended_keeps_margin", True):
-        parts.append(f"recommended {record['recommended_batch_size']} ({record['margin']:.0%} margin)")
+    if record.recommended_keeps_margin is not False:
+        parts.append(f"recommended {record.recommended_batch_size} ({record.margin:.0%} margin)")
     else:
-        parts.append(f"no size keeps {record['margin']:.0%} of the limit free (batch {record['searched_from']} "
+        parts.append(f"no size keeps {record.margin:.0%} of the limit free (batch {record.searched_from} "
                      f"already takes more), so none is recommended below the max")
-    if record["fastest_batch_size"]:
-        parts.append(f"fastest {record['fastest_batch_size']} ({record['fastest_samples_per_s']:,.1f} samples/s), "
-                     f"within {NEAR_FASTEST:.0%} of it from {record['near_fastest_batch_size']}")
+    if record.fastest_batch_size:
+        parts.append(f"fastest {record.fastest_batch_size} ({record.fastest_samples_per_s:,.1f} samples/s), "
+                     f"within {NEAR_FASTEST:.0%} of it from {record.near_fastest_batch_size}")
     return "; ".join([*parts, *small, cost])
 
 
-def verified_words(record: dict) -> str:
+def verified_words(record: MaxBatchRecord) -> str:
     """Whether a run of the command at the answer completed (fsdp_exp.tasks.max_batch.verify)."""
-    check, size = record.get("verification") or {}, record["max_batch_size"]
+    check, size = record.verification or {}, record.max_batch_size
     status = check.get("status", "not run")
     if status in ("completed", "stepped down"):
         return f"verified: a {check['steps']}-step run of the command at {size} completed"
@@ -168,12 +170,12 @@ def verified_words(record: dict) -> str:
             "verify with task.verify_steps=<the run's steps>")
 
 
-def length_words(record: dict) -> str:
+def length_words(record: MaxBatchRecord) -> str:
     """What a run of the command held beyond a probe over its length, as the search counted it."""
-    length = record.get("length_check") or {}
+    length = record.length_check or {}
     if length.get("beyond_probe_gb") is None:
         return ""
-    return (f", a {record['verification']['steps']}-step run holds {length['counted_gb'] / MB:.1f} MB more than a "
+    return (f", a {record.verification['steps']}-step run holds {length['counted_gb'] / MB:.1f} MB more than a "
             f"probe (measured at batch {length['batch_size']}, counted)")
 
 
@@ -181,25 +183,25 @@ def sizes_words(sizes: list[int]) -> str:
     return ", ".join(str(s) for s in sizes)
 
 
-def failure(record: dict, size: int) -> str:
+def failure(record: MaxBatchRecord, size: int) -> str:
     """Why the probe at `size` failed, in its own words."""
-    return next((p["reason"] for p in record.get("probes", []) if p["batch_size"] == size
+    return next((p["reason"] for p in record.probes if p["batch_size"] == size
                  and p["status"] == "failed"), "see its probe's rank logs")
 
 
-def too_small_words(record: dict) -> list[str]:
+def too_small_words(record: MaxBatchRecord) -> list[str]:
     """The sizes the search started above, as not training (never as out of memory)."""
-    small = record.get("too_small_to_train") or []
+    small = record.too_small_to_train
     if not small:
         return []
     sizes = ", ".join(str(p["batch_size"]) for p in small)
     return [f"batch {sizes} did not train, not for lack of memory ({small[0]['reason']}), so the search started "
-            f"at {record['searched_from']}"]
+            f"at {record.searched_from}"]
 
 
-def needs(record: dict) -> str:
+def needs(record: MaxBatchRecord) -> str:
     """What the smallest batch needs, in words (for a search where none fits)."""
-    need, size = record.get("smallest_batch_needs_gb"), record.get("searched_from") or record["resolution"]
+    need, size = record.smallest_batch_needs_gb, record.searched_from or record.resolution
     if need is None:
         return f"batch {size} needs more than this device gives each rank"
     return f"batch {size} needs {need:.2f} GB per rank"

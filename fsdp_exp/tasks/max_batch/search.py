@@ -2,8 +2,9 @@
 within the memory limit.
 
 The driver runs probes (fresh launches of all ranks, `fsdp_exp.tasks.max_batch.probe`) at the batch
-sizes `BatchSearch` picks, records each one in max_batch.json as soon as it ends, and
-reuses the recorded probes when it is run again into the same run directory.
+sizes `BatchSearch` picks, records each one in max_batch.json (a `MaxBatchRecord`,
+fsdp_exp.tasks.max_batch.record) as soon as it ends, and reuses the recorded probes when it
+is run again into the same run directory.
 
 Without memory.limit_gb the limit is the memory of rank 0's device, as rank 0 of the first
 probe reports it: on a cluster the driver is not a compute node, and may have no GPU.
@@ -11,7 +12,6 @@ probe reports it: on a cluster the driver is not a compute node, and may have no
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import replace
@@ -28,7 +28,6 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
     write_device_record,
 )
-from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.rank.worker import rank_log_path
 from fsdp_exp.run_context import RunContext
@@ -51,7 +50,8 @@ from fsdp_exp.tasks.max_batch.policy import (
     too_small,
 )
 from fsdp_exp.tasks.max_batch.probe import Probe, fingerprint, probe_config, probes_log_wandb, run_probe
-from fsdp_exp.tasks.max_batch.report import RECORD, report, summary_figures
+from fsdp_exp.tasks.max_batch.record import RECORD, MaxBatchRecord
+from fsdp_exp.tasks.max_batch.report import report, summary_figures
 from fsdp_exp.tasks.max_batch.verify import LengthCheck, Verification, Verifying
 
 
@@ -267,25 +267,31 @@ class MaxBatchSearch(Verifying):
         return sorted(p for p in (self.run_dir / "probes").glob("*_b*") if p.is_dir())
 
     def recorded_probes(self) -> list[Probe]:
-        """The probes an earlier run into this directory recorded, when its setup was this one."""
+        """The probes an earlier run into this directory recorded, when its setup was this one.
+        A record of another setup, or one that cannot be read, is kept beside it, not reused."""
         path = self.run_dir / RECORD
         if not path.is_file():
             return []
-        earlier = json.loads(path.read_text())
-        if earlier.get("fingerprint") != self.fingerprint:
-            kept = path.with_name(f"max_batch.{earlier.get('fingerprint', 'earlier')}.json")
+        earlier = MaxBatchRecord.read(self.run_dir)
+        if earlier is None:
+            kept = unused_path(path.with_name("max_batch.unreadable.json"))
+            path.replace(kept)
+            log.warning("%s could not be read: kept as %s, not reused", path.name, kept.name)
+            return []
+        if earlier.fingerprint != self.fingerprint:
+            kept = path.with_name(f"max_batch.{earlier.fingerprint or 'earlier'}.json")
             path.replace(kept)
             log.warning("%s was recorded for another setup: kept as %s, not reused", path.name, kept.name)
             return []
-        probes = [Probe.from_json(p) for p in earlier.get("probes", [])]
+        probes = [Probe.from_json(p) for p in earlier.probes]
         if self.limit_gb is None:  # the device's memory then, should its probes not say it
-            self.limit_gb = earlier.get("limit_gb")
-        self.estimated = earlier.get("estimate") if self.cfg.task.estimate else None
-        self.verification = Verification.from_json(earlier.get("verification"), self.verification.steps)
-        if self.verification.steps and (earlier.get("verification") or {}).get("steps") == self.verification.steps:
-            self.length = LengthCheck.from_json(earlier.get("length_check"))
-        if earlier.get("smallest_batch_need_probe"):
-            self.need = Probe.from_json(earlier["smallest_batch_need_probe"])
+            self.limit_gb = earlier.limit_gb
+        self.estimated = earlier.estimate if self.cfg.task.estimate else None
+        self.verification = Verification.from_json(earlier.verification, self.verification.steps)
+        if self.verification.steps and (earlier.verification or {}).get("steps") == self.verification.steps:
+            self.length = LengthCheck.from_json(earlier.length_check)
+        if earlier.smallest_batch_need_probe:
+            self.need = Probe.from_json(earlier.smallest_batch_need_probe)
         if probes:
             log.info("reusing %d probe(s) recorded in %s", len(probes), path)
         return probes
@@ -320,7 +326,7 @@ class MaxBatchSearch(Verifying):
                  and p.status == "ok" and not p.killed]
         return max((p for p in peaks if p is not None), default=None)
 
-    def save(self, boundary: int | None) -> dict:
+    def save(self, boundary: int | None) -> MaxBatchRecord:
         """max_batch.json, rewritten whole after every probe, so no probe is ever lost;
         `boundary`: the answer, once verified."""
         settings = self.cfg.task
@@ -347,53 +353,63 @@ class MaxBatchSearch(Verifying):
         beyond = self.counted_beyond_gb()
         recommended = boundary and recommended_size(model, (1 - margin) * self.limit_gb - beyond, margin,
                                                     boundary, settings.resolution)
-        record = {
-            "setup": setup_line(self.context),
-            "device": self.cfg.device.value,
-            "device_name": self.device_seen.get("device"),  # rank 0's
-            "world_size": self.nproc,
-            "limit_gb": self.limit_gb,
-            **{k: getattr(settings, k) for k in ("resolution", "margin", "search_up_to", "steps_per_probe")},
-            "max_batch_size": boundary,
-            "searched_max_batch_size": searched,  # the probes' boundary, before the verification
-            "verification": self.verification.to_json(),
-            "length_check": self.length.to_json() if self.length else None,
-            "run_beyond_probe_gb": self.length.counted_gb() if self.length else None,  # counted against each probe
-            "recommended_batch_size": recommended,
-            # whether the line keeps the margin free at it (not where even the smallest size holds more)
-            "recommended_keeps_margin": bool(recommended) and (
+        record = MaxBatchRecord(
+            setup=setup_line(self.context),
+            device=self.cfg.device.value,
+            device_name=self.device_seen.get("device"),
+            world_size=self.nproc,
+            limit_gb=self.limit_gb,
+            resolution=settings.resolution,
+            margin=settings.margin,
+            search_up_to=settings.search_up_to,
+            steps_per_probe=settings.steps_per_probe,
+            max_batch_size=boundary,
+            searched_max_batch_size=searched,
+            verification=self.verification.to_json(),
+            length_check=self.length.to_json() if self.length else None,
+            run_beyond_probe_gb=self.length.counted_gb() if self.length else None,
+            recommended_batch_size=recommended,
+            recommended_keeps_margin=bool(recommended) and (
                 model is None or model.peak_gb(recommended) + beyond <= (1 - margin) * self.limit_gb + 1e-9),
-            "bounded_by": None if boundary is None else "verification" if searched and boundary < searched else (
+            bounded_by=None if boundary is None else "verification" if searched and boundary < searched else (
                 ("data" if self.up_to() < settings.search_up_to else "search_up_to") if not past
                 else "oom" if "oom" in past else "failed" if "failed" in past else "noise"),
-            "data_share_per_rank": self.data_share,
-            "searched_from": self.searched_from(),
-            "too_small_to_train": [{"batch_size": p.batch_size, "reason": p.reason} for p in self.too_small()],
-            "noise_band_gb": noise,
-            # how far the boundary moves between runs of this setup, in samples
-            "noise_band_samples": noise / model.slope_gb_per_sample if model and model.slope_gb_per_sample > 0 else None,
-            "peak_under_limit_gb": at_max.limited_peak_gb() if at_max else None,
-            "peak_mem_gb": at_max.peak_mem_gb if at_max else None,
-            "peak_mem_gb_per_rank": at_max.peak_mem_gb_per_rank if at_max else None,
-            "alloc_retries": at_max.alloc_retries if at_max else None,  # GPU: the allocator freed its cache to fit it
-            "samples_per_s": at_max.samples_per_s if at_max else None,
-            "fastest_batch_size": fastest_size,
-            "fastest_samples_per_s": fastest_speed,
-            "near_fastest_batch_size": near_fastest,
-            "smallest_batch_needs_gb": self.smallest_batch_needs_gb() if boundary == 0 else None,
-            "memory_model": None if model is None else {
+            data_share_per_rank=self.data_share,
+            searched_from=self.searched_from(),
+            too_small_to_train=[{"batch_size": p.batch_size, "reason": p.reason} for p in self.too_small()],
+            noise_band_gb=noise,
+            noise_band_samples=noise / model.slope_gb_per_sample if model and model.slope_gb_per_sample > 0 else None,
+            peak_under_limit_gb=at_max.limited_peak_gb() if at_max else None,
+            peak_mem_gb=at_max.peak_mem_gb if at_max else None,
+            peak_mem_gb_per_rank=at_max.peak_mem_gb_per_rank if at_max else None,
+            alloc_retries=at_max.alloc_retries if at_max else None,
+            samples_per_s=at_max.samples_per_s if at_max else None,
+            fastest_batch_size=fastest_size,
+            fastest_samples_per_s=fastest_speed,
+            near_fastest_batch_size=near_fastest,
+            smallest_batch_needs_gb=self.smallest_batch_needs_gb() if boundary == 0 else None,
+            memory_model=None if model is None else {
                 "intercept_gb": model.intercept_gb, "slope_gb_per_sample": model.slope_gb_per_sample,
                 "points": model.points, "measure": measure},
-            "estimate": self.estimated,
-            "probes": [p.to_json() for p in self.probes],
-            "smallest_batch_need_probe": self.need.to_json() if self.need else None,
-            "probe_count": len(self.probes),
-            "probes_reused": self.reused,
-            "wall_s": time.perf_counter() - self.start,  # this run's, after any reused probes
-            "probe_wall_s": sum(p.wall_s for p in self.probes) + (self.need.wall_s if self.need else 0.0),
-            "estimate_wall_s": (self.estimated or {}).get("wall_s"),
-            "verify_wall_s": self.commands_wall_s(),
-            "fingerprint": self.fingerprint,
-        }
-        write_json(self.run_dir / RECORD, record)
+            estimate=self.estimated,
+            probes=[p.to_json() for p in self.probes],
+            smallest_batch_need_probe=self.need.to_json() if self.need else None,
+            probe_count=len(self.probes),
+            probes_reused=self.reused,
+            wall_s=time.perf_counter() - self.start,
+            probe_wall_s=sum(p.wall_s for p in self.probes) + (self.need.wall_s if self.need else 0.0),
+            estimate_wall_s=(self.estimated or {}).get("wall_s"),
+            verify_wall_s=self.commands_wall_s(),
+            fingerprint=self.fingerprint,
+        )
+        record.write(self.run_dir)
         return record
+
+
+def unused_path(path: Path) -> Path:
+    """`path`, or where it is taken, the first free one of its name with .2, .3, ... before its suffix."""
+    n, free = 1, path
+    while free.exists():
+        n += 1
+        free = path.with_name(f"{path.stem}.{n}{path.suffix}")
+    return free

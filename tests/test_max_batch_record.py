@@ -1,0 +1,84 @@
+"""max_batch.json as a `MaxBatchRecord`: written and read back as the same record, keys of
+older files kept, a missing or damaged file read as none; and the search's reuse of it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from fsdp_exp.cli import compose_checked
+from fsdp_exp.driver.plan import prepare
+from fsdp_exp.tasks.max_batch.probe import Probe
+from fsdp_exp.tasks.max_batch.record import RECORD, MaxBatchRecord
+from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
+
+
+def a_record(**changes) -> MaxBatchRecord:
+    probe = Probe(64, "ok", peak_mem_gb=0.5, peak_under_limit_gb=0.48, samples_per_s=410.0).to_json()
+    return MaxBatchRecord(**{
+        "setup": "sharding=full", "device": "cpu", "world_size": 2, "limit_gb": 0.6, "resolution": 4,
+        "max_batch_size": 64, "bounded_by": "oom", "noise_band_gb": 0.0006,
+        "verification": {"steps": 0, "status": "not run", "runs": []},
+        "too_small_to_train": [{"batch_size": 1, "reason": "BatchNorm"}], "probes": [probe], "probe_count": 1,
+        "memory_model": {"intercept_gb": 0.3, "slope_gb_per_sample": 0.003, "points": 2, "measure": "peak_mem_gb"},
+        "fingerprint": "abc123"} | changes)
+
+
+def test_a_record_is_read_back_as_it_was_written_with_every_key_in_order(tmp_path: Path) -> None:
+    record = a_record()
+    record.write(tmp_path)
+    assert MaxBatchRecord.read(tmp_path) == record
+    written = json.loads((tmp_path / RECORD).read_text())
+    assert list(written) == [f.name for f in fields(MaxBatchRecord) if f.name != "more"]  # unset ones as null
+    assert written["searched_max_batch_size"] is None and written["probes"][0]["batch_size"] == 64
+
+
+def test_a_key_the_record_has_no_field_for_is_kept_in_more_and_written_back(tmp_path: Path) -> None:
+    (tmp_path / RECORD).write_text(json.dumps({"max_batch_size": 12, "an_older_key": 3.5}))
+    record = MaxBatchRecord.read(tmp_path)
+    assert record is not None
+    assert (record.max_batch_size, record.more, record.probes) == (12, {"an_older_key": 3.5}, [])
+    assert record.as_dict()["an_older_key"] == 3.5
+    assert MaxBatchRecord.of(record.as_dict()) == record
+
+
+@pytest.mark.parametrize("text", [None, "{\"max_batch_size\": 1", "[1, 2]"])
+def test_no_file_or_a_damaged_one_is_no_record(tmp_path: Path, text: str | None) -> None:
+    if text is not None:
+        (tmp_path / RECORD).write_text(text)
+    assert MaxBatchRecord.read(tmp_path) is None
+
+
+def test_a_record_has_no_key_but_its_fields() -> None:
+    record = a_record()
+    with pytest.raises(AttributeError):
+        record.max_batch = 12  # a misspelt max_batch_size
+    with pytest.raises(TypeError):
+        MaxBatchRecord(max_batch=12)
+
+
+def search_in(run_dir: Path) -> MaxBatchSearch:
+    plan = prepare(compose_checked(["task=max_batch", "memory.limit_gb=0.6", "task.estimate=false",
+                                    "wandb.mode=disabled"]), 0)
+    return MaxBatchSearch(plan.exp, run_dir, plan.launcher, 2)
+
+
+def test_a_search_reuses_its_setups_probes_and_keeps_another_setups_or_a_damaged_record_aside(
+        tmp_path: Path) -> None:
+    search = search_in(tmp_path)
+    a_record(fingerprint=search.fingerprint).write(tmp_path)
+    assert [p.batch_size for p in search.recorded_probes()] == [64]
+
+    a_record(fingerprint="another").write(tmp_path)
+    assert search.recorded_probes() == []
+    assert not (tmp_path / RECORD).exists()
+    assert json.loads((tmp_path / "max_batch.another.json").read_text())["fingerprint"] == "another"
+
+    for n, kept in enumerate(["max_batch.unreadable.json", "max_batch.unreadable.2.json"]):
+        (tmp_path / RECORD).write_text(f"{{\"probes\": [{n}")  # cut short
+        assert search.recorded_probes() == []
+        assert not (tmp_path / RECORD).exists()
+        assert (tmp_path / kept).read_text() == f"{{\"probes\": [{n}"

@@ -1,7 +1,7 @@
 """estimate.json: the estimate of a setup, one record. `fsdp_exp.estimate.predict` makes it,
-task=estimate adds its answer in tokens and writes it, a training run's own estimate
-(`fsdp_exp.estimate.beside`) writes it beside the run; the run's check against it, the
-table and the plots read it as one (`EstimateRecord.read`).
+task=estimate adds its answer in tokens, prints its table and writes it; a training run's
+own estimate (`fsdp_exp.estimate.beside`) writes it beside the run, where the run's check
+against it reads it back (`EstimateRecord.read`).
 
 Each figure a run measures is named as the run names it (`peak_mem_gb`, `peak_in_use_gb`,
 `peak_under_limit_gb`, `peak_reserved_gb`, `device_used_gb`): the run's summary has each

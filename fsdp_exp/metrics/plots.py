@@ -213,17 +213,17 @@ def _key(ax: Any, points: list[tuple[str, float, float]], named: list[int], fron
     return entries
 
 
-def plot_tokens(by_seq_len: list[dict], limit_gb: float | None, gpu: str | None, path: Path) -> None:
+def plot_tokens(by_seq_len: list[dict], room: str | None, path: Path) -> None:
     """task=estimate with task.seq_lens drawn: tokens per micro-batch of the largest batch
-    that fits under `limit_gb` or on `gpu` (or of the batch estimated) at each sequence length,
-    the batch beside each point: estimate.json's `by_seq_len` rows."""
+    that fits in `room` (the limits, in words; None: of the batch estimated) at each sequence
+    length, the batch beside each point: estimate.json's `by_seq_len` rows."""
     rows = [r for r in by_seq_len if "error" not in r]
     if not rows:
         return
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     lengths = [r["seq_len"] for r in rows]
-    fitted = limit_gb is not None or gpu is not None
+    fitted = room is not None
     ax.plot(lengths, [r["tokens_per_micro_batch"] for r in rows], "o-", color="tab:blue",
             label="largest of task.batch_sizes that fits" if fitted else "the batch estimated")
     curve = [r for r in rows if r.get("predicted_max_tokens") is not None]
@@ -239,7 +239,6 @@ def plot_tokens(by_seq_len: list[dict], limit_gb: float | None, gpu: str | None,
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.set_xlabel("data.seq_len")
     ax.set_ylabel("tokens per micro-batch")
-    room = " and ".join(([f"memory.limit_gb={limit_gb:g}"] if limit_gb is not None else []) + ([gpu] if gpu else []))
     ax.set_title(f"largest micro-batch that fits ({room}), by sequence length" if fitted
                  else "tokens per micro-batch, by sequence length", fontsize=10)
     ax.grid(True, alpha=0.3)

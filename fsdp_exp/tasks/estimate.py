@@ -100,7 +100,7 @@ class Estimate(Task):
         print(table(record), flush=True)
         if self.seq_lens:
             print(seq_len_table(record), flush=True)
-            plot_tokens(record.by_seq_len, record.limit_gb, record.gpu, Path(run_dir) / "estimate_seq_lens.png")
+            plot_tokens(record.by_seq_len, room_words(record) or None, Path(run_dir) / "estimate_seq_lens.png")
         log.info("%s -> %s", answer_line(record), run_dir / ESTIMATE_FILE)
         return {"task": "estimate", **{k: record.get(k) for k in (*SUMMARY_KEYS, *GPU_KEYS, *TOKEN_KEYS)}}
 
@@ -133,7 +133,7 @@ def tokens(record: EstimateRecord, exp: Experiment) -> None:
 
 def seq_len_table(record: EstimateRecord) -> str:
     """The largest batch and its tokens per micro-batch at each sequence length."""
-    fitted = record.limit_gb is not None or record.gpu is not None
+    fitted = record.judged
     head = "largest batch" if fitted else "batch"
     lines = [f"{'seq_len':>8} {head:>14} {'tokens/micro-batch':>19} {'peak GB':>8}"
              + (f" {'curve: batch':>13} {'tokens':>9}" if fitted else "")]
@@ -165,10 +165,7 @@ def answer_line(record: EstimateRecord) -> str:
             f"with {record.runtime_gb:.2f} GB of runtime")
     if record.device_used_gb is not None:
         line += f"; the GPU holds {record.device_used_gb:.2f} GB ({record.peak_reserved_gb:.2f} GB reserved by torch)"
-    room = " and ".join(([f"under memory.limit_gb={record.limit_gb:g}"] if record.limit_gb is not None else [])
-                        + ([f"on {record.gpu} ({record.gpu_memory_gb:g} GB)"] if record.gpu is not None else [])
-                        + ([f"with the host under memory.host_limit_gb={record.host_limit_gb:g}"]
-                           if record.host_limit_gb is not None else []))
+    room = room_words(record)
     if room and len(record.batches) > 1:
         fitting = record.largest_batch_fitting
         line += (f"; largest batch predicted to fit {room}: {fitting}" if fitting
@@ -178,6 +175,14 @@ def answer_line(record: EstimateRecord) -> str:
     elif room:
         line += f"; {'fits' if fitting_batch(record, record.batches[0]) else 'does not fit'} {room}"
     return line
+
+
+def room_words(record: EstimateRecord) -> str:
+    """Where the record's batches must fit, in words; "" where nothing is judged."""
+    return " and ".join(([f"under memory.limit_gb={record.limit_gb:g}"] if record.limit_gb is not None else [])
+                        + ([f"on {record.gpu} ({record.gpu_memory_gb:g} GB)"] if record.gpu is not None else [])
+                        + ([f"with the host under memory.host_limit_gb={record.host_limit_gb:g}"]
+                           if record.host_limit_gb is not None else []))
 
 
 def fitting_batch(record: EstimateRecord, batch: dict) -> bool | None:

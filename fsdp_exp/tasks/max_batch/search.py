@@ -279,7 +279,7 @@ class MaxBatchSearch(Verifying):
             log.warning("%s could not be read: kept as %s, not reused", path.name, kept.name)
             return []
         if earlier.fingerprint != self.fingerprint:
-            kept = path.with_name(f"max_batch.{earlier.fingerprint or 'earlier'}.json")
+            kept = unused_path(path.with_name(f"max_batch.{earlier.fingerprint or 'earlier'}.json"))
             path.replace(kept)
             log.warning("%s was recorded for another setup: kept as %s, not reused", path.name, kept.name)
             return []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -295,6 +296,30 @@ def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:
     summary_and_config = (b"final_loss", b"environment", b"model.num_layers=2")  # the tag too
     for key in metric_keys + summary_and_config + (b"project_from_env",):
         assert key in data, key
+
+
+WANDB_THREADS = """
+import threading, sys
+from pathlib import Path
+from fsdp_exp.metrics.sinks import Wandb
+sink = Wandb(mode="offline", project="p", entity=None, group=None, tags=[], config={}, run_dir=Path(sys.argv[1]),
+             job_type="train")
+before = {t.name for t in threading.enumerate()}
+sink.log({"step": 1, "loss": 1.0})
+sink.log({"step": 2, "loss": 0.5})
+print(sorted({t.name for t in threading.enumerate()} - before))
+sink.finish({"final_loss": 0.5})
+"""
+
+
+def test_a_wandb_run_starts_no_thread_once_training_logs(tmp_path: Path) -> None:
+    """Rank 0's wandb run, offline: logging starts no thread (wandb's error reporting would
+    start two OpenTelemetry exporters at the first log, each stack counted under
+    memory.limit_gb on rank 0 alone)."""
+    result = subprocess.run([sys.executable, "-c", WANDB_THREADS, str(tmp_path)], capture_output=True, text=True,
+                            timeout=120, env={k: v for k, v in os.environ.items() if k != "WANDB_ERROR_REPORTING"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
 
 
 @pytest.mark.slow

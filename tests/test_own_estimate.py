@@ -90,6 +90,22 @@ def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(
 
 
 @pytest.mark.slow
+def test_under_a_cpu_limit_rank_0s_wandb_run_is_in_the_estimate_and_grows_nothing_mid_run(tmp_path: Path) -> None:
+    """wandb on (offline, as without an API key): rank 0 holds its wandb run from before its
+    runtime is marked, which memory.limit_gb counts, and the estimate holds it too; logging
+    starts nothing that grows rank 0 beyond what the other rank grows while training."""
+    out = tmp_path / "run"
+    result = run_cli(*RUN, "train.steps=6", "wandb.mode=offline", "memory.limit_gb=2", f"hydra.run.dir={out}",
+                     cwd=tmp_path, timeout=300, estimate=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = settled_summary(out).as_dict()
+    assert abs(summary["estimate_ratio_peak_under_limit"] - 1) <= 0.03, summary  # without wandb's run: 0.95
+    grown = [peak - held for peak, held in zip(summary["peak_under_limit_gb_per_rank"],
+                                               summary["held_before_limit_gb_per_rank"], strict=True)]
+    assert abs(grown[0] - grown[1]) <= 6 / 1024, grown  # wandb's error reporting started 16 MB of threads
+
+
+@pytest.mark.slow
 def test_a_model_the_estimate_cannot_trace_still_trains_and_says_why(tmp_path: Path) -> None:
     stack = [o.replace("tests.test_estimate.linear_stack", "tests.test_estimate.ReadsItsInput") for o in STACK]
     out = tmp_path / "run"

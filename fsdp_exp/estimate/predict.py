@@ -8,8 +8,10 @@ from __future__ import annotations
 import math
 import multiprocessing
 import signal
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.errors import one_line
@@ -20,6 +22,7 @@ from fsdp_exp.estimate.host import HostSetup, host_memory
 from fsdp_exp.estimate.record import EstimateRecord
 from fsdp_exp.launch.core import POLL_S, RunFailed, alongside
 from fsdp_exp.metrics.peaks import anonymous_bytes
+from fsdp_exp.metrics.sinks import Wandb, WandbMode
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -193,6 +196,9 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
     try:
         from fsdp_exp.estimate.trace import trace  # here, in the child: tracing's imports cost the driver 0.5 s
 
+        if exp.wandb.mode != WandbMode.disabled:
+            hold_a_wandb_run()
+
         def enough(step: Any, baseline_bytes: int) -> bool:
             base = baseline_or_measured(baseline_gb, on_gpu, baseline_bytes, outside)
             return estimate_batch(step, None, on_gpu, exp.offload, base, False, sum(workspaces)).peak_under_limit_gb > stop_above_gb
@@ -201,3 +207,15 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
                                workspaces)))
     except Exception as err:  # noqa: BLE001 - sent back as one line
         pipe.send((False, one_line(err, named=True, whole=True, limit=500)))
+
+
+def hold_a_wandb_run() -> None:
+    """What rank 0 holds for its wandb run, held in this process before it is measured: rank
+    0 starts the run before it marks its runtime (fsdp_exp.rank.build.start_wandb), so wandb's
+    modules and what its run keeps (about 25 MB with wandb 0.31) are in its runtime, which
+    memory.limit_gb counts. An offline run of the same sink, in a directory removed after."""
+    with tempfile.TemporaryDirectory() as scratch:
+        sink = Wandb(mode=WandbMode.offline.value, project="estimate", entity=None, group=None, tags=[], config={},
+                     run_dir=Path(scratch), job_type="estimate")
+        sink.log({"step": 1, "loss": 1.0})
+        sink.finish({})

@@ -155,7 +155,7 @@ def buffers_from_rank0(model: nn.Module, plain: nn.Module | None) -> None:
 
 def start_wandb(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext) -> Wandb | None:
     """Rank 0's wandb run. Started before the rank marks its runtime: wandb's modules and
-    threads (about 50 MB on rank 0) are the runtime's, not the run's peak."""
+    run (about 25 MB on rank 0, which the estimate holds too) are the runtime's, not the run's peak."""
     if not ranks.is_main:
         return None
     return cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)

@@ -73,7 +73,7 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
                              crossing([(b.batch_size, b.device_used_gb or 0.0) for b in batches], gpu_gb),
                              crossing([(b.batch_size, b.host["host_gb"]) for b in batches], host_limit))
                  if c is not None]
-    gpu_named = gpu if on_gpu else None
+    target = gpu if on_gpu else None  # task.gpu: the GPU it must fit on
     return EstimateRecord(
         device="cuda" if on_gpu else "cpu",
         world_size=world_size,
@@ -99,8 +99,8 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         breakdown_gb=chosen.breakdown_gb,
         outside_allocator_gb=outside if on_gpu else None,
         cublas_workspaces_mb=[n / 2**20 for n in workspaces] if on_gpu else None,
-        gpu=gpu_named.name if gpu_named else None,
-        gpu_memory_gb=gpu_named.memory_gb if gpu_named else None,
+        gpu=target.name if target else None,
+        gpu_memory_gb=target.memory_gb if target else None,
         offloaded_gb=chosen.offloaded_gb,
         build_peak_gb=(traced.build_bytes / GB + baseline_gb) if builds_whole else None,
         limit_gb=limit,

@@ -114,9 +114,8 @@ class Estimate(Task):
         except RunFailed as err:
             return {"seq_len": length, "error": str(err)}
         tokens(found, longer)
-        return {"seq_len": length, **{k: found.get(k) for k in ("batch_size", "peak_mem_gb", "largest_batch_fitting",
-                                                                 "predicted_max_batch", *TOKEN_KEYS)
-                                      if found.get(k) is not None}}
+        row = ("batch_size", "peak_mem_gb", "largest_batch_fitting", "predicted_max_batch", *TOKEN_KEYS)
+        return {"seq_len": length, **{k: v for k, v in found.as_dict().items() if k in row}}
 
 
 def tokens(record: EstimateRecord, exp: Experiment) -> None:

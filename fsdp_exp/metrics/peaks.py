@@ -11,7 +11,8 @@ what glibc keeps of freed blocks for reuse: on a CPU run that is as much again a
 step's tensors, and it grows with the heap's fragments from step to step. So a CPU rank
 also reads what its allocations hold (`heap_in_use_bytes`, the runtime's left out) where
 each phase of a step starts and ends: `peak_in_use_gb`, the most it held there, the figure
-task=estimate's own trace predicts at the same places. On GPU the other peaks are
+task=estimate's own trace predicts at the same places (on gloo once its worker threads have
+freed what the collectives that returned held: `GlooWorkers`). On GPU the other peaks are
 `peak_active_gb` and `peak_reserved_gb`, and the window's counts of cache flushes to retry an
 allocation and of out-of-memory errors. CPU peaks are reset at each window where the kernel
 allows it (/proc/self/clear_refs), else they are the peaks since the process started.
@@ -31,11 +32,14 @@ without, none, and a window once.
 from __future__ import annotations
 
 import ctypes
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from fsdp_exp.memory import peak_under_limit_gb
 
@@ -87,6 +91,55 @@ def heap_in_use_bytes() -> int | None:
     return info.uordblks + info.hblkhd
 
 
+GLOO_WORKER = "pt_gloo_runloop"  # the name of gloo's worker threads (ProcessGroupGloo's runLoop)
+SETTLE_STEP_S, SETTLE_S = 0.0002, 0.02
+
+
+class GlooWorkers:
+    """gloo's worker threads in this process. A gloo collective returns to the rank before
+    the worker thread that ran it drops its hold on the buffers (a reduce-scatter's copy of
+    its whole input, an all-gather's of FSDP's own buffers): on a busy CPU the rank's
+    thread, just woken, runs on while the worker waits for a core, and what the rank's
+    allocations hold then counts them. A worker that waits for its next collective
+    (sleeping, not runnable) holds nothing."""
+
+    def __init__(self) -> None:
+        self.tasks: set[str] = set()
+        self.workers: list[str] = []
+
+    def busy(self) -> bool:
+        """Is a worker running, or waiting to run? (Linux: each thread's state in /proc.)"""
+        try:
+            tasks = set(os.listdir("/proc/self/task"))
+            if tasks != self.tasks:  # threads started or ended: find the workers again
+                self.tasks = tasks
+                self.workers = [t for t in tasks if _read(f"/proc/self/task/{t}/comm").strip() == GLOO_WORKER]
+            return any(_thread_state(t) == "R" for t in self.workers)
+        except OSError:
+            return False
+
+    def settled_heap_in_use_bytes(self) -> int | None:
+        """`heap_in_use_bytes` once no worker is left running: the rank sleeps in steps of
+        SETTLE_STEP_S, which lets them run (SETTLE_S at most)."""
+        deadline = time.perf_counter() + SETTLE_S
+        while self.busy() and time.perf_counter() < deadline:
+            time.sleep(SETTLE_STEP_S)
+        return heap_in_use_bytes()
+
+
+def _read(path: str) -> str:
+    with open(path) as file:
+        return file.read()
+
+
+def _thread_state(tid: str) -> str:
+    """R (running or runnable), S (sleeping), ... as /proc/self/task/<tid>/stat gives it."""
+    try:
+        return _read(f"/proc/self/task/{tid}/stat").rpartition(")")[2].split()[0]
+    except OSError:  # the thread ended
+        return ""
+
+
 def mark_runtime(device: torch.device) -> Runtime:
     """What this CPU rank holds now, before it builds its model: its runtime, which its
     MemoryMonitor leaves out of peak_mem_gb (none on GPU, where the runtime is outside
@@ -132,6 +185,9 @@ class MemoryMonitor:
         self.runtime = runtime
         self.cpu_resets = device.type == "cpu" and reset_resident_peak()
         self.phase_peaks = phase_peaks and (device.type == "cuda" or self.cpu_resets)
+        # CPU ranks that talk over gloo: its worker threads free a collective's buffers late
+        self.gloo = GlooWorkers() if device.type == "cpu" and dist.is_initialized() and dist.get_world_size() > 1 \
+            else None
         self.window: dict[str, float] = {}  # the window's peaks over the phases that ended
         self.phase: tuple[str, float | None, float] | None = None  # name; GB under the limit and resident at its start
 
@@ -219,7 +275,8 @@ class MemoryMonitor:
         # already had depends on what started it.
         runtime = self.runtime.resident_bytes + max(file_bytes(status) - self.runtime.file_bytes, 0)
         peaks = {"peak_mem_gb": (resident - runtime) / GB, "peak_resident_gb": resident / GB}
-        in_use = heap_in_use_bytes() if self.phase_peaks else None
+        in_use = None if not self.phase_peaks else \
+            self.gloo.settled_heap_in_use_bytes() if self.gloo is not None else heap_in_use_bytes()
         if in_use is not None:  # read where each phase starts and ends: what the step holds there
             peaks["peak_in_use_gb"] = (in_use - self.runtime.in_use_bytes) / GB
         return peaks, status

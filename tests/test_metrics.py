@@ -108,7 +108,7 @@ def _reduce_scatters(rank: int, init_dir: str, found: dict) -> None:
     """60 reduce-scatters of 4 MiB on gloo, and what the allocations hold after each as a
     rank's phase boundary reads it, on a core this rank shares with the other, with one
     thread for torch's ops as a rank on a 2-core machine has."""
-    from fsdp_exp.metrics.peaks import GlooWorkers, heap_in_use_bytes
+    from fsdp_exp.metrics.peaks import GlooWorkers
 
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before gloo starts its threads: they inherit it
@@ -117,7 +117,7 @@ def _reduce_scatters(rank: int, init_dir: str, found: dict) -> None:
         workers = GlooWorkers()
         whole, shard = torch.ones(2**20), torch.empty(2**19)
         dist.reduce_scatter_tensor(shard, whole)
-        before = heap_in_use_bytes()
+        before = workers.settled_heap_in_use_bytes()
         held = []
         for _ in range(60):
             dist.reduce_scatter_tensor(shard, whole)
@@ -134,12 +134,50 @@ def test_what_gloo_frees_after_a_collective_returns_is_not_counted_where_a_phase
     wait until gloo's workers are idle."""
     import torch.multiprocessing as mp
 
-    found = mp.Manager().dict()
-    mp.spawn(_reduce_scatters, args=(str(tmp_path), found), nprocs=2)
+    with mp.Manager() as manager:
+        found = manager.dict()
+        mp.spawn(_reduce_scatters, args=(str(tmp_path), found), nprocs=2)
+        found = dict(found)
     for rank in (0, 1):
         workers, most = found[rank]
         assert workers >= 1, "no thread named as gloo's workers are"
         assert most < 2**20, f"rank {rank}: {most} bytes held after a reduce-scatter of 4 MiB returned"
+
+
+def test_a_running_thread_of_gloos_workers_name_does_not_hold_up_a_read() -> None:
+    """OpenMP's threads started by a gloo worker carry its name and spin, runnable, after
+    their work: a read does not wait for them (here a thread of that name that keeps a core
+    busy outside the GIL, in libc's memset)."""
+    import ctypes
+    import threading
+    import time
+
+    from fsdp_exp.metrics.peaks import GLOO_WORKER, SETTLE_S, GlooWorkers
+
+    libc = ctypes.CDLL("libc.so.6")
+    buffer, stop, named = ctypes.create_string_buffer(8 * 2**20), threading.Event(), threading.Event()
+    tid: list[str] = []
+
+    def spin() -> None:
+        libc.prctl(15, GLOO_WORKER.encode(), 0, 0, 0)  # PR_SET_NAME, as the thread gloo starts names itself
+        tid.append(str(threading.get_native_id()))
+        named.set()
+        while not stop.is_set():
+            libc.memset(buffer, 0, len(buffer))
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    named.wait()
+    try:
+        workers = GlooWorkers()
+        start = time.perf_counter()
+        workers.settled_heap_in_use_bytes()
+        took = time.perf_counter() - start
+    finally:
+        stop.set()
+        thread.join()
+    assert tid[0] in workers.workers and workers.spinning == set(tid), (workers.workers, workers.spinning, tid)
+    assert took < SETTLE_S, took
 
 
 def test_the_primary_peak_leaves_out_what_the_rank_held_before_its_model() -> None:

@@ -92,7 +92,7 @@ def heap_in_use_bytes() -> int | None:
 
 
 GLOO_WORKER = "pt_gloo_runloop"  # the name of gloo's worker threads (ProcessGroupGloo's runLoop)
-SETTLE_STEP_S, SETTLE_S = 0.0002, 0.02
+SETTLE_STEP_S, SETTLE_S = 0.0002, 0.01
 
 
 class GlooWorkers:
@@ -101,43 +101,63 @@ class GlooWorkers:
     its whole input, an all-gather's of FSDP's own buffers): on a busy CPU the rank's
     thread, just woken, runs on while the worker waits for a core, and what the rank's
     allocations hold then counts them. A worker that waits for its next collective
-    (sleeping, not runnable) holds nothing."""
+    (sleeping) holds nothing; one that waits for a core to let go is runnable and has not
+    run. Threads a worker starts carry its name too (OpenMP's, for a large copy), and spin
+    after their work, runnable and running: they hold nothing of it."""
 
     def __init__(self) -> None:
         self.tasks: set[str] = set()
         self.workers: list[str] = []
+        self.spinning: set[str] = set()  # of the last read: runnable and running all along
 
-    def busy(self) -> bool:
-        """Is a worker running, or waiting to run? (Linux: each thread's state in /proc.)"""
+    def runnable(self) -> dict[str, int]:
+        """The workers that are running or waiting to run, and the CPU time each has had
+        (ns; Linux's /proc, as every figure here)."""
         try:
             tasks = set(os.listdir("/proc/self/task"))
-            if tasks != self.tasks:  # threads started or ended: find the workers again
-                self.tasks = tasks
-                self.workers = [t for t in tasks if _read(f"/proc/self/task/{t}/comm").strip() == GLOO_WORKER]
-            return any(_thread_state(t) == "R" for t in self.workers)
         except OSError:
-            return False
+            return {}
+        if tasks != self.tasks:  # threads started or ended: find the workers again
+            self.tasks = tasks
+            self.workers = [t for t in tasks if _thread_file(t, "comm").strip() == GLOO_WORKER]
+        return {t: _cpu_ns(t) for t in self.workers
+                if _thread_file(t, "stat").rpartition(")")[2].split()[:1] == ["R"]}
 
     def settled_heap_in_use_bytes(self) -> int | None:
-        """`heap_in_use_bytes` once no worker is left running: the rank sleeps in steps of
-        SETTLE_STEP_S, which lets them run (SETTLE_S at most)."""
-        deadline = time.perf_counter() + SETTLE_S
-        while self.busy() and time.perf_counter() < deadline:
+        """`heap_in_use_bytes` once the workers let go: the rank sleeps in steps of
+        SETTLE_STEP_S, which lets them run, until a step frees nothing and no worker waits
+        for a core (SETTLE_S at most). A worker that was freeing can sleep on malloc's lock
+        while this read holds it; a thread that ran for half a step and is still runnable
+        spins, and is not waited for."""
+        now, waiting = heap_in_use_bytes(), self.runnable()
+        self.spinning = set()
+        if now is None or not self.workers:
+            return now
+        deadline, freed = time.perf_counter() + SETTLE_S, True
+        while (freed or waiting.keys() - self.spinning) and time.perf_counter() < deadline:
             time.sleep(SETTLE_STEP_S)
-        return heap_in_use_bytes()
+            later = heap_in_use_bytes() or 0
+            freed, now = later < now, min(now, later)
+            runnable = self.runnable()
+            ran_on = {t for t, ns in runnable.items() if t in waiting and ns - waiting[t] > SETTLE_STEP_S * 1e9 / 2}
+            self.spinning |= ran_on
+            waiting = runnable
+        return now
 
 
-def _read(path: str) -> str:
-    with open(path) as file:
-        return file.read()
-
-
-def _thread_state(tid: str) -> str:
-    """R (running or runnable), S (sleeping), ... as /proc/self/task/<tid>/stat gives it."""
+def _thread_file(tid: str, name: str) -> str:
+    """/proc/self/task/<tid>/<name>, or "" once the thread has ended."""
     try:
-        return _read(f"/proc/self/task/{tid}/stat").rpartition(")")[2].split()[0]
-    except OSError:  # the thread ended
+        with open(f"/proc/self/task/{tid}/{name}") as file:
+            return file.read()
+    except OSError:
         return ""
+
+
+def _cpu_ns(tid: str) -> int:
+    """The thread's time on a CPU so far (schedstat's first figure; 0 where there is none)."""
+    figures = _thread_file(tid, "schedstat").split()
+    return int(figures[0]) if figures else 0
 
 
 def mark_runtime(device: torch.device) -> Runtime:

@@ -180,6 +180,36 @@ def test_a_running_thread_of_gloos_workers_name_does_not_hold_up_a_read() -> Non
     assert took < SETTLE_S, took
 
 
+def _collectives(rank: int, init_dir: str, found: dict) -> None:
+    """600 all-reduces on a CPU rank's group, and how much more the allocations hold after."""
+    from fsdp_exp import distributed
+    from fsdp_exp.metrics.peaks import GlooWorkers
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2")
+    distributed.init("cpu", store=dist.FileStore(f"{init_dir}/store", 2))
+    try:
+        workers, values = GlooWorkers(), torch.ones(1000)
+        dist.all_reduce(values)
+        before = workers.settled_heap_in_use_bytes()
+        for _ in range(600):
+            dist.all_reduce(values)
+        found[rank] = workers.settled_heap_in_use_bytes() - before
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_cpu_ranks_collectives_grow_nothing_it_holds(tmp_path: Path) -> None:
+    """torch's flight recorder keeps the last 2,000 collectives for debugging a hang, 0.9 MB
+    by the 600th here; a CPU rank's group keeps none unless TORCH_FR_BUFFER_SIZE asks."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        found = manager.dict()
+        mp.spawn(_collectives, args=(str(tmp_path), found), nprocs=2)
+        found = dict(found)
+    assert all(grown < 100_000 for grown in found.values()), found
+
+
 def test_the_primary_peak_leaves_out_what_the_rank_held_before_its_model() -> None:
     """peak_mem_gb on CPU: the resident peak less the runtime marked before the model is
     built; the whole process's peak is peak_resident_gb."""

@@ -61,8 +61,8 @@ def init(device_type: str, offload: bool = False, timeout_s: float = 600, store:
     else:
         device = torch.device("cpu")
         # torch's flight recorder keeps the last 2,000 collectives of every group, for
-        # debugging a hang: on CPU its ring grows a rank's memory by about 2 MB over them,
-        # as the model's own would, and no estimate counts it. Unless it is asked for.
+        # debugging a hang: on CPU its ring grows what a rank holds by about 2 MB over them,
+        # which no estimate counts. Off unless the user asks for it.
         os.environ.setdefault(FLIGHT_RECORDER, "0")
     if not dist.is_initialized():
         device_id = device if device_type == "cuda" else None

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,16 @@ def test_in_use_is_what_the_allocations_hold_where_a_phase_ends() -> None:
     assert monitor.window_peaks()["peak_in_use_gb"] < 0.01
 
 
+def on_two_ranks(task: Callable[[int, str, dict], None], tmp_path: Path) -> dict:
+    """What `task(rank, init_dir, found)` put in `found` on each of 2 spawned ranks."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        found = manager.dict()
+        mp.spawn(task, args=(str(tmp_path), found), nprocs=2)
+        return dict(found)
+
+
 def _reduce_scatters(rank: int, init_dir: str, found: dict) -> None:
     """60 reduce-scatters of 4 MiB on gloo, and what the allocations hold after each as a
     rank's phase boundary reads it, on a core this rank shares with the other, with one
@@ -132,12 +143,7 @@ def test_what_gloo_frees_after_a_collective_returns_is_not_counted_where_a_phase
     the copy after the rank's call has returned: on a busy core (two ranks on one here),
     about one call in ten, the rank reads before it is freed. A rank's boundary reads
     wait until gloo's workers are idle."""
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        found = manager.dict()
-        mp.spawn(_reduce_scatters, args=(str(tmp_path), found), nprocs=2)
-        found = dict(found)
+    found = on_two_ranks(_reduce_scatters, tmp_path)
     for rank in (0, 1):
         workers, most = found[rank]
         assert workers >= 1, "no thread named as gloo's workers are"
@@ -201,12 +207,7 @@ def _collectives(rank: int, init_dir: str, found: dict) -> None:
 def test_a_cpu_ranks_collectives_grow_nothing_it_holds(tmp_path: Path) -> None:
     """torch's flight recorder keeps the last 2,000 collectives for debugging a hang, 0.9 MB
     by the 600th here; a CPU rank's group keeps none unless TORCH_FR_BUFFER_SIZE asks."""
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        found = manager.dict()
-        mp.spawn(_collectives, args=(str(tmp_path), found), nprocs=2)
-        found = dict(found)
+    found = on_two_ranks(_collectives, tmp_path)
     assert all(grown < 100_000 for grown in found.values()), found
 
 

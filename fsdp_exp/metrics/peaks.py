@@ -295,8 +295,9 @@ class MemoryMonitor:
         # already had depends on what started it.
         runtime = self.runtime.resident_bytes + max(file_bytes(status) - self.runtime.file_bytes, 0)
         peaks = {"peak_mem_gb": (resident - runtime) / GB, "peak_resident_gb": resident / GB}
-        in_use = None if not self.phase_peaks else \
-            self.gloo.settled_heap_in_use_bytes() if self.gloo is not None else heap_in_use_bytes()
+        in_use = None
+        if self.phase_peaks:
+            in_use = self.gloo.settled_heap_in_use_bytes() if self.gloo is not None else heap_in_use_bytes()
         if in_use is not None:  # read where each phase starts and ends: what the step holds there
             peaks["peak_in_use_gb"] = (in_use - self.runtime.in_use_bytes) / GB
         return peaks, status

@@ -92,6 +92,21 @@ def test_the_answer_line_names_the_counted_peak_the_noise_band_and_the_fastest_b
             "counted); recommended") in answer_line(measured, LIMIT)
 
 
+def test_the_answer_line_says_how_long_a_run_until_its_peak_settled_held():
+    def bounded(settled_at: int | None) -> MaxBatchRecord:
+        return record(verification={"steps": 100, "until_settled": True, "status": "completed",
+                                    "ran_out_of_memory_at": [], "runs": [
+                                        {"batch_size": 652, "status": "ok", "steps": 60 if settled_at else 100,
+                                         "settled_at_step": settled_at}]},
+                      length_check={"batch_size": 4, "beyond_probe_gb": 1.5 * MB, "counted_gb": 1.5 * MB})
+    line = answer_line(bounded(60), LIMIT)
+    assert "; verified: a run of the command at 652 held for 60 steps, its peak settled (no new high over its last " \
+           "10); " in line
+    assert ", a run of up to 100 steps holds 1.5 MB more than a probe (measured at batch 4, counted)" in line
+    assert "; verified: a run of the command at 652 held for 100 steps, its peak still rising at the end " \
+           "(task.verify_steps=<the run's steps> runs the whole length); " in answer_line(bounded(None), LIMIT)
+
+
 def test_the_answer_line_when_none_fits():
     none = record(max_batch_size=0, resolution=1, smallest_batch_needs_gb=3.6512, fastest_batch_size=None)
     assert answer_line(none, 3.0) == ("max batch: none fits under memory.limit_gb=3: batch 1 needs 3.65 GB per rank; "
@@ -115,7 +130,7 @@ def test_an_answer_that_a_run_of_the_command_did_not_hold_says_where_it_stepped_
     assert "verifying" not in unverified
     failed = record(verification={"steps": 50, "status": "failed", "ran_out_of_memory_at": [],
                                   "runs": [{"batch_size": 652, "status": "failed", "reason": "disk full"}]})
-    assert "; NOT VERIFIED: the 50-step run of the command at 652 failed, not for lack of memory (disk full); " in \
+    assert "; NOT VERIFIED: a 50-step run of the command at 652 failed, not for lack of memory (disk full); " in \
         answer_line(failed, LIMIT)
 
 

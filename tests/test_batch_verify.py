@@ -32,6 +32,25 @@ class GrowingNet(nn.Module):
         return self.body(images)
 
 
+GROW_FOR = 30  # training forwards that SettlingNet keeps a history for
+
+
+class SettlingNet(nn.Module):
+    """A model whose memory grows for its first GROW_FOR training steps, then holds (as a
+    cache filled on the first batches does): past a short probe's steps, settled well within
+    a bounded verification's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled() and len(self.kept) < GROW_FOR:
+            self.kept.append(torch.ones(images.shape[0], KEPT_PER_SAMPLE))
+        return self.body(images)
+
+
 GROWING = ["model=custom", f"model._target_={__name__}.GrowingNet", "model.blocks=[torch.nn.Linear]",
            "sharding=full", "wandb.mode=disabled", "memory.limit_gb=0.6"]
 
@@ -91,6 +110,39 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
             f"ran out of memory at {', '.join(str(s) for s in check['ran_out_of_memory_at'])} under "
             f"memory.limit_gb=0.6); verified: a 10-step run of the command at {answer} completed") in line
     assert read_json(out / "summary.json")["verification"] == "stepped down"
+
+
+def test_the_verification_runs_until_the_peak_settles_whatever_train_steps_is(tmp_path: Path) -> None:
+    """SettlingNet's memory grows for 30 steps, past its 5-step probes, then holds. With
+    train.steps=5000, the answer is run only until its peak settles (no new high over 10
+    steps: 40 steps here), not for 5000: the size the probes found runs out of memory within
+    those steps and the answer steps down to one whose run settled."""
+    out = tmp_path / "search"
+    result = run_cli("task=max_batch", "model=custom", f"model._target_={__name__}.SettlingNet",
+                     "model.blocks=[torch.nn.Linear]", "sharding=full", "wandb.mode=disabled", "memory.limit_gb=0.6",
+                     "task.estimate=false", "task.resolution=32", "task.settle_steps=5", "train.steps=5000",
+                     f"hydra.run.dir={out}", cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(out / "max_batch.json")
+    check = record["verification"]
+    assert (check["steps"], check["until_settled"], check["status"]) == (100, True, "stepped down")
+    assert {p["steps"] for p in record["probes"] if p["status"] == "ok"} == {5}  # settled to the probes' eyes
+    done = check["runs"][-1]
+    # checked every 10 steps: grown at 10, 20 and 30 (until step 30), not at 40
+    assert (done["status"], done["steps"], done["settled_at_step"]) == ("ok", 40, 40)
+    assert read_json(out / done["dir"] / "summary.json")["steps"] == 40
+    assert check["ran_out_of_memory_at"] and min(check["ran_out_of_memory_at"]) > done["batch_size"]
+    assert record["max_batch_size"] == done["batch_size"] < record["searched_max_batch_size"]
+    line = next(x for x in (result.stdout + result.stderr).splitlines() if "max batch: " in x)
+    assert f"verified: a run of the command at {done['batch_size']} held for 40 steps, its peak settled" in line
+
+
+def test_the_verifications_length_is_task_verify_steps_or_bounded_never_train_steps() -> None:
+    from fsdp_exp.tasks.max_batch.settings import VERIFY_CAP, SearchSettings, VerifyLength
+
+    assert SearchSettings().verify_length() == VerifyLength(VERIFY_CAP, until_settled=True)
+    assert SearchSettings(verify_steps=20000).verify_length() == VerifyLength(20000, until_settled=False)
+    assert SearchSettings(verify_steps=0).verify_length().steps == 0
 
 
 def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tmp_path: Path) -> None:
@@ -157,6 +209,9 @@ def test_a_probe_saves_a_checkpoint_where_the_run_does_and_trains_on_beside_it()
     run = command_config(exp, batch_size=8, steps=50, job_type="verify")
     assert (run.checkpoint.every, run.checkpoint.dir, run.train.log_every) == (exp.checkpoint.every, None, 10)
     assert run.wandb.mode == exp.wandb.mode and run.wandb.id != exp.wandb.id and run.wandb.job_type == "verify"
+    # one that may stop once its peak settles saves within the window it checks, as the run saves within its length
+    assert exp.checkpoint.every > 10
+    assert command_config(exp, batch_size=8, steps=100, job_type="verify", save_within=10).checkpoint.every == 10
     none = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0).exp
     assert type(probe_config(none, 8, 3, 2).checkpoint).__name__ == "NoCheckpoint"
 

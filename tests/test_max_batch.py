@@ -51,9 +51,9 @@ def test_the_documented_answer_trains_in_a_plain_run_with_the_defaults_and_past_
     size, noise, check = record["max_batch_size"], record["noise_band_gb"], record["verification"]
     assert size is not None and size > 64 and size % 4 == 0
     assert 0 < noise < 0.005
-    # what a 50-step run holds beyond a probe, measured once (at the first size that trained) and counted,
-    # so the first run of the command at the size the probes found completes
-    assert check["steps"] == 50 and check["status"] == "completed"
+    # what a run of the command holds beyond a probe (until its peak settled), measured once (at the first
+    # size that trained) and counted, so the first run of the command at the size the probes found completes
+    assert (check["steps"], check["until_settled"], check["status"]) == (100, True, "completed")
     assert 0 < record["run_beyond_probe_gb"] < 0.01
     searched = record["searched_max_batch_size"]
     at = [p for p in record["probes"] if p["batch_size"] == searched]
@@ -75,7 +75,7 @@ def test_the_documented_answer_trains_in_a_plain_run_with_the_defaults_and_past_
     assert summary["status"] == "ok" and summary["max_batch_size"] == size
     assert summary["peak_under_limit_gb"] == record["peak_under_limit_gb"]
     assert f"max batch: {size} per rank on 2 rank(s) (" in found.stdout
-    assert f"verified: a 50-step run of the command at {size} completed" in found.stdout
+    assert f"verified: a run of the command at {size} held for {check['runs'][-1]['steps']} steps" in found.stdout
     tables = list((run_dir / "wandb").glob("offline-run-*/files/media/table/probes_*.table.json"))
     assert len(tables) == 1 and str(searched) in tables[0].read_text()
 
@@ -91,7 +91,7 @@ def test_the_documented_answer_trains_in_a_plain_run_with_the_defaults_and_past_
     # within 5% of the limit)
     (probe,) = [p for p in record["probes"] if p["batch_size"] == size]
     length = record["length_check"]
-    assert 0.6 - length["probe_peak_gb"] <= 0.05 * 0.6 and length["run"]["steps"] == 50
+    assert 0.6 - length["probe_peak_gb"] <= 0.05 * 0.6 and 20 <= length["run"]["steps"] <= 100
     counted = probe["peak_under_limit_gb"] + record["run_beyond_probe_gb"]
     assert abs(trained["peak_under_limit_gb"] - counted) <= noise, (trained["peak_under_limit_gb"], counted, noise)
     # Past it, the same command runs out of memory: where the probes' line, raised by what the
@@ -298,7 +298,7 @@ def test_a_flat_then_linear_peak_is_searched_in_few_probes_and_the_answer_trains
     # bound for scattered peaks (tests/test_batch_search.py).
     assert len(searched) <= 16, [p["batch_size"] for p in searched]
 
-    # the answer, verified: a 50-step run of the command at it completed
+    # the answer, verified: a run of the command at it completed
     assert record["verification"]["status"] in ("completed", "stepped down")
     ok = run_cli(limit, *FLAT_GPT, f"train.batch_size={record['max_batch_size']}", f"hydra.run.dir={tmp_path / 'at'}",
                  cwd=tmp_path, timeout=600)

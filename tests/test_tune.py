@@ -85,7 +85,8 @@ def test_a_budget_that_is_neither_is_refused_in_one_line(text):
 
 def test_the_budget_keeps_room_for_the_winners_confirmation_from_the_start(tmp_path):
     """One probe, and the time of the winner's slowest probe with its steps scaled to the
-    run's length (50 steps): the search stops when what is left would not hold it."""
+    confirmation's most (100 steps, until its peak settles): the search stops when what is left
+    would not hold it."""
     from fsdp_exp.tasks.max_batch.probe import Probe
 
     tune = tuner(tmp_path, "task.space.sharding=[full,grad_op]", "task.space.train.activation_checkpointing=[false]",
@@ -98,10 +99,10 @@ def test_the_budget_keeps_room_for_the_winners_confirmation_from_the_start(tmp_p
                            Probe(100, "ok", samples_per_s=240.0, wall_s=26.0, startup_s=8.0)]
     tune.update(full)
     full.row.status = "measured"
-    # the slower probe: 8 s to start, 18 s for 3 steps: 8 + 18 * 50 / 3 = 308 s, over the 5 minutes
-    assert tune.confirmation_needs() == (1, pytest.approx(308.0))
+    # the slower probe: 8 s to start, 18 s for 3 steps: 8 + 18 * 100 / 3 = 608 s, over the 5 minutes
+    assert tune.confirmation_needs() == (1, pytest.approx(608.0))
     assert tune.budget_spent() and tune.stopped
-    roomy = tuner(tmp_path, "task.space.sharding=[full]", "task.budget=6m")
+    roomy = tuner(tmp_path, "task.space.sharding=[full]", "task.budget=11m")
     roomy.entries = [full]
     assert not roomy.budget_spent()
     counted = tuner(tmp_path, "task.space.sharding=[full]", "task.budget=3")
@@ -440,9 +441,9 @@ def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_li
     assert run.returncode == 0, run.stderr[-3000:]
     summary = read_json(tmp_path / "winner" / "summary.json")
     assert summary["status"] == "ok" and summary["peak_under_limit_gb"] <= 0.6
-    # ... run by the tune itself as printed, for the run's 50 steps, in fresh ranks: the noise band it reports
+    # ... run by the tune itself as printed, until its peak settled, in fresh ranks: the noise band it reports
     assert record["confirmed"]["status"] == "ok" and record["speed_noise"] >= 0.05
-    assert record["confirmed"]["steps"] == 50 and best["confirmed"] is True
+    assert 20 <= record["confirmed"]["steps"] <= 100 and best["confirmed"] is True
     assert 0 < record["confirmed"]["step_spread"] <= record["speed_noise"]  # a record each of its steps
     assert abs(record["confirmed"]["samples_per_s"] / best["samples_per_s"] - 1) <= record["speed_noise"] + 1e-9
     # the command's own speed is the one the answer gives for it (its command line run again, as

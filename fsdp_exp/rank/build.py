@@ -232,7 +232,8 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
     trainer = Trainer(settings, ranks, model, OptimizerStep(optimizer, grad_scaler, schedule), cfg.loss,
                       Batches(batches, data.batch_keys), MemoryMonitor(ranks.device, cfg.metrics.phase_peaks, runtime),
                       checkpoint, Hooks(sinks, hooks, first, settled,
-                                        [Known(figures), StartupMarks(context.startup), *after_fit]))
+                                        [Known(figures), StartupMarks(context.startup), *after_fit,
+                                         *([settled] if settled else [])]))
     context.startup["built"] = time.time()
     return Built(trainer, wandb, jsonl, progress, figures)
 

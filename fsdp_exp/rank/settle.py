@@ -30,7 +30,9 @@ class PeakSettled:
     it has when the largest peak over the ranks (judged_peak_gb) grew by at most `tolerance_gb`
     over the last window. A run's memory can keep growing after its first steps (the
     allocator's history, wandb's buffers, a checkpoint's staging), so a probe trains on
-    until two successive windows agree. Collective: every rank calls it at every step."""
+    until two successive windows agree. Collective: every rank calls it at every step. After
+    training it adds to the summary the step at which it found the peak settled (None where
+    the run ended first), as an AfterFit hook (fsdp_exp.rank.trainer)."""
 
     tolerance_gb: float
     first_check: int
@@ -40,6 +42,7 @@ class PeakSettled:
     measure: Callable[[torch.device, Callable[[], float | None]], float | None] = judged_peak_gb
     last_gb: float | None = None
     seen_gb: float = 0.0  # this rank's largest peak so far
+    settled_at: int | None = None  # the step at which it settled
 
     def __call__(self, step: int, window_peak_gb: Callable[[], float | None]) -> bool:
         """`window_peak_gb`: the peak of the trainer's current window so far (GPU)."""
@@ -55,4 +58,9 @@ class PeakSettled:
             log.info("the peak settled at step %d: %.4f GB, within %.4f GB of its %.4f GB %d step(s) before",
                      step, peak, self.tolerance_gb, self.last_gb, self.window)
         self.last_gb = peak
+        if settled:
+            self.settled_at = step
         return settled
+
+    def figures(self, summary: object) -> dict:
+        return {"peak_settled_at_step": self.settled_at}

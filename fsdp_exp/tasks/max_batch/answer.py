@@ -19,6 +19,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from fsdp_exp.tasks.max_batch.settings import VERIFY_WINDOW
+
 if TYPE_CHECKING:
     from fsdp_exp.tasks.max_batch.probe import Probe
     from fsdp_exp.tasks.max_batch.record import MaxBatchRecord
@@ -118,7 +120,7 @@ def answer_line(record: MaxBatchRecord, limit_gb: float | None) -> str:
     small = too_small_words(record)
     if not size and check.get("status") == "none completed":
         return "; ".join([f"max batch: none verified under {under}: the probes found {record.searched_max_batch_size}"
-                          f", but a {check['steps']}-step run of the command ran out of memory at "
+                          f", but {run_words(check)} of the command ran out of memory at "
                           f"{sizes_words(check['ran_out_of_memory_at'])}, down to the smallest size tried", cost])
     if not size:
         return "; ".join([f"max batch: none fits under {under}: {needs(record)}", *small, cost])
@@ -131,7 +133,7 @@ def answer_line(record: MaxBatchRecord, limit_gb: float | None) -> str:
                 f"({record.data_share_per_rank} samples a rank); {left:.1f} GB of {record.limit_gb:g} left")
     elif record.bounded_by == "verification":
         head = (f"max batch: {size} per rank on {ranks} rank(s) (the probes found {record.searched_max_batch_size}, "
-                f"but a {check['steps']}-step run of the command ran out of memory at "
+                f"but {run_words(check)} of the command ran out of memory at "
                 f"{sizes_words(check['ran_out_of_memory_at'])} under {under})")
     else:
         why = {"search_up_to": f"fits at task.search_up_to={record.search_up_to} under {under}",
@@ -162,12 +164,19 @@ def verified_words(record: MaxBatchRecord) -> str:
     check, size = record.verification or {}, record.max_batch_size
     status = check.get("status", "not run")
     if status in ("completed", "stepped down"):
-        return f"verified: a {check['steps']}-step run of the command at {size} completed"
+        if not check.get("until_settled"):
+            return f"verified: a {check['steps']}-step run of the command at {size} completed"
+        done = next(r for r in check["runs"] if r["status"] == "ok")
+        held = f"verified: a run of the command at {size} held for {done['steps']} steps"
+        if done.get("settled_at_step") is not None:
+            return f"{held}, its peak settled (no new high over its last {VERIFY_WINDOW})"
+        return (f"{held}, its peak still rising at the end (task.verify_steps=<the run's steps> runs the "
+                "whole length)")
     if status == "failed":
-        return (f"NOT VERIFIED: the {check['steps']}-step run of the command at {size} failed, not for lack of memory "
+        return (f"NOT VERIFIED: {run_words(check)} of the command at {size} failed, not for lack of memory "
                 f"({check['runs'][-1]['reason']})")
     return ("NOT VERIFIED (task.verify_steps=0): a run's memory can grow past a probe's first steps; "
-            "verify with task.verify_steps=<the run's steps>")
+            "leave task.verify_steps unset to verify until the peak settles")
 
 
 def length_words(record: MaxBatchRecord) -> str:
@@ -175,8 +184,13 @@ def length_words(record: MaxBatchRecord) -> str:
     length = record.length_check or {}
     if length.get("beyond_probe_gb") is None:
         return ""
-    return (f", a {record.verification['steps']}-step run holds {length['counted_gb'] / MB:.1f} MB more than a "
+    return (f", {run_words(record.verification)} holds {length['counted_gb'] / MB:.1f} MB more than a "
             f"probe (measured at batch {length['batch_size']}, counted)")
+
+
+def run_words(check: dict) -> str:
+    """A recorded verification's runs, in words (fsdp_exp.tasks.max_batch.verify.Verification.run_words)."""
+    return f"a run of up to {check['steps']} steps" if check.get("until_settled") else f"a {check['steps']}-step run"
 
 
 def sizes_words(sizes: list[int]) -> str:

@@ -27,6 +27,7 @@ from fsdp_exp.profile import NoProfile
 from fsdp_exp.rank.train import train_rank
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.max_batch.policy import Outcome
+from fsdp_exp.tasks.max_batch.settings import VERIFY_WINDOW
 from fsdp_exp.tasks.train import Train
 
 
@@ -60,6 +61,7 @@ class Probe:
     killed: bool = False  # stopped by a signal from outside, not by its own error
     timed_out: bool = False  # ran past task.probe_timeout (a larger batch would not train sooner)
     steps: int | None = None  # the steps it trained: a probe trains on until its peak settles
+    settled_at_step: int | None = None  # the step at which its peak was found settled (None: it ran its steps)
 
     def limited_peak_gb(self) -> float | None:
         """The peak that the memory limit caps: reserved memory on GPU, the limit's own
@@ -165,16 +167,27 @@ def probes_log_wandb(cfg: Experiment) -> bool:
     return cfg.wandb.mode != WandbMode.disabled and cfg.device == Device.cpu
 
 
-def command_config(cfg: Experiment, batch_size: int, steps: int, job_type: str) -> Experiment:
+def command_config(cfg: Experiment, batch_size: int, steps: int, job_type: str,
+                   save_within: int | None = None) -> Experiment:
     """The run as its command line runs it with `train.batch_size=<batch_size>`: its own data,
     sinks, checkpoints and export, for `steps` steps, in a run directory of its
     own (checkpoint.dir is left to it, so no checkpoint of the user's is touched); wandb in
-    the run's own mode, as a new run of `job_type`."""
+    the run's own mode, as a new run of `job_type`. `save_within`: a run that may stop once
+    its peak settles saves a checkpoint at least this often, so that a save's memory falls
+    inside it, as it falls inside the run's length."""
     wandb = replace(cfg.wandb, id=None if cfg.wandb.mode == WandbMode.disabled else uuid.uuid4().hex[:16],
                     job_type=job_type)
     checkpoint = replace(cfg.checkpoint, dir=None) if getattr(cfg.checkpoint, "dir", None) else cfg.checkpoint
+    if save_within is not None and not isinstance(checkpoint, NoCheckpoint) and checkpoint.every > save_within:
+        checkpoint = replace(checkpoint, every=save_within)
     return replace(cfg, train=replace(cfg.train, batch_size=batch_size, steps=steps), wandb=wandb,
                    checkpoint=checkpoint, task=Train())
+
+
+def verify_rule(tolerance_gb: float) -> dict:
+    """A run of the command's rule for when its peak has settled (fsdp_exp.rank.settle.PeakSettled):
+    checked every VERIFY_WINDOW steps, until its peak rose by at most `tolerance_gb` over one."""
+    return {"tolerance_gb": tolerance_gb, "first_check": VERIFY_WINDOW, "window": VERIFY_WINDOW}
 
 
 def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
@@ -196,16 +209,21 @@ def startup_s(summary: Summary, launched: float) -> float | None:
 
 def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launcher, world_size: int,
               steps: int, timeout_s: float, limit_gb: Any = "same", as_command: str | None = None,
-              settle_gb: float | None = None) -> Probe:
+              settle_gb: float | None = None, until_settled: float | None = None) -> Probe:
     """Train `steps` steps at `batch_size` on fresh ranks; the outcome, never an exception
     for a rank's failure (KeyboardInterrupt still stops the search). `as_command`: the run as
-    its command line runs it (`command_config`), as a wandb run of this job type; else a
-    probe, which with `settle_gb` trains on, up to task.settle_steps, until its peak settles
-    within it. The checkpoints either saves are removed when it ends: they are no one's."""
+    its command line runs it (`command_config`), as a wandb run of this job type, which with
+    `until_settled` stops once its peak rose by at most that over VERIFY_WINDOW steps
+    (`verify_rule`); else a probe, which with `settle_gb` trains on, up to task.settle_steps,
+    until its peak settles within it. The checkpoints either saves are removed when it ends:
+    they are no one's."""
     probe_dir.mkdir(parents=True, exist_ok=True)
     context = RunContext(startup={"launched": time.time()})
     if as_command is not None:
-        run_cfg = command_config(cfg, batch_size, steps, as_command)
+        run_cfg = command_config(cfg, batch_size, steps, as_command,
+                                 save_within=VERIFY_WINDOW if until_settled is not None else None)
+        if until_settled is not None:
+            context.settle = verify_rule(until_settled)
     elif settle_gb is not None:
         run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb, cfg.task.settle_steps)
         context.settle = settling_rule(cfg, steps, settle_gb)
@@ -232,6 +250,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
             mfu=summary.mfu,
             startup_s=startup_s(summary, context.startup["launched"]),
             steps=summary.steps,
+            settled_at_step=summary.peak_settled_at_step,
         )
     except RunFailed as err:
         status = "oom" if err.out_of_memory else "failed"

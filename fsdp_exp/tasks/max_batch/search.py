@@ -52,6 +52,7 @@ from fsdp_exp.tasks.max_batch.policy import (
 from fsdp_exp.tasks.max_batch.probe import Probe, fingerprint, probe_config, probes_log_wandb, run_probe
 from fsdp_exp.tasks.max_batch.record import RECORD, MaxBatchRecord
 from fsdp_exp.tasks.max_batch.report import report, summary_figures
+from fsdp_exp.tasks.max_batch.settings import VerifyLength
 from fsdp_exp.tasks.max_batch.verify import LengthCheck, Verification, Verifying
 
 
@@ -77,7 +78,7 @@ class MaxBatchSearch(Verifying):
         self.need: Probe | None = None  # the smallest batch under all this device gives a rank, when none fits
         self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.max_batch.prior), once traced
         self.reused = 0
-        self.verification = Verification(settings.steps_to_verify(self.cfg.train.steps))
+        self.verification = Verification.of(settings.verify_length())
         self.length: LengthCheck | None = None  # what a run holds beyond a probe, once measured
         self.units_told = False
         self.placed = False  # the probe that places the fastest batch has been spent (or was not needed)
@@ -287,8 +288,9 @@ class MaxBatchSearch(Verifying):
         if self.limit_gb is None:  # the device's memory then, should its probes not say it
             self.limit_gb = earlier.limit_gb
         self.estimated = earlier.estimate if self.cfg.task.estimate else None
-        self.verification = Verification.from_json(earlier.verification, self.verification.steps)
-        if self.verification.steps and (earlier.verification or {}).get("steps") == self.verification.steps:
+        length = VerifyLength(self.verification.steps, self.verification.until_settled)
+        self.verification = Verification.from_json(earlier.verification, length)
+        if self.verification.steps and self.verification.same_length(earlier.verification):
             self.length = LengthCheck.from_json(earlier.length_check)
         if earlier.smallest_batch_need_probe:
             self.need = Probe.from_json(earlier.smallest_batch_need_probe)

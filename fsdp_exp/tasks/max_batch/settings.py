@@ -7,7 +7,25 @@ from dataclasses import dataclass
 
 from fsdp_exp.errors import ConfigError
 
-VERIFY_AT_LEAST = 50  # steps: a run's memory keeps growing after a probe's first few
+# A run's memory can grow after a probe's first steps (the allocator's history, caches made late,
+# a checkpoint's staging), and settles within tens of steps. So by default the answer runs until
+# its peak makes no new high over VERIFY_WINDOW steps, and never more than VERIFY_CAP steps,
+# whatever train.steps is: what a user waits for scales with what memory does.
+VERIFY_WINDOW = 10  # steps: the peak has settled when it rose no further over this many
+VERIFY_CAP = 100  # steps: the most a verification runs unless task.verify_steps asks for more
+
+
+@dataclass(frozen=True)
+class VerifyLength:
+    """How long a run of the command verifies an answer: at most `steps` steps, and with
+    `until_settled` only until its peak has settled (fsdp_exp.rank.settle.PeakSettled,
+    checked every VERIFY_WINDOW steps). `steps` 0: not verified."""
+
+    steps: int
+    until_settled: bool
+
+    def words(self) -> str:
+        return f"up to {self.steps} steps, until its peak settles" if self.until_settled else f"{self.steps} steps"
 
 
 @dataclass(kw_only=True)
@@ -21,8 +39,9 @@ class SearchSettings:
     margin: float = 0.1  # the recommended size keeps this share of the memory limit free
     search_up_to: int = 4096  # the largest batch size tried (at most each rank's share of a fixed data set)
     estimate: bool = True  # place the probes by task=estimate's curve (one trace on fake tensors) as well
-    # The answer run as the command runs it, before it is given: None, train.steps and at least
-    # 50; 0, not verified (the answer line says so).
+    # The answer run as the command runs it, before it is given: None, until its peak settles
+    # (at most VERIFY_CAP steps, whatever train.steps is); N, exactly N steps (train.steps for
+    # the whole run's length); 0, not verified (the answer line says so).
     verify_steps: int | None = None
 
     def __post_init__(self) -> None:
@@ -44,7 +63,9 @@ class SearchSettings:
             raise ConfigError(f"task.search_up_to={self.search_up_to}: must be at least "
                               f"task.resolution={self.resolution}")
 
-    def steps_to_verify(self, train_steps: int) -> int:
-        """The verification's steps: task.verify_steps, or the run's train.steps and at least
-        VERIFY_AT_LEAST (0: none)."""
-        return max(train_steps, VERIFY_AT_LEAST) if self.verify_steps is None else self.verify_steps
+    def verify_length(self) -> VerifyLength:
+        """The verification's length: task.verify_steps steps when given (0: none), else until
+        the peak settles, at most VERIFY_CAP steps. Never train.steps unless asked for."""
+        if self.verify_steps is None:
+            return VerifyLength(VERIFY_CAP, until_settled=True)
+        return VerifyLength(self.verify_steps, until_settled=False)

@@ -3,9 +3,11 @@
 A probe is short: a run's memory can keep growing after its first steps (the allocator's
 history, wandb's buffers on rank 0, a checkpoint save, an evaluation). So the size the
 probes found is run once more as `train.batch_size=<size>` would run it, with the run's own
-data, sinks, checkpoints and evaluation, for the run's length (`<run>/verify/<n>_b<size>/`).
-If that run runs out of memory, the answer steps down and is run again: `max batch` is then
-a size at which a run of the command completed.
+data, sinks and checkpoints (`<run>/verify/<n>_b<size>/`): by default until its peak has
+settled (no new high over VERIFY_WINDOW steps, at most VERIFY_CAP steps, whatever
+train.steps is), or for task.verify_steps steps when given. If that run runs out of memory,
+the answer steps down and is run again: `max batch` is then a size at which a run of the
+command completed.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from fsdp_exp.tasks.max_batch.answer import MB
+from fsdp_exp.tasks.max_batch.answer import MB, NOISE_FLOOR, run_words
 from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
+from fsdp_exp.tasks.max_batch.settings import VerifyLength
 
 log = logging.getLogger("fsdp_exp")
 
@@ -34,10 +37,20 @@ def step_down(size: int, failures: int, resolution: int, smallest: int) -> int |
 
 @dataclass
 class Verification:
-    """The runs that verified an answer, in the order they ran."""
+    """The runs that verified an answer, in the order they ran: each of at most `steps` steps,
+    and with `until_settled` only until its peak settled (VerifyLength)."""
 
     steps: int
     runs: list[Probe] = field(default_factory=list)
+    until_settled: bool = False
+
+    @classmethod
+    def of(cls, length: VerifyLength) -> Verification:
+        return cls(length.steps, until_settled=length.until_settled)
+
+    def run_words(self) -> str:
+        """Its runs, in words: "a 10-step run", or "a run of up to 100 steps"."""
+        return run_words({"steps": self.steps, "until_settled": self.until_settled})
 
     def completed(self) -> Probe | None:
         return next((r for r in self.runs if r.status == "ok"), None)
@@ -60,15 +73,22 @@ class Verification:
         return sum(r.wall_s for r in self.runs)
 
     def to_json(self) -> dict:
-        return {"steps": self.steps, "status": self.status(), "wall_s": self.wall_s(),
-                "ran_out_of_memory_at": self.ran_out(), "runs": [r.to_json() for r in self.runs]}
+        return {"steps": self.steps, "until_settled": self.until_settled, "status": self.status(),
+                "wall_s": self.wall_s(), "ran_out_of_memory_at": self.ran_out(),
+                "runs": [r.to_json() for r in self.runs]}
 
     @classmethod
-    def from_json(cls, record: dict | None, steps: int) -> Verification:
-        """The runs recorded for `steps` steps (none for another length)."""
-        if not record or record.get("steps") != steps:
-            return cls(steps)
-        return cls(steps, [Probe.from_json(r) for r in record.get("runs", [])])
+    def from_json(cls, record: dict | None, length: VerifyLength) -> Verification:
+        """The runs recorded for this length (none for another)."""
+        if not record or record.get("steps") != length.steps \
+                or bool(record.get("until_settled")) != length.until_settled:
+            return cls.of(length)
+        return cls(length.steps, [Probe.from_json(r) for r in record.get("runs", [])], length.until_settled)
+
+    def same_length(self, record: dict | None) -> bool:
+        """Whether `record` (a recorded verification) ran runs of this length."""
+        return bool(record) and record.get("steps") == self.steps \
+            and bool(record.get("until_settled")) == self.until_settled
 
 
 @dataclass
@@ -129,6 +149,13 @@ class Verifying:
     whose probes, settings and launcher they read): once, what a run holds beyond a probe; at
     the end, its answer."""
 
+    def settle_within_gb(self) -> float | None:
+        """How far a run of the command's peak may still rise over VERIFY_WINDOW steps and count
+        as settled: the noise band's floor (None where the runs train their steps)."""
+        if not self.verification.until_settled or self.limit_gb is None:
+            return None
+        return NOISE_FLOOR * self.limit_gb
+
     def counted_beyond_gb(self) -> float:
         """What a run of the command holds beyond a probe, as counted against every probe
         (LengthCheck); nothing until it is measured."""
@@ -158,27 +185,27 @@ class Verifying:
                                   probe_peaks_gb_per_rank=near.judged_peak_gb_per_rank())
         smallest = min(trained, key=lambda p: p.batch_size)
         if run.status == "oom" and smallest.batch_size < near.batch_size:
-            log.info("the %d-step run at batch %d ran out of memory; measuring at the smallest size that trained, %d",
-                     steps, near.batch_size, smallest.batch_size)
+            log.info("%s at batch %d ran out of memory; measuring at the smallest size that trained, %d",
+                     self.verification.run_words(), near.batch_size, smallest.batch_size)
             self.length = LengthCheck(smallest.batch_size, smallest.judged_peak_gb(), self.length_run(smallest, steps),
                                       near_limit=run, probe_peaks_gb_per_rank=smallest.judged_peak_gb_per_rank())
         beyond = self.length.beyond_gb()
         if beyond is None:
-            log.warning("the %d-step run at batch %d did not complete, so what a run holds beyond a probe is not "
-                        "counted: %s", steps, self.length.batch_size, self.length.run.reason)
+            log.warning("%s at batch %d did not complete, so what a run holds beyond a probe is not "
+                        "counted: %s", self.verification.run_words(), self.length.batch_size, self.length.run.reason)
         else:
-            log.info("the %d-step run: %s; %.1f MB more than its probe, counted against every probe", steps,
-                     self.length.run.line(), beyond / MB)
+            log.info("%s: %s; %.1f MB more than its probe, counted against every probe",
+                     self.verification.run_words(), self.length.run.line(), beyond / MB)
         self.save(None)
         return True
 
     def length_run(self, probe: Probe, steps: int) -> Probe:
         size = probe.batch_size
-        log.info("measuring what a %d-step run of the command holds beyond a probe: the command at batch %d",
-                 steps, size)
+        log.info("measuring what %s of the command holds beyond a probe: the command at batch %d",
+                 self.verification.run_words(), size)
         timeout_s = self.timeout_s * max(1.0, steps / self.steps)
         return run_probe(self.cfg, size, self.run_dir / "verify" / f"length_b{size}", self.launcher, self.nproc,
-                         steps, timeout_s, as_command="verify")
+                         steps, timeout_s, as_command="verify", until_settled=self.settle_within_gb())
 
     def near_limit(self, probe: Probe) -> bool:
         peak = probe.judged_peak_gb()
@@ -204,8 +231,8 @@ class Verifying:
                 return boundary
             size = step_down(size, len(check.ran_out()), self.cfg.task.resolution, self.searched_from())
             if size is not None:
-                log.info("a %d-step run of the command ran out of memory at batch %d; stepping down to %d",
-                         check.steps, run.batch_size, size)
+                log.info("%s of the command ran out of memory at batch %d; stepping down to %d",
+                         check.run_words(), run.batch_size, size)
         return 0
 
     def length_run_at(self, size: int) -> Probe | None:
@@ -216,8 +243,8 @@ class Verifying:
         if run is None:
             return None
         self.verification.runs.append(run)
-        log.info("verify %d: the %d-step run that measured what a run holds beyond a probe: %s",
-                 len(self.verification.runs), self.verification.steps, run.line())
+        log.info("verify %d: the run that measured what a run holds beyond a probe: %s",
+                 len(self.verification.runs), run.line())
         self.save(None)
         return run
 
@@ -225,11 +252,11 @@ class Verifying:
         """The command at `size`, run as it runs, for the verification's steps."""
         check = self.verification
         run_dir = self.run_dir / "verify" / f"{len(check.runs) + 1:02d}_b{size}"
-        log.info("verifying batch %d: %d steps of the command as it runs (its data, wandb and checkpoints)",
-                 size, check.steps)
+        log.info("verifying batch %d: the command as it runs (its data, wandb and checkpoints), %s",
+                 size, VerifyLength(check.steps, check.until_settled).words())
         timeout_s = self.timeout_s * max(1.0, check.steps / self.steps)
         run = run_probe(self.cfg, size, run_dir, self.launcher, self.nproc, check.steps, timeout_s,
-                        as_command="verify")
+                        as_command="verify", until_settled=self.settle_within_gb())
         log.info("verify %d: %s", len(check.runs) + 1, run.line())
         check.runs.append(run)
         self.save(None)

@@ -1,6 +1,6 @@
 """The end of task=tune (`Confirming`, a part of fsdp_exp.tasks.tune.tuner.Tuner): before a
 setup is called the winner, the setups as fast as it are run again in turns (`rematch`), and
-then its command line, exactly as printed, runs for the run's length (`confirm`). A command
+then its command line, exactly as printed, runs as task=max_batch verifies an answer (`confirm`). A command
 line that does not complete steps its batch down, as task=max_batch's verification does, or
 hands over to the next setup. The budget keeps room for the first confirmation from the
 start (`confirmation_needs`)."""
@@ -34,11 +34,11 @@ class Confirming:
 
     def confirmation_needs(self) -> tuple[int, float]:
         """What the winner's confirmation will take from the budget: one probe, and the time of
-        the slowest probe so far at the winner's batch, its steps scaled to the run's length."""
+        the slowest probe so far at the winner's batch, its steps scaled to the confirmation's most."""
         best = winner([e.row for e in self.entries])
         entry = next((e for e in self.entries if e.row is best), None)
         probes = [p for p in self.trained(entry) if p.batch_size == best.batch_size] if entry and best else []
-        steps = self.settings.steps_to_verify(self.exp.train.steps)
+        steps = self.settings.verify_length().steps
         seconds = [(p.startup_s or 0.0) + (p.wall_s - (p.startup_s or 0.0)) * steps / self.settings.steps_per_probe
                    for p in probes]
         return 1, max(seconds, default=0.0)
@@ -70,8 +70,8 @@ class Confirming:
         self.save()
 
     def confirm(self) -> None:
-        """The winner's command line, exactly as printed, run for the run's length
-        (task.verify_steps: train.steps, at least 50), in fresh ranks: that it trains as
+        """The winner's command line, exactly as printed, run as task=max_batch verifies an
+        answer (task.verify_steps: by default until its peak settles), in fresh ranks: that it trains as
         printed, and how far its speed is from the search's short probes (the noise band its
         answer carries). Should it run out of memory, its batch steps down (`smaller`) and the
         winner is chosen again; should it fail otherwise, or have nowhere to step down to, the
@@ -79,7 +79,7 @@ class Confirming:
         searched first. While the budget lasts: the first confirmation has the room the budget
         kept for it."""
         failures: dict[str, int] = {}
-        steps = self.settings.steps_to_verify(self.exp.train.steps)
+        steps = self.settings.verify_length().steps
         while (best := winner([e.row for e in self.entries])) is not None and best.batch_size is not None:
             if self.confirming and self.budget_spent():
                 return
@@ -88,7 +88,7 @@ class Confirming:
             assert entry.search is not None
             probe = self.extra_probe(entry, "confirm", best.batch_size, best.grad_accum)
             self.confirmed = {"status": probe.status, "samples_per_s": probe.samples_per_s,
-                              "peak_gb": probe.limited_peak_gb(), "reason": probe.reason, "steps": steps,
+                              "peak_gb": probe.limited_peak_gb(), "reason": probe.reason, "steps": probe.steps or steps,
                               "step_spread": step_spread(entry.search.run_dir / probe.dir / METRICS)
                               if probe.status == "ok" else None}
             if probe.status == "ok":

@@ -38,7 +38,7 @@ from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.tune.report import RECORD, command_words, report, tune_record
-from fsdp_exp.tasks.max_batch.answer import speeds
+from fsdp_exp.tasks.max_batch.answer import NOISE_FLOOR, speeds
 from fsdp_exp.tasks.max_batch.policy import PRIOR_ERROR
 from fsdp_exp.tasks.max_batch.prior import prior
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
@@ -348,10 +348,10 @@ class Tuner(Confirming, SetupsSideBySide):
         assert search is not None and plan is not None
         path = search.run_dir / EXTRA_PROBES
         recorded = json.loads(path.read_text()) if path.is_file() else []
-        steps = self.settings.steps_to_verify(self.exp.train.steps) if kind == "confirm" \
-            else REMATCH_STEPS if kind.startswith("rematch") else search.steps
+        length = self.settings.verify_length()
+        steps = length.steps if kind == "confirm" else REMATCH_STEPS if kind.startswith("rematch") else search.steps
         key = {"kind": kind, "batch_size": micro, "grad_accum": accum, "steps": steps,
-               "fingerprint": search.fingerprint}
+               "until_settled": kind == "confirm" and length.until_settled, "fingerprint": search.fingerprint}
         earlier = next((r for r in recorded if {k: r.get(k) for k in key} == key), None)
         if earlier is not None:
             probe = Probe.from_json(earlier["probe"])
@@ -359,10 +359,11 @@ class Tuner(Confirming, SetupsSideBySide):
             self.announce(entry)
             where = search.run_dir / kind / f"b{micro}x{accum}"
             timeout_s = search.timeout_s * max(1.0, steps / search.steps)
-            if kind == "confirm":  # the command line as printed, for the run's length
+            if kind == "confirm":  # the command line as printed, as task=max_batch verifies its answer
                 printed = check_run(compose_config(command_words(self.prefix(), entry.row)))
                 probe = run_probe(printed.exp, printed.exp.train.batch_size, where, printed.launcher, printed.nproc,
-                                  steps, timeout_s, as_command="confirm")
+                                  steps, timeout_s, as_command="confirm",
+                                  until_settled=NOISE_FLOOR * search.limit_gb if length.until_settled else None)
             else:
                 # train.batch_size is a step's batch on each rank: `accum` micro-batches of `micro`
                 exp = replace(plan.exp, train=replace(plan.exp.train, grad_accum=accum))

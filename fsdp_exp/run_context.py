@@ -17,6 +17,7 @@ class RunContext:
     startup: dict[str, float] = field(default_factory=dict)  # when each part ended (fsdp_exp.metrics.startup)
     resume: str | None = None  # the checkpoint the run starts from, as the driver settled it
     estimate_file: str | None = None  # where the driver writes the run's estimate, for rank 0 (memory.estimate)
+    estimate_pid: int | None = None  # the process tracing it, which rank 0 holds still while the run is timed
     # A probe of task=max_batch: it trains until its peak has settled (fsdp_exp.rank.settle.PeakSettled's keys)
     settle: dict | None = None
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,7 @@ def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(
     assert checked_run["estimate_ratio"] == checked_run["estimate_ratio_peak_in_use"]
     assert abs(checked_run["estimate_ratio"] - 1) <= 0.1, checked_run
     assert 0 <= checked_run["estimate_wait_s"] <= WAIT_S + 0.5 and "estimate_failed" not in checked_run
+    assert checked_run["estimate_trace_held"] is True  # rank 0 held the trace through the timed steps
 
     log = (sweep / "0" / "rank0.log").read_text()
     (wandb_log,) = (sweep / "0" / "wandb").glob("offline-run-*/run-*.wandb")
@@ -300,3 +302,54 @@ def test_a_checkpoint_save_that_outgrows_the_step_is_named_and_counted(tmp_path:
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "a checkpoint save's copy of the state, beside a step, peaks above a step at batch 2" in shown.stdout
     assert "checkpoint=dcp writes from the state itself" in shown.stdout
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of a process, from /proc (clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_rank_0_holds_the_trace_still_through_the_timed_steps_and_lets_it_go_on_after() -> None:
+    """A busy process in a session of its own, as the trace is (with a child, as a trace that
+    holds a wandb run has): from the first timed step it is stopped, group and all, and uses no
+    CPU; once training ends it runs again."""
+    from fsdp_exp.rank.trace_held import TraceHeld
+
+    busy = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'while True: pass']); \nwhile True: pass"
+    trace = subprocess.Popen([sys.executable, "-c", busy], start_new_session=True)
+    try:
+        time.sleep(0.5)
+        held = TraceHeld(trace.pid, first_timed=3)
+        held.before_step(2)  # a warm-up step: the trace runs beside it
+        assert state(trace.pid) == "R"
+        held.before_step(3)
+        time.sleep(0.2)
+        before = cpu_ticks(trace.pid)
+        time.sleep(1.0)
+        assert state(trace.pid) == "T" and cpu_ticks(trace.pid) == before
+        (child,) = Path(f"/proc/{trace.pid}/task/{trace.pid}/children").read_text().split()
+        assert state(int(child)) == "T"
+        assert held.figures(Summary()) == {"estimate_trace_held": True}  # training ended: it goes on
+        time.sleep(0.5)
+        assert state(trace.pid) in "RS" and cpu_ticks(trace.pid) > before
+    finally:
+        os.killpg(trace.pid, signal.SIGKILL)
+        trace.wait()
+
+
+def test_a_runs_timed_steps_run_without_its_trace_which_ends_after_them(tmp_path: Path) -> None:
+    """The default path, the estimate on: rank 0 held the trace from the first timed step,
+    let it go on after the last, and the trace then settled the summary."""
+    out = tmp_path / "run"
+    result = run_cli(*RUN, "train.steps=4", "wandb.mode=disabled", f"hydra.run.dir={out}", cwd=tmp_path,
+                     estimate=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_json(out / "summary.json")["estimate_trace_held"] is True
+    summary = settled_summary(out, timeout_s=180).as_dict()
+    assert summary["estimated_peak_mem_gb"] > 0 and abs(summary["estimate_ratio"] - 1) <= 0.15, summary

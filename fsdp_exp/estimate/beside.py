@@ -2,8 +2,10 @@
 
 When task=train launches its ranks, the driver starts the estimate of the same setup (its
 model, batch, world size and device) in a process of its own at idle priority (Linux's
-SCHED_IDLE): it gets only the CPU time the ranks leave, so what the run measures is the
-run's own. It writes estimate.json in the run directory. Rank 0, once the last step is
+SCHED_IDLE): it gets only the CPU time the ranks leave. Idle priority does not keep it off
+the caches and memory bandwidth the ranks use, so where the ranks run on this machine, rank 0
+stops it through the timed steps (fsdp_exp.rank.trace_held): what the run measures is the
+run's own, and the trace has the ranks' start-up, the warm-up steps and the run's end. It writes estimate.json in the run directory. Rank 0, once the last step is
 measured, looks for it for at most WAIT_S and records the estimate beside what it measured
 (`checked`): in summary.json, its log line and wandb. When the trace is not done by then
 (a CPU run leaves it little idle CPU) or rank 0 cannot see the driver's files, the driver
@@ -11,9 +13,9 @@ adds it if it is there, else the summary says `estimate: pending` and the comman
 without waiting: the tracing process, when it ends, writes estimate.json and adds the
 estimate to summary.json itself (not to wandb, whose run has ended).
 
-What it costs: the trace's CPU time (a few seconds for the ViT or GPT-2 small, traced
-alone; the record's `trace_s` also counts the time it waited for the CPU), taken from what
-the ranks leave idle, and at most WAIT_S at the run's end. memory.estimate=false starts
+What it costs: nothing of the timed steps; the trace's CPU time (the record's `trace_s` also
+counts the time it was held or waited for the CPU), taken from what the start-up and the
+warm-up leave idle, and at most WAIT_S at the run's end. memory.estimate=false starts
 no trace. Ctrl-C stops it with the run.
 """
 
@@ -60,6 +62,12 @@ class EstimateBeside:
             return summary
         record = EstimateRecord.read_from(self.path)
         return summary | ({"estimate": PENDING} if record is None else checked(Summary.of(summary), record))
+
+    def go_on(self) -> None:
+        """The trace goes on, should rank 0 have held it (fsdp_exp.rank.trace_held) and ended
+        without letting it go."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         """The run was stopped: so is its trace (the process and the one tracing)."""

@@ -45,6 +45,7 @@ from fsdp_exp.rank import worker
 from fsdp_exp.rank.trainer import AfterFit, Hooks, OptimizerStep, Trainer, TrainSettings
 from fsdp_exp.rank.report import Known, StartupMarks
 from fsdp_exp.rank.settle import PeakSettled
+from fsdp_exp.rank.trace_held import TraceHeld
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.schedule import lr_schedule
 from fsdp_exp.sharding import unwrap
@@ -197,6 +198,10 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
         log.info("resumed from %s at step %d", resume, start_step)
 
     hooks: list = [cfg.profile.start(run_dir, ranks.rank, ranks.device)]
+    held = TraceHeld(context.estimate_pid, first_timed=start_step + cfg.metrics.warmup_steps + 1) \
+        if ranks.is_main and context.estimate_pid else None
+    if held is not None:
+        hooks.append(held)
     sinks: list = []
     jsonl = progress = None
     if ranks.is_main:
@@ -232,7 +237,8 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
     trainer = Trainer(settings, ranks, model, OptimizerStep(optimizer, grad_scaler, schedule), cfg.loss,
                       Batches(batches, data.batch_keys), MemoryMonitor(ranks.device, cfg.metrics.phase_peaks, runtime),
                       checkpoint, Hooks(sinks, hooks, first, settled,
-                                        [Known(figures), StartupMarks(context.startup), *after_fit,
+                                        [Known(figures), StartupMarks(context.startup),
+                                         *([held] if held else []), *after_fit,
                                          *([settled] if settled else [])]))
     context.startup["built"] = time.time()
     return Built(trainer, wandb, jsonl, progress, figures)

@@ -45,8 +45,8 @@ class Train(Task):
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
         self.find_resume(exp, context, run_dir)
         beside = EstimateBeside(exp, nproc, run_dir, launcher.ranks_per_node(nproc)) if exp.memory.estimate else None
-        if beside is not None and launcher.runs_here:  # rank 0 sees the file; else the driver adds it
-            context.estimate_file = str(beside.path)
+        if beside is not None and launcher.runs_here:  # rank 0 sees the file and holds the trace; else the driver adds it
+            context.estimate_file, context.estimate_pid = str(beside.path), beside.process.pid
         context.startup["launched"] = time.time()
         try:
             rank = partial(train_rank, context=context, against_estimate=estimate_checked)
@@ -55,7 +55,14 @@ class Train(Task):
             if beside is not None:
                 beside.stop()
             raise
-        return beside.add_to(figures) if beside is not None else figures
+        except BaseException:
+            if beside is not None:
+                beside.go_on()  # rank 0 may have failed while it held the trace
+            raise
+        if beside is None:
+            return figures
+        beside.go_on()
+        return beside.add_to(figures)
 
 
 def estimate_checked(summary: Summary, path: Path) -> dict:

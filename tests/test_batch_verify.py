@@ -211,7 +211,8 @@ def test_a_probe_saves_a_checkpoint_where_the_run_does_and_trains_on_beside_it()
     assert run.wandb.mode == exp.wandb.mode and run.wandb.id != exp.wandb.id and run.wandb.job_type == "verify"
     # one that may stop once its peak settles saves within the window it checks, as the run saves within its length
     assert exp.checkpoint.every > 10
-    assert command_config(exp, batch_size=8, steps=100, job_type="verify", save_within=10).checkpoint.every == 10
+    bounded = command_config(exp, batch_size=8, steps=100, job_type="verify", save_within=10)
+    assert (bounded.checkpoint.every, bounded.train.log_every) == (10, 5)  # and its speed read twice a window
     none = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "wandb.mode=disabled"]), 0).exp
     assert type(probe_config(none, 8, 3, 2).checkpoint).__name__ == "NoCheckpoint"
 

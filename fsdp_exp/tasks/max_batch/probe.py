@@ -174,14 +174,18 @@ def command_config(cfg: Experiment, batch_size: int, steps: int, job_type: str,
     own (checkpoint.dir is left to it, so no checkpoint of the user's is touched); wandb in
     the run's own mode, as a new run of `job_type`. `save_within`: a run that may stop once
     its peak settles saves a checkpoint at least this often, so that a save's memory falls
-    inside it, as it falls inside the run's length."""
+    inside it, as it falls inside the run's length, and logs at least twice a window, so that
+    its speed has readings enough to tell its spread (fsdp_exp.tasks.tune.confirm.step_spread)."""
     wandb = replace(cfg.wandb, id=None if cfg.wandb.mode == WandbMode.disabled else uuid.uuid4().hex[:16],
                     job_type=job_type)
     checkpoint = replace(cfg.checkpoint, dir=None) if getattr(cfg.checkpoint, "dir", None) else cfg.checkpoint
-    if save_within is not None and not isinstance(checkpoint, NoCheckpoint) and checkpoint.every > save_within:
-        checkpoint = replace(checkpoint, every=save_within)
-    return replace(cfg, train=replace(cfg.train, batch_size=batch_size, steps=steps), wandb=wandb,
-                   checkpoint=checkpoint, task=Train())
+    log_every = cfg.train.log_every
+    if save_within is not None:
+        log_every = min(log_every, max(1, save_within // 2))
+        if not isinstance(checkpoint, NoCheckpoint) and checkpoint.every > save_within:
+            checkpoint = replace(checkpoint, every=save_within)
+    return replace(cfg, train=replace(cfg.train, batch_size=batch_size, steps=steps, log_every=log_every),
+                   wandb=wandb, checkpoint=checkpoint, task=Train())
 
 
 def verify_rule(tolerance_gb: float) -> dict:

@@ -5,7 +5,8 @@ model, batch, world size and device) in a process of its own at idle priority (L
 SCHED_IDLE): it gets only the CPU time the ranks leave. Idle priority does not keep it off
 the caches and memory bandwidth the ranks use, so where the ranks run on this machine, rank 0
 stops it through the timed steps (fsdp_exp.rank.trace_held): what the run measures is the
-run's own, and the trace has the ranks' start-up, the warm-up steps and the run's end. It writes estimate.json in the run directory. Rank 0, once the last step is
+run's own, and the trace has the ranks' start-up, the warm-up steps and the run's end. It
+writes estimate.json in the run directory. Rank 0, once the last step is
 measured, looks for it for at most WAIT_S and records the estimate beside what it measured
 (`checked`): in summary.json, its log line and wandb. When the trace is not done by then
 (a CPU run leaves it little idle CPU) or rank 0 cannot see the driver's files, the driver

@@ -144,17 +144,22 @@ class LengthCheck:
                    Probe.from_json(near) if near else None, record.get("probe_peaks_gb_per_rank"))
 
 
+def settle_within_gb(length: VerifyLength, limit_gb: float | None) -> float | None:
+    """How far a run of the command's peak may still rise over VERIFY_WINDOW steps and count
+    as settled: the noise band's floor (None where the runs train their steps)."""
+    if not length.until_settled or limit_gb is None:
+        return None
+    return NOISE_FLOOR * limit_gb
+
+
 class Verifying:
     """The runs of the command a search makes (fsdp_exp.tasks.max_batch.search.MaxBatchSearch,
     whose probes, settings and launcher they read): once, what a run holds beyond a probe; at
     the end, its answer."""
 
     def settle_within_gb(self) -> float | None:
-        """How far a run of the command's peak may still rise over VERIFY_WINDOW steps and count
-        as settled: the noise band's floor (None where the runs train their steps)."""
-        if not self.verification.until_settled or self.limit_gb is None:
-            return None
-        return NOISE_FLOOR * self.limit_gb
+        length = VerifyLength(self.verification.steps, self.verification.until_settled)
+        return settle_within_gb(length, self.limit_gb)
 
     def counted_beyond_gb(self) -> float:
         """What a run of the command holds beyond a probe, as counted against every probe

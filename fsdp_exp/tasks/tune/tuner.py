@@ -38,11 +38,12 @@ from fsdp_exp.metrics.sinks import write_json
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.tune.report import RECORD, command_words, report, tune_record
-from fsdp_exp.tasks.max_batch.answer import NOISE_FLOOR, speeds
+from fsdp_exp.tasks.max_batch.answer import speeds
 from fsdp_exp.tasks.max_batch.policy import PRIOR_ERROR
 from fsdp_exp.tasks.max_batch.prior import prior
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
+from fsdp_exp.tasks.max_batch.verify import settle_within_gb
 from fsdp_exp.tasks.tune.accumulation import fastest_splits
 from fsdp_exp.tasks.tune.command import base_overrides, search_command, search_path_overrides
 from fsdp_exp.tasks.tune.confirm import Confirming
@@ -363,7 +364,7 @@ class Tuner(Confirming, SetupsSideBySide):
                 printed = check_run(compose_config(command_words(self.prefix(), entry.row)))
                 probe = run_probe(printed.exp, printed.exp.train.batch_size, where, printed.launcher, printed.nproc,
                                   steps, timeout_s, as_command="confirm",
-                                  until_settled=NOISE_FLOOR * search.limit_gb if length.until_settled else None)
+                                  until_settled=settle_within_gb(length, search.limit_gb))
             else:
                 # train.batch_size is a step's batch on each rank: `accum` micro-batches of `micro`
                 exp = replace(plan.exp, train=replace(plan.exp.train, grad_accum=accum))

@@ -25,7 +25,12 @@ if TYPE_CHECKING:
     from fsdp_exp.tasks.max_batch.probe import Probe
     from fsdp_exp.tasks.max_batch.record import MaxBatchRecord
 
-NOISE_FLOOR = 0.001  # the noise band is at least this share of the limit
+# The noise band is at least this share of the limit. The spreads a search sees in a few
+# probes understate what a fresh set of ranks can hold: on the 2-core CPU box an answer 0.8 MB
+# (0.13% of a 0.63 GB limit) under the limit ran out of memory when run again.
+NOISE_FLOOR = 0.002
+# A run's peak counts as settled once it rose by at most this share of the limit over a window.
+SETTLE_FLOOR = 0.001
 NEAR_FASTEST = 0.05  # the batch to use: the smallest whose samples/s is within this of the fastest
 SPACING = 2.0  # the fastest batch is placed to within this factor, with one more probe if need be
 MB = 2**20 / 2**30

@@ -16,7 +16,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from fsdp_exp.tasks.max_batch.answer import MB, NOISE_FLOOR, run_words
+from fsdp_exp.tasks.max_batch.answer import MB, SETTLE_FLOOR, run_words
 from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
 from fsdp_exp.tasks.max_batch.settings import VerifyLength
 
@@ -146,10 +146,10 @@ class LengthCheck:
 
 def settle_within_gb(length: VerifyLength, limit_gb: float | None) -> float | None:
     """How far a run of the command's peak may still rise over VERIFY_WINDOW steps and count
-    as settled: the noise band's floor (None where the runs train their steps)."""
+    as settled: SETTLE_FLOOR of the limit (None where the runs train their steps)."""
     if not length.until_settled or limit_gb is None:
         return None
-    return NOISE_FLOOR * limit_gb
+    return SETTLE_FLOOR * limit_gb
 
 
 class Verifying:

@@ -1,11 +1,12 @@
 """What the trace counts of a step: the live storages by what they hold (torch's memory
 trackers, `MemTracker` and `FSDPMemTracker`, subclassed to keep the peaks of each category
-and the storages on a GPU's device replayed through the caching allocator), and the library
-ops the step ran (fsdp_exp.estimate.library)."""
+and the storages on a GPU's device replayed through the caching allocator), the library
+ops the step ran (fsdp_exp.estimate.library), and the bytes its collectives send."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_exp.estimate.allocator import CachingAllocator, cuda_block
@@ -39,6 +40,7 @@ class LiveBytes:
         self.phase = ""
         self.at_phase_ends = 0  # the most the storages held where a phase started or ended
         self.library = LibraryOps()  # the ops MKL and oneDNN ran (fsdp_exp.estimate.library)
+        self.wire_bytes = 0  # what this rank's collectives sent (`wire_bytes`)
 
     def phase_end(self) -> None:
         self.at_phase_ends = max(self.at_phase_ends, sum(self.now["stored"].values()))
@@ -65,6 +67,27 @@ class LiveBytes:
         on_device = {k: v for k, v in self.now["blocks"].items() if k not in self.offloaded}
         self.peaks["blocks"].see(sum(on_device.values()), on_device, self.phase)
         self.peaks["segments"].see(self.device.reserved, on_device, self.phase)
+
+
+def wire_bytes(func, args: tuple) -> int:  # noqa: ANN001
+    """What one rank sends in a collective, as a ring runs it among n ranks: an all-gather
+    or a reduce-scatter of a whole of S bytes, S (n - 1) / n; an all-reduce, twice that.
+    (The fake process group moves nothing; the ops come through the dispatcher all the same.)"""
+    name = func.__name__
+    if name.startswith("_allgather_base"):  # (output, input, group, ...)
+        whole, part = args[0], args[1]
+    elif name.startswith("_reduce_scatter_base"):  # (output, input, group, ...)
+        whole, part = args[1], args[0]
+    elif name.startswith("allreduce_") and "c10d" in str(func):  # ([tensors], group, ...)
+        group = args[1]
+        n = (ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group).size()
+        return sum(2 * t.numel() * t.element_size() * (n - 1) // n for t in args[0])
+    else:
+        return 0
+    if not part.numel():
+        return 0
+    n = whole.numel() // part.numel()
+    return whole.numel() * whole.element_size() * (n - 1) // n
 
 
 class CountingTracker:
@@ -96,6 +119,7 @@ class CountingTracker:
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         result = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
         self.counts.library.see(func, args)
+        self.counts.wire_bytes += wire_bytes(func, args)
         if result is not NotImplemented and "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
             self.attention.append(tuple(args[0].shape))
         return result

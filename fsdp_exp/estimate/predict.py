@@ -20,12 +20,14 @@ from fsdp_exp.estimate.curve import PeakCurve
 from fsdp_exp.estimate.gpu import Gpu, cublas_workspaces, outside_allocator_gb
 from fsdp_exp.estimate.host import HostSetup, host_memory
 from fsdp_exp.estimate.record import EstimateRecord
+from fsdp_exp.estimate.speed import StepWork
 from fsdp_exp.launch.core import POLL_S, RunFailed, alongside
 from fsdp_exp.metrics.peaks import anonymous_bytes
 from fsdp_exp.metrics.sinks import Wandb, WandbMode
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
+    from fsdp_exp.estimate.traced import Trace
 
 TIME_LIMIT_S = 900  # a trace past this is stopped: something in it does not run on fake tensors
 
@@ -110,9 +112,22 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
         largest_batch_fitting=fitting[-1].batch_size if fitting else (0 if judged else None),
         predicted_max_batch=min(crossings) if crossings else None,
         batches=[b.to_json() for b in batches],
+        step_work=step_work(traced, exp.offload),
         trace_s=traced.seconds,
         wall_s=time.perf_counter() - start,
     )
+
+
+def step_work(traced: Trace, offload: bool) -> dict | None:
+    """What a step of the first size traced does, as the speed model counts it
+    (fsdp_exp.estimate.speed); None when its FLOPs were not counted."""
+    first = traced.steps[0] if traced.steps else None
+    if first is None or not first.flops:
+        return None
+    shards = traced.optimizer_params
+    # offload=true: each step brings the fp32 shards in and takes their gradients out
+    return StepWork(first.batch_size, first.flops, first.wire_bytes, 8 * shards if offload else 0, shards,
+                    traced.world_size).to_json()
 
 
 def fits(batch: dict, limit_gb: float | None, gpu_memory_gb: float | None,

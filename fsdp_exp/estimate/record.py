@@ -60,6 +60,7 @@ class EstimateRecord(JsonRecord):
     largest_batch_fitting: int | None = None  # of the batch sizes traced; 0: none fits
     predicted_max_batch: int | None = None  # where the curve through them reaches the memory
     batches: list[dict[str, Any]] | None = None  # each batch size traced, as above
+    step_work: dict[str, Any] | None = None  # what a step does, for the speed model (fsdp_exp.estimate.speed)
     trace_s: float | None = None
     wall_s: float | None = None
 

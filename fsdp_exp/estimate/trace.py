@@ -47,6 +47,7 @@ from fsdp_exp.estimate.counting import LiveBytes, PlainTracker, ShardedTracker, 
 from fsdp_exp.estimate.library import kept_by_step
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace
 from fsdp_exp.groups import LossOption
+from fsdp_exp.metrics.flops import counting_flops
 from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
 from fsdp_exp.launch.core import rank_threads
 from fsdp_exp.rank.build import build_model_for_training
@@ -172,15 +173,20 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             baseline += stacks + build_held  # held from the first step (the build) on, as the runtime is
             buckets = ddp_buckets(model) if replicates(exp.sharding) else 0
             steps, library = [], []
+            # DDP's reducer all-reduces its buckets, which the trace adds as what they hold
+            reduced = 2 * buckets * (world_size - 1) // world_size
             for batch_size in batch_sizes:
                 counts = phases.counts = LiveBytes(offloaded, workspaces)
                 batches = fake_batches(item, batch_size // traced.train.grad_accum)
                 mem = phases.tracker = tracker(model, optimizer, counts)
-                with mem:
+                # the first size's FLOPs, as a run counts its first step's (the others scale with the batch)
+                with mem, counting_flops(model) if not steps else contextlib.nullcontext() as flops:
                     trainer.train_step(batches)
                 steps.append(StepTrace(batch_size, counts.peaks, state_bytes(optimizer), buckets,
                                        mem.attention, len(counts.streams),  # type: ignore[attr-defined]
-                                       at_phase_ends_bytes=counts.at_phase_ends))
+                                       at_phase_ends_bytes=counts.at_phase_ends,
+                                       flops=flops.step.hardware if flops is not None and flops.step else 0,
+                                       wire_bytes=counts.wire_bytes + reduced))
                 library.append(counts.library)
                 if enough is not None and enough(steps[-1], baseline):
                     break
@@ -197,9 +203,10 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
         # Each rank builds the whole model, then sharding copies its shards out of it.
         whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         build = whole + local_bytes(model) if shard_count > 1 else whole
+        shards = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     return Trace(world_size, steps, build, params, shard_count, baseline, data_bytes, stacks, stack, data_load,
                  time.perf_counter() - start, whole, sample_bytes, workers, build_held, pinned_bytes(model),
-                 data_in_use + build_in_use)
+                 data_in_use + build_in_use, optimizer_params=shards)
 
 
 def eval_forward_bytes(model: torch.nn.Module, item: Any, batch_size: int, loss: LossOption,

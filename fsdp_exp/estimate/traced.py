@@ -48,6 +48,8 @@ class StepTrace:
     eval_forward_bytes: int = 0  # task=eval's forward of the whole model at this batch, without gradients: its peak
     at_phase_ends_bytes: int = 0  # the most the storages held where a phase of the step started or ended
     library: Kept | None = None  # CPU: what MKL and oneDNN keep after the step's ops (None: not replayed)
+    flops: int = 0  # the FLOPs the step ran, recomputed ones too (counted at the first size traced; else 0)
+    wire_bytes: int = 0  # what this rank's collectives sent, as a ring sends them
 
 
 @dataclass
@@ -74,3 +76,4 @@ class Trace:
     # what making the data set and building the model left this process's allocations holding
     # (`heap_in_use_bytes`): with a step's storages where its phases end, a rank's peak_in_use_gb
     built_in_use_bytes: int = 0
+    optimizer_params: int = 0  # the elements this rank's optimizer updates: its shards

@@ -45,7 +45,7 @@ def estimate_curve(cfg: Experiment, world_size: int, limit_gb: float) -> dict:
     peaks = [[b["batch_size"], b["peak_under_limit_gb"]] for b in record.batches]
     wall = time.perf_counter() - start
     log.info("estimate: %s in %.0f s", ", ".join(f"batch {b} {p:.3f} GB" for b, p in peaks), wall)
-    return {"device": record.device, "peaks_gb": peaks, "wall_s": wall}
+    return {"device": record.device, "peaks_gb": peaks, "step_work": record.step_work, "wall_s": wall}
 
 
 def prior(record: dict | None) -> PeakCurve | None:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 # a bound this far below the best still searches, a measured speed this close to the best ties.
 SPEED_NOISE = 0.05
 
-STATUSES = ("measured", "bounded", "pruned", "does not fit", "refused", "failed", "not reached")
+STATUSES = ("measured", "bounded", "predicted", "pruned", "does not fit", "refused", "failed", "not reached")
 
 
 @dataclass
@@ -31,13 +31,14 @@ class Row:
     grad_accum: int = 1
     max_batch_size: int | None = None  # the largest that fits (measured rows)
     samples_per_s: float | None = None
+    predicted_samples_per_s: float | None = None  # the speed model's, by the other setups' probes (tune.json's speed_model)
     step_s: float | None = None  # with task.global_batch: the time of one optimizer step
     tokens_per_s: float | None = None
     mfu: float | None = None
     peak_gb: float | None = None  # at batch_size, as the limit counts it
     headroom_gb: float | None = None  # the limit less peak_gb
     estimated_max_batch: int | None = None  # where the estimate puts the largest batch
-    bound_samples_per_s: float | None = None  # the most it could reach under the limit
+    bound_samples_per_s: float | None = None  # the most it could reach under the limit (predicted: by the model)
     probes: int = 0
     dir: str = ""
     winner: bool = False
@@ -83,13 +84,15 @@ def table(rows: list[Row], tokens: bool, confirmed: bool = True) -> str:
     marker = " (winner)" if confirmed else " (winner, NOT CONFIRMED)"
     mfu = any(r.mfu is not None for r in rows)  # where the device's peak FLOP/s is known
     step = any(r.step_s is not None for r in rows)  # task.global_batch
-    head = ["#", "setup", "batch", *(["step s"] if step else []), "samples/s", *(["tokens/s"] if tokens else []),
+    predicted = any(r.predicted_samples_per_s is not None for r in rows)  # the speed model's, held out
+    head = ["#", "setup", "batch", *(["step s"] if step else []), "samples/s", *(["predicted"] if predicted else []),
+            *(["tokens/s"] if tokens else []),
             *(["MFU"] if mfu else []), "peak GB", "headroom GB", "probes", "how"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(ranked(rows), 1):
         batch = "" if r.batch_size is None else f"{r.batch_size}" + (f" x {r.grad_accum}" if r.grad_accum > 1 else "")
         cells = [str(i) + (marker if r.winner else ""), r.setup, batch, *([fmt(r.step_s, ".3f")] if step else []),
-                 fmt(r.samples_per_s, ",.1f"),
+                 fmt(r.samples_per_s, ",.1f"), *([fmt(r.predicted_samples_per_s, ",.1f")] if predicted else []),
                  *([fmt(r.tokens_per_s, ",.0f")] if tokens else []), *([fmt(r.mfu, ".1%")] if mfu else []),
                  fmt(r.peak_gb, ".3f"),
                  fmt(r.headroom_gb, ".3f"), str(r.probes), f"{r.status}: {r.how}" if r.how else r.status]

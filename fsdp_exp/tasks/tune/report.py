@@ -40,7 +40,7 @@ def command_line(prefix: list[str], row: Row) -> str:
 
 def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb: float | None, budget: str,
                 stopped: bool, probes_run: int, probes_reused: int, tokens_per_sample: int, wall_s: float,
-                confirmed: dict | None = None) -> dict:
+                confirmed: dict | None = None, speed_model: dict | None = None) -> dict:
     """tune.json: the rows ranked, the winner marked, and how the tune got there. `confirmed`:
     the winner run again (status, samples_per_s, peak_gb, step_spread): the speed noise is how
     far that moved from the table, or its own steps from each other, SPEED_NOISE at least."""
@@ -77,6 +77,7 @@ def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb
         "probes_reused": probes_reused,
         "tokens_per_sample": tokens_per_sample,
         "wall_s": wall_s,
+        "speed_model": speed_model,  # this machine's rates, fitted to the probes (fsdp_exp.estimate.speed)
         "rows": [r.to_json() for r in order],
     }
 
@@ -99,6 +100,22 @@ def answer_line(record: dict) -> str:
         speed = f"{record['step_s']:.3f} s a step, {speed}"
     return (f"tune: fastest {record['winner']} at batch {batch} per rank, {speed}, peak "
             f"{record['peak_gb']:.3f} GB{run_again(record)}{also}; {cost}\n  run it: {record['command']}")
+
+
+def model_line(model: dict | None) -> str:
+    """The speed model in words: the rates it fitted, and how far it missed a setup it had
+    not seen (the `predicted` column)."""
+    if not model:
+        return ""
+    rates = [f"{model['tflops']:.3g} TFLOP/s" if model.get("tflops") else None,
+             f"{model['wire_gb_per_s']:.3g} GB/s on the wire" if model.get("wire_gb_per_s") else None,
+             f"{model['ms_per_sample']:.3g} ms a sample" if model.get("ms_per_sample") else None,
+             f"{model['ms_per_step']:.3g} ms a step" if model.get("ms_per_step") else None]
+    error = model.get("error")
+    missed = (f"; held out, it missed a setup's speed by at most {error:.0%}" if error is not None
+              else "; too few setups ran to hold one out")
+    return (f"speed model, fitted to {model['runs']} probe(s) of {model['setups']} setup(s): "
+            f"{', '.join(r for r in rates if r) or 'no cost seen'}{missed}")
 
 
 def run_again(record: dict) -> str:
@@ -134,6 +151,8 @@ def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) ->
     """tune.md, tune.png, wandb and the log; the summary's figures."""
     tokens = bool(record["tokens_per_sample"])
     text = table(rows_of(record), tokens, confirmed=record["winner_confirmed"] is not False)
+    model = model_line(record.get("speed_model"))
+    text += f"\n\n{model}" if model else ""
     (run_dir / "tune.md").write_text(f"{text}\n\n{answer_line(record)}\n")
     png = run_dir / "tune.png"
     drawn = plot(record, png)
@@ -145,7 +164,8 @@ def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) ->
     return {"task": "tune", **{k: record[k] for k in keys}}
 
 
-SETUP_COLUMNS = ("setup", "status", "how", "batch_size", "grad_accum", "samples_per_s", "tokens_per_s", "mfu",
+SETUP_COLUMNS = ("setup", "status", "how", "batch_size", "grad_accum", "samples_per_s", "predicted_samples_per_s",
+                 "tokens_per_s", "mfu",
                  "peak_gb", "headroom_gb", "max_batch_size", "estimated_max_batch", "bound_samples_per_s", "probes",
                  "winner")
 

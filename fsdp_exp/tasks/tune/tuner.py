@@ -4,11 +4,13 @@ line would be, then measured only where the measurement can change the answer.
 1. The estimate (one trace on fake tensors a setup, seconds; as many at once as the machine
    has cores) prunes the setups whose smallest batch cannot fit, and says where each one's
    largest batch lies.
-2. One probe a setup, placed by that estimate near its largest batch (task=max_batch's
-   own first probe), measures its speed.
+2. The speed model's calibration (fsdp_exp.tasks.tune.predicting): the fewest setups that
+   pin its rates are probed, each first near its largest batch (task=max_batch's own first
+   probe). Without a model (fewer than two setups traced) every setup is probed once.
 3. The setups are searched to their fastest batch in the order of the most they could
-   reach (fsdp_exp.tasks.tune.ranking); one whose bound falls below the best measured is
-   not searched on.
+   reach: by their probes (fsdp_exp.tasks.tune.ranking), or with none, by the speed model
+   widened by its error. One whose bound falls below the best measured is not searched on:
+   `bounded` after its probe, `predicted` without one.
 
 Each setup's search is task=max_batch's, in `<run>/setups/<setup>/`, recorded after every
 probe: a tune run again into the same directory goes on from its recorded probes. On a
@@ -47,8 +49,9 @@ from fsdp_exp.tasks.max_batch.verify import settle_within_gb
 from fsdp_exp.tasks.tune.accumulation import fastest_splits
 from fsdp_exp.tasks.tune.command import base_overrides, search_command, search_path_overrides
 from fsdp_exp.tasks.tune.confirm import Confirming
+from fsdp_exp.tasks.tune.predicting import Predicting
 from fsdp_exp.tasks.tune.side_by_side import SetupsSideBySide
-from fsdp_exp.tasks.tune.ranking import Row, can_win, speed_bound
+from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, can_win, speed_bound
 from fsdp_exp.tasks.tune.space import Setup, setups
 
 if TYPE_CHECKING:
@@ -79,7 +82,7 @@ class TunedSetup:
     extra_probes: int = 0  # beside its search: task.global_batch's splits, the winner's confirmation
 
 
-class Tuner(Confirming, SetupsSideBySide):
+class Tuner(Confirming, Predicting, SetupsSideBySide):
     def __init__(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int):
         self.exp, self.context, self.run_dir, self.launcher, self.nproc = exp, context, Path(run_dir), launcher, nproc
         self.settings = exp.task
@@ -110,7 +113,10 @@ class Tuner(Confirming, SetupsSideBySide):
         self.estimate_all(self.unsettled())
         if self.parallel > 1:
             self.launcher.connect(self.nproc, self.parallel)
-        self.side_by_side(self.unsettled(), self.first_speed, self.parallel, self.runs())
+        calibration = self.calibration(self.unsettled())
+        self.side_by_side(calibration, self.first_speed, self.parallel, self.runs())
+        if len(calibration) < len(self.unsettled()) and not calibration[0].done and not self.stopped:
+            self.second_size(calibration[0])
         self.search_those_that_can_win()
         self.stop_unfinished()
         self.rematch()
@@ -170,6 +176,12 @@ class Tuner(Confirming, SetupsSideBySide):
                     self.settle_searched(entry)
                 return
 
+    def second_size(self, entry: TunedSetup) -> None:
+        """The setup's search's next probe, at another size: the speed model's cost of a
+        sample apart from its cost of a step."""
+        if not self.step(entry) and not self.stopped:
+            self.settle_searched(entry)
+
     def search_those_that_can_win(self) -> None:
         """Search to the fastest batch each setup whose bound can still beat the best, most
         promising first; bound the others. Side by side, a setup is judged when a place is free."""
@@ -180,7 +192,10 @@ class Tuner(Confirming, SetupsSideBySide):
             if self.stopped:
                 break
             if not can_win(self.bound(entry) or math.inf, self.best_speed()):
-                self.conclude(entry, "bounded", self.bounded_words(entry))
+                if self.trained(entry):
+                    self.conclude(entry, "bounded", self.bounded_words(entry))
+                else:
+                    self.conclude(entry, "predicted", self.predicted_words(entry))
             elif runs is None:
                 self.search_whole(entry)
             else:
@@ -247,6 +262,8 @@ class Tuner(Confirming, SetupsSideBySide):
         if failed:
             largest = min(largest, min(failed) - r)
         curve, fit = prior(search.estimated), self.trained(entry)
+        if not fit and entry.row.estimated_max_batch:
+            largest = min(largest, entry.row.estimated_max_batch * (1 + PRIOR_ERROR))
         if curve is not None and fit and search.limit_gb is not None:
             top = max(fit, key=lambda p: p.batch_size)
             peak = top.limited_peak_gb()
@@ -256,16 +273,30 @@ class Tuner(Confirming, SetupsSideBySide):
         return largest
 
     def bound(self, entry: TunedSetup) -> float | None:
+        """The most samples/s the setup could reach under the limit: by its probes, or with
+        none, by the speed model (None: neither can say)."""
         fit = self.trained(entry)
-        if not fit:
-            return None
         largest = self.largest(entry)
+        if not fit:
+            predicted = self.predicted_bound(entry, largest)
+            return None if predicted is None else predicted[2]
         return max(speed_bound(p.samples_per_s or 0.0, p.batch_size, largest) for p in fit)
 
     def bounded_words(self, entry: TunedSetup) -> str:
         fit = max(self.trained(entry), key=lambda p: p.samples_per_s or 0.0)
         return (f"{fit.samples_per_s:,.1f} samples/s at batch {fit.batch_size}: at most {self.bound(entry):,.1f} "
                 f"up to batch {self.largest(entry):.0f}, below the best's {self.best_speed():,.1f}")
+
+    def predicted_words(self, entry: TunedSetup) -> str:
+        """Why a setup was not probed, with the model's figures on its row."""
+        largest = self.largest(entry)
+        predicted = self.predicted_bound(entry, largest)
+        assert predicted is not None
+        speed, error, bound = predicted
+        entry.row.predicted_samples_per_s, entry.row.bound_samples_per_s = speed, bound
+        return (f"the speed model puts it at {speed:,.1f} samples/s at batch {largest:.0f}, the largest the estimate "
+                f"lets it reach; at most {bound:,.1f} within the model's error ({max(error, SPEED_NOISE):.0%}), "
+                f"below the best's {self.best_speed():,.1f}; not probed")
 
     def update(self, entry: TunedSetup) -> None:
         """The row's figures from the setup's probes so far: its fastest that trained."""
@@ -399,7 +430,8 @@ class Tuner(Confirming, SetupsSideBySide):
         """After the winner's command line failed (and its setup dropped out or stepped down),
         search the setups spared by a bound that can now beat the best."""
         best = self.best_speed()
-        again = [e for e in self.entries if e.row.status == "bounded" and can_win(self.bound(e) or math.inf, best)]
+        again = [e for e in self.entries if e.row.status in ("bounded", "predicted")
+                 and can_win(self.bound(e) or math.inf, best)]
         for entry in again:
             entry.done, entry.row.status = False, "not reached"
             log.info("%s: its bound can beat the best now; searching it", entry.setup.name)
@@ -433,12 +465,13 @@ class Tuner(Confirming, SetupsSideBySide):
     def save(self) -> dict:
         """tune.json, rewritten whole after every probe, so no probe is ever lost."""
         limits = {e.search.limit_gb for e in self.entries if e.search is not None and e.search.limit_gb is not None}
+        self.predict_rows()
         record = tune_record(
             [e.row for e in self.entries], prefix=self.prefix(), world_size=self.nproc,
             limit_gb=self.exp.memory.limit_gb or (max(limits) if limits else None), budget=str(self.budget),
             stopped=self.stopped, probes_run=self.probes_run,
             probes_reused=sum(e.search.reused for e in self.entries if e.search is not None),
             tokens_per_sample=self.exp.data.tokens_per_sample, wall_s=time.perf_counter() - self.start,
-            confirmed=self.confirmed)
+            confirmed=self.confirmed, speed_model=self.speed_model())
         write_json(self.run_dir / RECORD, record)
         return record

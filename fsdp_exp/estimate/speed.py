@@ -4,9 +4,10 @@ it ran; the bytes offload moves; the elements its optimizer updates) priced at t
 machine's rates (`Rates`), calibrated from measured runs by least squares.
 
 A step's time is the sum of its parts, each a count times seconds per unit, plus a cost
-per sample beyond the FLOPs (data, elementwise ops) and one per step. The rates are not
-negative, so a part no measured run varied costs nothing: a prediction leans fast, never
-slow, until a run shows the cost. Light: no torch."""
+per step. What a sample costs beyond its matmuls (data, elementwise ops) grows with the
+batch as the FLOPs do, so the FLOPs' rate takes it in: a rate is what this machine does,
+not its peak. The rates are not negative, so a part no measured run varied costs nothing:
+a prediction leans fast, never slow, until a run shows the cost. Light: no torch."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy
 
 # The parts of a step's time, in the order of `StepWork.parts`
-PARTS = ("flops", "samples", "wire_bytes", "offload_bytes", "optimizer_params", "step")
+PARTS = ("flops", "wire_bytes", "offload_bytes", "optimizer_params", "step")
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class StepWork:
     def parts(self, batch_size: float) -> list[float]:
         """The step's counts at `batch_size`: the FLOPs grow with the batch, the rest of a
         step's traffic does not."""
-        return [self.flops * batch_size / self.batch_size, batch_size, self.wire_bytes, self.offload_bytes,
+        return [self.flops * batch_size / self.batch_size, self.wire_bytes, self.offload_bytes,
                 self.optimizer_params, 1.0]
 
     def to_json(self) -> dict:
@@ -81,8 +82,8 @@ class Rates:
 
     def to_json(self) -> dict:
         """The rates as a person reads them: TFLOP/s, GB/s on the wire, and so on."""
-        flops, samples, wire, offload, optimizer, step = self.seconds
-        return {"tflops": per(flops, 1e12), "ms_per_sample": samples * 1e3, "wire_gb_per_s": per(wire, 1e9),
+        flops, wire, offload, optimizer, step = self.seconds
+        return {"tflops": per(flops, 1e12), "wire_gb_per_s": per(wire, 1e9),
                 "offload_gb_per_s": per(offload, 1e9), "optimizer_gparams_per_s": per(optimizer, 1e9),
                 "ms_per_step": step * 1e3, "seconds_per_unit": dict(zip(PARTS, self.seconds)), "runs": self.runs,
                 "setups": self.setups}

@@ -109,7 +109,6 @@ def model_line(model: dict | None) -> str:
         return ""
     rates = [f"{model['tflops']:.3g} TFLOP/s" if model.get("tflops") else None,
              f"{model['wire_gb_per_s']:.3g} GB/s on the wire" if model.get("wire_gb_per_s") else None,
-             f"{model['ms_per_sample']:.3g} ms a sample" if model.get("ms_per_sample") else None,
              f"{model['ms_per_step']:.3g} ms a step" if model.get("ms_per_step") else None]
     error = model.get("error")
     missed = (f"; held out, it missed a setup's speed by at most {error:.0%}" if error is not None

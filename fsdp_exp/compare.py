@@ -222,7 +222,9 @@ def tune_note(s: Summary) -> str:
         return f"winner {s.winner}, NOT CONFIRMED: its command line was never run"
     if confirmed.get("status") != "ok":
         return f"winner {s.winner}, NOT CONFIRMED: its command line did not train ({confirmed.get('status')})"
-    return f"winner {s.winner}"
+    probed = s.probed_samples_per_s
+    ran = f" as its command line ran (its probes: {probed:,.1f})" if probed and probed != s.samples_per_s else ""
+    return f"winner {s.winner}{ran}"
 
 
 def failure_reason(summary: Summary) -> str:

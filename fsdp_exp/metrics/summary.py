@@ -133,6 +133,7 @@ class Summary(JsonRecord):
     peak_gb: float | None = None
     as_fast: list[str] | None = None
     speed_noise: float | None = None
+    probed_samples_per_s: float | None = None  # the winner's probes'; samples_per_s is its command line's, as it ran
     confirmed: dict | None = None
     winner_confirmed: bool | None = None
     setups: int | None = None

@@ -43,6 +43,9 @@ class Confirming:
                    for p in probes]
         return 1, max(seconds, default=0.0)
 
+    def speed_band(self) -> float | None:
+        raise NotImplementedError
+
     def rematch(self) -> None:
         """The setups within the speed noise of the winner, run again in turns (REMATCHES
         rounds, the second in the opposite order, so that no setup always runs first), before
@@ -50,12 +53,13 @@ class Confirming:
         best = winner([e.row for e in self.entries])
         if best is None:
             return
-        close = [best, *ties([e.row for e in self.entries], best)]
+        band = self.speed_band() or SPEED_NOISE
+        close = [best, *ties([e.row for e in self.entries], best, band)]
         entries = [e for e in self.entries if any(e.row is r for r in close) and e.row.batch_size]
         if len(entries) < 2:
             return
         log.info("task=tune: %s within %.0f%% of each other; running each again, in turns",
-                 " and ".join(e.setup.name for e in entries), SPEED_NOISE * 100)
+                 " and ".join(e.setup.name for e in entries), band * 100)
         runs = {id(e): [e.row.samples_per_s] for e in entries}
         for round_ in range(REMATCHES):
             for entry in entries if round_ % 2 == 0 else entries[::-1]:
@@ -92,7 +96,7 @@ class Confirming:
                               "step_spread": step_spread(entry.search.run_dir / probe.dir / METRICS)
                               if probe.status == "ok" else None}
             if probe.status == "ok":
-                best.confirmed = True
+                best.confirmed, best.confirmed_samples_per_s = True, probe.samples_per_s
                 if failures.get(best.setup):  # at a size no probe timed: the run's own figures
                     self.fill_row(best, probe, entry.search.limit_gb)
                 self.save()

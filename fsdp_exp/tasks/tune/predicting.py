@@ -30,6 +30,9 @@ class Predicting:
 
     entries: list
 
+    def speed_band(self) -> float | None:
+        raise NotImplementedError
+
     def step_work(self, entry: Any) -> StepWork | None:
         """What a step of the setup does, from its estimate's trace (None: not traced)."""
         search = entry.search
@@ -89,10 +92,10 @@ class Predicting:
 
     def predicted_bound(self, entry: Any, largest: float) -> tuple[float, float, float] | None:
         """The model's samples/s for the setup at batch `largest`, its error, and that speed
-        widened by the error (at least SPEED_NOISE); None until the error is measured."""
+        widened by the error (at least the noise between runs); None until the error is measured."""
         work, runs = self.step_work(entry), self.measured_runs()
         rates, error = calibrate(runs), model_error(runs)
         speed = rates.samples_per_s(work, largest) if work and rates and error is not None else None
         if speed is None or error is None:
             return None
-        return speed, error, speed * (1 + max(error, SPEED_NOISE))
+        return speed, error, speed * (1 + max(error, self.speed_band() or SPEED_NOISE))

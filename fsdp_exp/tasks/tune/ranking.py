@@ -43,6 +43,7 @@ class Row:
     dir: str = ""
     winner: bool = False
     confirmed: bool | None = None  # its printed command line, run for the run's length: completed, or not; None: not run
+    confirmed_samples_per_s: float | None = None  # that run's: what the command line as printed trains at
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -53,8 +54,16 @@ def speed_bound(samples_per_s: float, batch_size: int, largest: float) -> float:
     return samples_per_s * max(largest, batch_size) / batch_size
 
 
-def can_win(bound: float, best: float | None) -> bool:
-    return best is None or bound >= best * (1 - SPEED_NOISE)
+def can_win(bound: float, best: float | None, noise: float = SPEED_NOISE) -> bool:
+    """Whether a setup that can reach `bound` samples/s can still beat `best`, measured within `noise`."""
+    return best is None or bound >= best * (1 - noise)
+
+
+def between_runs(readings: dict[tuple[str, int], list[float]]) -> float | None:
+    """How far samples/s moved between runs of one setup at one batch (keyed so), the largest
+    spread over their mean; None where no setup ran twice at one batch."""
+    spreads = [(max(r) - min(r)) / (sum(r) / len(r)) for r in readings.values() if len(r) > 1]
+    return max(spreads, default=None)
 
 
 def ranked(rows: list[Row]) -> list[Row]:
@@ -85,14 +94,17 @@ def table(rows: list[Row], tokens: bool, confirmed: bool = True) -> str:
     mfu = any(r.mfu is not None for r in rows)  # where the device's peak FLOP/s is known
     step = any(r.step_s is not None for r in rows)  # task.global_batch
     predicted = any(r.predicted_samples_per_s is not None for r in rows)  # the speed model's, held out
-    head = ["#", "setup", "batch", *(["step s"] if step else []), "samples/s", *(["predicted"] if predicted else []),
+    again = any(r.confirmed_samples_per_s is not None for r in rows)  # the winner's command line, run
+    head = ["#", "setup", "batch", *(["step s"] if step else []), "samples/s", *(["confirmed"] if again else []),
+            *(["predicted"] if predicted else []),
             *(["tokens/s"] if tokens else []),
             *(["MFU"] if mfu else []), "peak GB", "headroom GB", "probes", "how"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(ranked(rows), 1):
         batch = "" if r.batch_size is None else f"{r.batch_size}" + (f" x {r.grad_accum}" if r.grad_accum > 1 else "")
         cells = [str(i) + (marker if r.winner else ""), r.setup, batch, *([fmt(r.step_s, ".3f")] if step else []),
-                 fmt(r.samples_per_s, ",.1f"), *([fmt(r.predicted_samples_per_s, ",.1f")] if predicted else []),
+                 fmt(r.samples_per_s, ",.1f"), *([fmt(r.confirmed_samples_per_s, ",.1f")] if again else []),
+                 *([fmt(r.predicted_samples_per_s, ",.1f")] if predicted else []),
                  *([fmt(r.tokens_per_s, ",.0f")] if tokens else []), *([fmt(r.mfu, ".1%")] if mfu else []),
                  fmt(r.peak_gb, ".3f"),
                  fmt(r.headroom_gb, ".3f"), str(r.probes), f"{r.status}: {r.how}" if r.how else r.status]

@@ -40,16 +40,18 @@ def command_line(prefix: list[str], row: Row) -> str:
 
 def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb: float | None, budget: str,
                 stopped: bool, probes_run: int, probes_reused: int, tokens_per_sample: int, wall_s: float,
-                confirmed: dict | None = None, speed_model: dict | None = None) -> dict:
+                confirmed: dict | None = None, speed_model: dict | None = None,
+                folded: list[str] | None = None, band: float | None = None) -> dict:
     """tune.json: the rows ranked, the winner marked, and how the tune got there. `confirmed`:
     the winner run again (status, samples_per_s, peak_gb, step_spread): the speed noise is how
     far that moved from the table, or its own steps from each other, SPEED_NOISE at least."""
     best = winner(rows)
-    noise = SPEED_NOISE
+    noise = max(SPEED_NOISE, band or 0.0)  # `band`: measured between runs on this machine
     if best and best.samples_per_s and confirmed and confirmed.get("samples_per_s"):
         noise = max(noise, abs(confirmed["samples_per_s"] / best.samples_per_s - 1), confirmed.get("step_spread") or 0)
     for row in rows:
         row.winner = row is best
+    ran = confirmed.get("samples_per_s") if confirmed and confirmed.get("status") == "ok" else None
     order = ranked(rows)
     counts = {status: sum(r.status == status for r in rows) for status in dict.fromkeys(r.status for r in order)}
     return {
@@ -59,8 +61,10 @@ def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb
         "max_batch_size": best.max_batch_size if best else None,  # the largest the winner fits
         "grad_accum": best.grad_accum if best else None,
         "step_s": best.step_s if best else None,  # with task.global_batch: the time of one optimizer step
-        "samples_per_s": best.samples_per_s if best else None,
-        "tokens_per_s": best.tokens_per_s if best else None,
+        # what the winner's command line, as printed, trained at; else its probes' (probed_samples_per_s)
+        "samples_per_s": (ran or best.samples_per_s) if best else None,
+        "probed_samples_per_s": best.samples_per_s if best else None,
+        "tokens_per_s": at_speed(best.tokens_per_s, ran, best.samples_per_s) if best else None,
         "peak_gb": best.peak_gb if best else None,
         "as_fast": [r.setup for r in ties(rows, best, noise)] if best else [],  # within the speed noise of the winner
         "speed_noise": noise,  # samples/s moves by this share between runs: the answer's noise band
@@ -78,8 +82,14 @@ def tune_record(rows: list[Row], *, prefix: list[str], world_size: int, limit_gb
         "tokens_per_sample": tokens_per_sample,
         "wall_s": wall_s,
         "speed_model": speed_model,  # this machine's rates, fitted to the probes (fsdp_exp.estimate.speed)
+        "folded": folded or [],  # options that change nothing on this device, folded into one (each in words)
         "rows": [r.to_json() for r in order],
     }
+
+
+def at_speed(tokens_per_s: float | None, ran: float | None, probed: float | None) -> float | None:
+    """Tokens/s of the probes, at the samples/s the command line `ran` at instead (where it ran)."""
+    return tokens_per_s if tokens_per_s is None or not ran or not probed else tokens_per_s * ran / probed
 
 
 def rows_of(record: dict) -> list[Row]:
@@ -98,8 +108,18 @@ def answer_line(record: dict) -> str:
                                          else "")
     if record.get("step_s") is not None:
         speed = f"{record['step_s']:.3f} s a step, {speed}"
-    return (f"tune: fastest {record['winner']} at batch {batch} per rank, {speed}, peak "
+    return (f"tune: fastest {record['winner']} at batch {batch} per rank, {speed}{as_it_ran(record)}, peak "
             f"{record['peak_gb']:.3f} GB{run_again(record)}{also}; {cost}\n  run it: {record['command']}")
+
+
+def as_it_ran(record: dict) -> str:
+    """Whose speed the answer gives: the winner's command line's, run as printed, beside its
+    probes' (the table's, which rank the setups alike)."""
+    confirmed, probed = record.get("confirmed"), record.get("probed_samples_per_s")
+    if not confirmed or confirmed["status"] != "ok":
+        return ""
+    return (f" as its command line ran (its probes: {probed:,.1f}; noise band {record['speed_noise']:.0%})"
+            if probed else f" (noise band {record['speed_noise']:.0%})")
 
 
 def model_line(model: dict | None) -> str:
@@ -125,8 +145,7 @@ def run_again(record: dict) -> str:
         why = "task.budget ran out first" if record.get("stopped_by_budget") else "the tune ended first"
         return f"; NOT CONFIRMED: its command line was never run ({why}), so it may not train as printed"
     if confirmed["status"] == "ok":
-        return (f"; its command line, run again: {confirmed['samples_per_s']:,.1f} samples/s "
-                f"(noise band {record['speed_noise']:.0%})")
+        return ""
     return (f"; run again at batch {record['batch_size']} it did not train ({confirmed['status']}: "
             f"{confirmed['reason']}): its setup's max_batch.json has a batch with room to spare")
 
@@ -150,17 +169,22 @@ def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) ->
     """tune.md, tune.png, wandb and the log; the summary's figures."""
     tokens = bool(record["tokens_per_sample"])
     text = table(rows_of(record), tokens, confirmed=record["winner_confirmed"] is not False)
-    model = model_line(record.get("speed_model"))
-    text += f"\n\n{model}" if model else ""
+    notes = [*record.get("folded", []), model_line(record.get("speed_model"))]
+    text += "".join(f"\n\n{note}" for note in notes if note)
     (run_dir / "tune.md").write_text(f"{text}\n\n{answer_line(record)}\n")
     png = run_dir / "tune.png"
     drawn = plot(record, png)
     log_to_wandb(exp, context, run_dir, record, png if drawn else None)
     log.info("%s\n%s\n  the record: %s", text, answer_line(record), run_dir / RECORD)  # the command line ends its own
+    return summary_of(record)
+
+
+def summary_of(record: dict) -> dict:
+    """The tune's figures in its summary.json: the winner's (its speed as its command line ran)."""
     keys = ("winner", "command", "batch_size", "max_batch_size", "grad_accum", "step_s", "samples_per_s",
-            "tokens_per_s", "peak_gb", "speed_noise", "confirmed", "winner_confirmed", "as_fast", "limit_gb",
-            "world_size", "setups", "settled", "probes", "probes_reused", "stopped_by_budget")
-    return {"task": "tune", **{k: record[k] for k in keys}}
+            "probed_samples_per_s", "tokens_per_s", "peak_gb", "speed_noise", "confirmed", "winner_confirmed",
+            "as_fast", "limit_gb", "world_size", "setups", "settled", "probes", "probes_reused", "stopped_by_budget")
+    return {"task": "tune", **{k: record.get(k) for k in keys}}
 
 
 SETUP_COLUMNS = ("setup", "status", "how", "batch_size", "grad_accum", "samples_per_s", "predicted_samples_per_s",

@@ -102,3 +102,21 @@ def hybrid_shapes(options: list, world_size: int, nodes: int) -> list:
             out += [("sharding=hybrid", f"sharding.replicate={k}") for k in range(2, world_size)
                     if world_size % k == 0]
     return out
+
+
+# Options that change nothing on a CPU but the memory: the key, the option kept, and why
+SAME_ON_CPU = {"offload": (False, "on a CPU offload moves nothing (the shards are in host memory already) and "
+                                  "holds a second copy of them, so offload=false is as fast with less memory")}
+
+
+def fold_on_cpu(space: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The space with each setting that cannot change a CPU's speed (SAME_ON_CPU) folded into
+    its one option worth running, and a line for each fold (task=tune's `folded`)."""
+    folded, notes = dict(space), []
+    for key, (kept, why) in SAME_ON_CPU.items():
+        options = folded.get(key)
+        if isinstance(options, (list, tuple)) and len(options) > 1 and kept in options:
+            folded[key] = [kept]
+            others = ", ".join(f"{key}={override_value(v)}" for v in options if v != kept)
+            notes.append(f"{others} folded into {key}={override_value(kept)}: {why}")
+    return folded, notes

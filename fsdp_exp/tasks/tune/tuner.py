@@ -26,11 +26,11 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_exp.config import as_dict
+from fsdp_exp.config import Device, as_dict
 from fsdp_exp.driver.check import check_run
 from fsdp_exp.driver.compose import compose_config
 from fsdp_exp.driver.sweep import SideBySide
@@ -51,8 +51,8 @@ from fsdp_exp.tasks.tune.command import base_overrides, search_command, search_p
 from fsdp_exp.tasks.tune.confirm import Confirming
 from fsdp_exp.tasks.tune.predicting import Predicting
 from fsdp_exp.tasks.tune.side_by_side import SetupsSideBySide
-from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, can_win, speed_bound
-from fsdp_exp.tasks.tune.space import Setup, setups
+from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, between_runs, can_win, speed_bound
+from fsdp_exp.tasks.tune.space import Setup, fold_on_cpu, setups
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
@@ -80,6 +80,8 @@ class TunedSetup:
     search: MaxBatchSearch | None = None
     done: bool = False  # settled: its row says how
     extra_probes: int = 0  # beside its search: task.global_batch's splits, the winner's confirmation
+    # the speeds of the runs beside its search, by (a rank's batch, train.grad_accum), but the confirmation's
+    readings: list[tuple[tuple[int, int], float]] = field(default_factory=list)
 
 
 class Tuner(Confirming, Predicting, SetupsSideBySide):
@@ -97,13 +99,19 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
         self.in_flight: SideBySide | None = None
         self.confirmed: dict | None = None  # the winner's command line, run (confirm)
         self.confirming = False  # the confirmation the budget kept room for has started
+        self.folded: list[str] = []  # the options that change nothing on this device, folded into one (space)
         self.lock = threading.RLock()  # side by side, the setups' threads share the counts and tune.json
 
     # --- the three steps ---
 
     def run(self) -> dict:
         nodes = max(1, self.nproc // max(1, self.launcher.ranks_per_node(self.nproc)))
-        made = setups(self.settings.space, self.command, self.nproc, nodes, as_dict(self.exp))
+        space = self.settings.space
+        if self.exp.device == Device.cpu:
+            space, self.folded = fold_on_cpu(space)
+            for note in self.folded:
+                log.info("task=tune: %s", note)
+        made = setups(space, self.command, self.nproc, nodes, as_dict(self.exp))
         log.info("task=tune: %d setup(s) of %s on %d rank(s), budget %s", len(made),
                  ", ".join(dict.fromkeys(o.split("=")[0].lstrip("+") for s in made for o in s.overrides)) or "nothing",
                  self.nproc,
@@ -191,7 +199,7 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
                 runs.wait(lambda: runs.in_flight() < self.parallel)
             if self.stopped:
                 break
-            if not can_win(self.bound(entry) or math.inf, self.best_speed()):
+            if not self.can_still_win(entry):
                 if self.trained(entry):
                     self.conclude(entry, "bounded", self.bounded_words(entry))
                 else:
@@ -282,10 +290,49 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
             return None if predicted is None else predicted[2]
         return max(speed_bound(p.samples_per_s or 0.0, p.batch_size, largest) for p in fit)
 
+    def can_still_win(self, entry: TunedSetup) -> bool:
+        """Whether the setup's bound reaches the best measured speed, less the noise between
+        runs measured on this machine (`speed_band`). A setup is never bounded out by a speed
+        whose noise is unknown: the first time one would be, its fastest probe is run again
+        (`run_again`), which measures it."""
+        bound, best = self.bound(entry), self.best_speed()
+        if bound is None or best is None:
+            return True
+        if self.trained(entry) and self.speed_band() is None and not can_win(bound, best):
+            self.run_again(entry)
+        band = self.speed_band()
+        return band is None or can_win(self.bound(entry) or math.inf, best, band)
+
+    def run_again(self, entry: TunedSetup) -> None:
+        """The setup's fastest probe, run again at its batch beside its search (`repeat/`)."""
+        plan = entry.plan
+        if plan is None or self.budget_spent():
+            return
+        accum = plan.exp.train.grad_accum
+        fastest = max(self.trained(entry), key=lambda p: p.samples_per_s or 0.0)
+        log.info("%s: its speed's noise on this machine is not known yet; running its probe at batch %d again",
+                 entry.setup.name, fastest.batch_size)
+        self.extra_probe(entry, "repeat", fastest.batch_size // accum, accum)
+
+    def speed_band(self) -> float | None:
+        """How far samples/s moves between runs of one setup at one batch on this machine,
+        SPEED_NOISE at least: the widest spread of the runs at a batch any setup ran twice
+        (probes, and runs beside a search but the confirmation); None until one has."""
+        readings: dict[tuple[str, int, int], list[float]] = {}
+        for entry in self.entries:
+            accum = entry.plan.exp.train.grad_accum if entry.plan is not None else 1
+            for p in self.trained(entry):
+                readings.setdefault((entry.setup.name, p.batch_size, accum), []).append(p.samples_per_s or 0.0)
+            for (batch, accum_run), speed in entry.readings:
+                readings.setdefault((entry.setup.name, batch, accum_run), []).append(speed)
+        band = between_runs(readings)
+        return None if band is None else max(band, SPEED_NOISE)
+
     def bounded_words(self, entry: TunedSetup) -> str:
         fit = max(self.trained(entry), key=lambda p: p.samples_per_s or 0.0)
         return (f"{fit.samples_per_s:,.1f} samples/s at batch {fit.batch_size}: at most {self.bound(entry):,.1f} "
-                f"up to batch {self.largest(entry):.0f}, below the best's {self.best_speed():,.1f}")
+                f"up to batch {self.largest(entry):.0f}, below the best's {self.best_speed():,.1f} by more than "
+                f"runs here move ({self.speed_band() or SPEED_NOISE:.0%})")
 
     def predicted_words(self, entry: TunedSetup) -> str:
         """Why a setup was not probed, with the model's figures on its row."""
@@ -295,7 +342,8 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
         speed, error, bound = predicted
         entry.row.predicted_samples_per_s, entry.row.bound_samples_per_s = speed, bound
         return (f"the speed model puts it at {speed:,.1f} samples/s at batch {largest:.0f}, the largest the estimate "
-                f"lets it reach; at most {bound:,.1f} within the model's error ({max(error, SPEED_NOISE):.0%}), "
+                f"lets it reach; at most {bound:,.1f} within the model's error "
+                f"({max(error, self.speed_band() or SPEED_NOISE):.0%}), "
                 f"below the best's {self.best_speed():,.1f}; not probed")
 
     def update(self, entry: TunedSetup) -> None:
@@ -373,7 +421,8 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
 
     def extra_probe(self, entry: TunedSetup, kind: str, micro: int, accum: int) -> Probe:
         """A probe of `micro` at train.grad_accum=`accum` beside the setup's search (`kind`:
-        "split", task.global_batch's; "confirm", the winner run again), in `<setup>/<kind>/`,
+        "split", task.global_batch's; "repeat", a probe run again; "rematch<n>", a near-tie's runs
+        in turns; "confirm", the winner's command line), in `<setup>/<kind>/`,
         recorded in the setup's folder (extra_probes.json) and reused from there by a tune run
         again."""
         search, plan = entry.search, entry.plan
@@ -403,6 +452,8 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
                                   settle_gb=None if kind.startswith("rematch") else search.noise_gb())
             log.info("%s, train.grad_accum=%d: %s", kind, accum, probe.line())
             write_json(path, [*recorded, {**key, "probe": probe.to_json()}])
+        if kind != "confirm" and probe.status == "ok" and probe.samples_per_s:
+            entry.readings.append(((micro * accum, accum), probe.samples_per_s))
         with self.lock:
             self.probes_run += earlier is None
             entry.extra_probes += 1
@@ -431,7 +482,7 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
         search the setups spared by a bound that can now beat the best."""
         best = self.best_speed()
         again = [e for e in self.entries if e.row.status in ("bounded", "predicted")
-                 and can_win(self.bound(e) or math.inf, best)]
+                 and can_win(self.bound(e) or math.inf, best, self.speed_band() or SPEED_NOISE)]
         for entry in again:
             entry.done, entry.row.status = False, "not reached"
             log.info("%s: its bound can beat the best now; searching it", entry.setup.name)
@@ -472,6 +523,6 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
             stopped=self.stopped, probes_run=self.probes_run,
             probes_reused=sum(e.search.reused for e in self.entries if e.search is not None),
             tokens_per_sample=self.exp.data.tokens_per_sample, wall_s=time.perf_counter() - self.start,
-            confirmed=self.confirmed, speed_model=self.speed_model())
+            confirmed=self.confirmed, speed_model=self.speed_model(), folded=self.folded, band=self.speed_band())
         write_json(self.run_dir / RECORD, record)
         return record

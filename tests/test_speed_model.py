@@ -4,16 +4,21 @@ this machine's rates fitted to measured runs."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
 
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
+from fsdp_exp.estimate.gpu import gpu_named
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.estimate.how_fast import add_speeds, read_calibration, roofline
+from fsdp_exp.estimate.record import EstimateRecord
 from fsdp_exp.estimate.trace import trace
 from fsdp_exp.estimate.speed import (PARTS, Measured, Rates, StepWork, calibrate, held_out, model_error,
                                      nonnegative_least_squares)
-from tests.conftest import SMALL_VIT
+from tests.conftest import SMALL_VIT, read_json, run_cli
 from tests.test_estimate import DEPTH, FP32, WIDTH, traced
 
 # seconds per FLOP, per byte sent, per byte offloaded, per parameter stepped, per step
@@ -121,3 +126,49 @@ def test_the_forward_activation_checkpointing_recomputes_is_in_a_traced_steps_fl
 
     plain, recomputed = step_flops("false"), step_flops("true")
     assert plain > 0 and recomputed > 1.2 * plain
+
+
+def test_a_named_gpus_roofline_is_its_flops_at_the_peak_and_says_it_is_an_upper_bound():
+    record = EstimateRecord(batch_size=64, world_size=8, batches=[{"batch_size": 32}, {"batch_size": 64}],
+                            step_work=StepWork(32, 4e12, 1e9, 0, 1e8, 8).to_json())
+    rates, words = roofline(gpu_named("H100-SXM"), "bf16")
+    add_speeds(record, rates, words, tokens_per_sample=1024)
+    # 64 samples a rank at 8e12 FLOPs a step, at 989.5 TFLOP/s: nothing else costs a roofline
+    assert record.predicted_samples_per_s == pytest.approx(64 * 8 * 989.5e12 / 8e12)
+    assert record.predicted_tokens_per_s == pytest.approx(record.predicted_samples_per_s * 1024)
+    assert record.batches[0]["predicted_samples_per_s"] == pytest.approx(32 * 8 * 989.5e12 / 4e12)
+    assert record.speed_from.endswith("an upper bound") and "H100 SXM" in record.speed_from
+    assert roofline(gpu_named("A100-80GB"), "tf32")[0].seconds[0] == pytest.approx(1 / 156e12)
+    assert roofline(gpu_named("T4"), "bf16") is None  # no peak in the table: no figure made up
+    assert roofline(gpu_named("24"), "bf16") is None
+
+
+def test_a_tunes_calibration_says_how_fast_an_estimated_setup_trains(tmp_path):
+    rates = calibrate([run_of("full", FULL, 16), run_of("full", FULL, 128), run_of("ddp", DDP, 64)])
+    (tmp_path / "tuned").mkdir()
+    (tmp_path / "tuned" / "tune.json").write_text(json.dumps({"speed_model": rates.to_json()}))
+    out = tmp_path / "estimate"
+    result = run_cli("task=estimate", "model=cnn", "task.batch_sizes=[16,64]", "wandb.mode=disabled",
+                     f"task.calibration={tmp_path / 'tuned'}", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = read_json(out / "estimate.json")
+    work = StepWork.from_json(record["step_work"])
+    for batch in record["batches"]:
+        assert batch["predicted_samples_per_s"] == pytest.approx(rates.samples_per_s(work, batch["batch_size"]))
+    assert record["predicted_samples_per_s"] == pytest.approx(rates.samples_per_s(work, record["batch_size"]))
+    assert f"predicted at batch {record['batch_size']}: " in result.stdout
+    assert read_json(out / "summary.json")["predicted_samples_per_s"] == record["predicted_samples_per_s"]
+
+
+def test_a_calibration_that_is_not_a_tunes_is_refused_in_one_line(tmp_path):
+    result = run_cli("task=estimate", "model=cnn", "task.calibration=nowhere", cwd=tmp_path)
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1
+    assert "task.calibration=nowhere: no tune.json there; give a task=tune run's folder or its tune.json" \
+        in result.stderr
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "tune.json").write_text(json.dumps({"speed_model": None}))
+    with pytest.raises(ConfigError, match="that tune has no speed model"):
+        read_calibration(str(tmp_path / "plain"))
+    (tmp_path / "plain" / "tune.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is not a tune's record"):
+        read_calibration(str(tmp_path / "plain" / "tune.json"))

@@ -61,6 +61,10 @@ class EstimateRecord(JsonRecord):
     predicted_max_batch: int | None = None  # where the curve through them reaches the memory
     batches: list[dict[str, Any]] | None = None  # each batch size traced, as above
     step_work: dict[str, Any] | None = None  # what a step does, for the speed model (fsdp_exp.estimate.speed)
+    # How fast, at batch_size (fsdp_exp.estimate.how_fast): by task.calibration's rates, or a roofline
+    predicted_samples_per_s: float | None = None
+    predicted_tokens_per_s: float | None = None
+    speed_from: str | None = None  # whose rates, in words (a roofline says it is an upper bound)
     trace_s: float | None = None
     wall_s: float | None = None
 

@@ -18,15 +18,18 @@ from fsdp_exp.data.tokens import TokenData
 from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.estimate.breakdown import PARTS
 from fsdp_exp.estimate.gpu import Gpu, gpu_named
+from fsdp_exp.estimate.how_fast import add_speeds, read_calibration, roofline
 from fsdp_exp.estimate.predict import estimate, fits
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.memory import device_memory_gb
+from fsdp_exp.metrics.flops import peak_column
 from fsdp_exp.metrics.plots import plot_tokens
 from fsdp_exp.tasks import Task, setup_line
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
+    from fsdp_exp.estimate.speed import Rates
     from fsdp_exp.launch.core import Launcher
     from fsdp_exp.run_context import RunContext
 
@@ -42,6 +45,7 @@ class Estimate(Task):
     gpu: str | None = None  # a GPU (H100-SXM, A100-40GB, L4, ...) or its memory in GB: fits on it? implies device cuda
     seq_lens: list[int] = field(default_factory=list)  # token data: the estimate again at each of these data.seq_len
     ranks_per_node: int | None = None  # ranks sharing a node's host memory; null: as the launcher places them
+    calibration: str | None = None  # a task=tune run's folder (or its tune.json): its speed model says how fast
 
     uses_the_device: ClassVar[bool] = False  # it traces, for any device and world size
 
@@ -66,6 +70,8 @@ class Estimate(Task):
         return self.world_size or launched
 
     def check(self, exp: Experiment) -> None:
+        if self.calibration is not None:  # before anything runs: a folder that is not a tune's is one line
+            read_calibration(self.calibration)
         if self.seq_lens and not isinstance(exp.data, TokenData):
             raise ConfigError(f"task.seq_lens: data={type(exp.data).__name__} has no sequence length; "
                               "it is for token data (synthetic_tokens, text, token_file, padded_tokens)")
@@ -85,6 +91,7 @@ class Estimate(Task):
         return gpu_named(str(self.gpu)) if self.gpu is not None else None
 
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+        calibrated = read_calibration(self.calibration) if self.calibration is not None else None
         per_node = self.ranks_per_node or launcher.ranks_per_node(nproc)
         sizes = self.sizes(exp)
         log.info("tracing one rank of %d on fake tensors: its build, sharding and a training step at %s "
@@ -94,6 +101,7 @@ class Estimate(Task):
                           ranks_per_node=per_node)
         record.setup = setup_line(context)
         tokens(record, exp)
+        self.how_fast(record, exp, calibrated)
         if self.seq_lens:
             record.by_seq_len = [self.at_seq_len(exp, length, nproc, per_node) for length in sorted(set(self.seq_lens))]
         record.write(run_dir)
@@ -103,6 +111,22 @@ class Estimate(Task):
             plot_tokens(record.by_seq_len, room_words(record) or None, Path(run_dir) / "estimate_seq_lens.png")
         log.info("%s -> %s", answer_line(record), run_dir / ESTIMATE_FILE)
         return {"task": "estimate", **{k: record.get(k) for k in (*SUMMARY_KEYS, *GPU_KEYS, *TOKEN_KEYS)}}
+
+    def how_fast(self, record: EstimateRecord, exp: Experiment, rates: Rates | None) -> None:
+        """Predicted samples/s: by task.calibration's `rates`, or with task.gpu alone, a roofline."""
+        gpu = self.named_gpu()
+        if rates is not None:
+            found: tuple | None = (rates, f"task.calibration={self.calibration}: {rates.runs} probe(s) of "
+                                          f"{rates.setups} setup(s) on the machine that tuned")
+        elif gpu is not None:
+            found = roofline(gpu, peak_column(exp.precision.param_dtype, exp.precision.tf32))
+            if found is None:
+                record.speed_from = (f"there is no roofline: the peak TFLOP/s of {gpu.name} is not in the table; "
+                                     "task.calibration gives rates measured on a machine")
+        else:
+            found = None
+        if found is not None:
+            add_speeds(record, *found, exp.data.tokens_per_sample)
 
     def at_seq_len(self, exp: Experiment, length: int, nproc: int, per_node: int) -> dict:
         """The estimate with data.seq_len=`length`: the largest batch that fits and its tokens,
@@ -152,7 +176,8 @@ def seq_len_table(record: EstimateRecord) -> str:
 
 
 SUMMARY_KEYS = ("peak_mem_gb", "peak_under_limit_gb", "peak_with_runtime_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
-                "predicted_max_batch", "host_gb", "ranks_per_node", "host_limit_gb", "wall_s")
+                "predicted_max_batch", "host_gb", "ranks_per_node", "host_limit_gb", "wall_s", "predicted_samples_per_s",
+                "predicted_tokens_per_s", "speed_from")
 GPU_KEYS = ("peak_in_use_gb", "peak_reserved_gb", "device_used_gb", "gpu", "gpu_memory_gb")  # peak_in_use_gb: CPU
 TOKEN_KEYS = ("seq_len", "tokens_per_micro_batch", "predicted_max_tokens")
 
@@ -197,10 +222,12 @@ def table(record: EstimateRecord) -> str:
              "temporaries": "temps", "unsharded_and_buffers": "unshard", "baseline": "outside" if on_gpu else "rt+data"}
     runtime = record.runtime_gb
     judged = record.judged
+    fast = record.speed_from is not None
     lines = [f"estimate for {record.setup}: {record.params:,} parameters, {record.world_size} ranks "
              f"({record.shards} sharing each parameter), {record.device}",
              f"{'batch':>6} {'peak GB':>8} {'+runtime':>8}" + (f" {'reserved':>8} {'device':>8}" if on_gpu else "")
-             + f" {'phase':<15}" + "".join(f"{short[c]:>8}" for c in columns) + (f" {'fits':>5}" if judged else "")]
+             + f" {'phase':<15}" + "".join(f"{short[c]:>8}" for c in columns) + (f" {'fits':>5}" if judged else "")
+             + (f" {'samples/s':>10}" if fast else "")]
     for b in record.batches:
         own = b["peak_with_runtime_gb"] - runtime
         row = (f"{b['batch_size']:>6} {own:>8.3f} {b['peak_with_runtime_gb']:>8.3f}"
@@ -208,12 +235,17 @@ def table(record: EstimateRecord) -> str:
         row += "".join(f"{b['breakdown_gb'][c]:>8.3f}" for c in columns)
         if judged:
             row += f" {'yes' if fitting_batch(record, b) else 'no':>5}"
+        if fast:
+            speed = b.get("predicted_samples_per_s")
+            row += f" {speed:>10,.1f}" if speed is not None else f" {'':>10}"
         lines.append(row)
     if on_gpu:
         outside = ", ".join(f"{k.replace('_', ' ')} {v:.2f} GB" for k, v in record.outside_allocator_gb.items())
         lines.append(f"on the GPU: reserved is what torch's caching allocator holds (memory.limit_gb caps it); "
                      f"the device also holds {outside} outside it")
     lines.append(host_line(record))
+    if fast:
+        lines.append(speed_line(record))
     evaluated = [b for b in record.batches if b.get("eval_gb") is not None]
     if evaluated:
         lines.append("task=eval of these weights, in one process at task.batch_size "
@@ -226,6 +258,15 @@ def table(record: EstimateRecord) -> str:
                          f"({outgrown[0]['phases_gb'].get(name, outgrown[0]['peak_with_runtime_gb']):.3f} GB "
                          f"with the runtime); {avoid}")
     return "\n".join(lines)
+
+
+def speed_line(record: EstimateRecord) -> str:
+    """How fast, at the answer's batch, and whose rates say so."""
+    speed, tokens_per_s = record.predicted_samples_per_s, record.predicted_tokens_per_s
+    if speed is None:
+        return f"samples/s: none predicted; {record.speed_from}"
+    return (f"predicted at batch {record.batch_size}: {speed:,.1f} samples/s on {record.world_size} rank(s)"
+            + (f", {tokens_per_s:,.0f} tokens/s" if tokens_per_s else "") + f", by {record.speed_from}")
 
 
 def host_line(record: EstimateRecord) -> str:

@@ -89,8 +89,11 @@ def tune(model: Model, out: Path) -> dict:
     record = json.loads((out / "tune.json").read_text())
     full = next(r for r in record["rows"] if r["winner"])["overrides"]
     setup = setup_key(full)
+    # the speed model's miss of each measured setup, fitted to the other setups alone
+    misses = sorted(abs(r["predicted_samples_per_s"] / r["samples_per_s"] - 1) for r in record["rows"]
+                    if r["status"] == "measured" and r.get("predicted_samples_per_s") and r["samples_per_s"])
     return {"wall_s": wall, "best": setup, "speed": record["samples_per_s"], "probes": record["probes"],
-            "settled": record["settled"]}
+            "settled": record["settled"], "setups": record["setups"], "misses": misses}
 
 
 def grid_noise(grids: list[dict]) -> float:
@@ -111,8 +114,9 @@ def main() -> None:
     args = parser.parse_args()
     chosen = [m for m in MODELS if not args.models or m.name in args.models]
     print(header(2, False))
-    lines = ["| model | limit GB | grid: wall s, probes | tune: wall s, probes, settled | tune / grid | grid's best "
-             "(samples/s) | tune's winner (samples/s) | within the grid's noise |", "|" + "---|" * 8]
+    lines = ["| model | limit GB | grid: wall s, probes | tune: wall s, probes, setups, settled | tune / grid | grid's best "
+             "(samples/s) | tune's winner (samples/s) | within the grid's noise | speed model's miss, held out "
+             "(median, largest) |", "|" + "---|" * 9]
     for model in chosen:
         grids, tunes = [], []
         with (contextlib.nullcontext(args.out) if args.out else tempfile.TemporaryDirectory()) as tmp:
@@ -129,10 +133,13 @@ def main() -> None:
         for g, t in zip(grids, tunes):
             grid_speed_of_winner = g["rows"].get(t["best"], {}).get("speed") or 0.0
             within = grid_speed_of_winner >= g["speed"] * (1 - noise)
+            misses = t["misses"]
+            missed = (f"{misses[len(misses) // 2]:.0%}, {misses[-1]:.0%} ({len(misses)} setups)" if misses
+                      else "none measured")
             lines.append(f"| {model.name} | {model.limit_gb:g} | {g['wall_s']:.0f}, {g['probes']} | {t['wall_s']:.0f}, "
-                         f"{t['probes']}, {t['settled']} | {t['wall_s'] / g['wall_s']:.2f} | {g['best']} "
+                         f"{t['probes']}, {t['setups']}, {t['settled']} | {t['wall_s'] / g['wall_s']:.2f} | {g['best']} "
                          f"({g['speed']:.1f}) | {t['best']} ({t['speed']:.1f}; the grid's {grid_speed_of_winner:.1f}) "
-                         f"| {'yes' if within else 'no'} (noise {noise:.0%}) |")
+                         f"| {'yes' if within else 'no'} (noise {noise:.0%}) | {missed} |")
     print("\n".join(lines))
 
 

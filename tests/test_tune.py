@@ -454,7 +454,8 @@ def test_a_tune_finds_the_fastest_setup_and_its_command_line_trains_under_the_li
         assert best["samples_per_s"] == pytest.approx(record["confirmed"]["samples_per_s"])  # the run's own
     else:
         assert best["batch_size"] == searched["fastest_batch_size"]
-        assert best["samples_per_s"] == pytest.approx(searched["fastest_samples_per_s"])
+        if "samples/s the mean of" not in best["how"]:  # else run again in turns with a near-tie: their mean
+            assert best["samples_per_s"] == pytest.approx(searched["fastest_samples_per_s"])
     other = next(r for r in rows.values() if not r["winner"])
     assert other["status"] in ("measured", "bounded"), other
     if other["status"] == "bounded":  # spared its search: one probe (and it again, for the noise), a bound under the best
@@ -688,13 +689,17 @@ def test_the_speed_model_calibrates_on_a_few_setups_and_leaves_out_one_that_cann
     rows = {r["setup"]: r for r in record["rows"]}
     model = record["speed_model"]
     assert model["runs"] >= 3 and model["setups"] >= 2 and model["tflops"] > 0 and model["error"] is not None
-    (left_out,) = [r for r in rows.values() if r["status"] == "predicted"]
-    assert "model.num_layers=8" in left_out["setup"] and left_out["probes"] == 0
-    assert not (out / left_out["dir"] / "probes").exists()
+    left_out = [r for r in rows.values() if r["status"] == "predicted"]
+    assert left_out, [(r["setup"], r["status"]) for r in rows.values()]
     best = max(r["samples_per_s"] for r in rows.values() if r["status"] == "measured")
-    assert 0 < left_out["predicted_samples_per_s"] < left_out["bound_samples_per_s"] < best
-    assert left_out["bound_samples_per_s"] >= left_out["predicted_samples_per_s"] * (1 + SPEED_NOISE)
-    assert "not probed" in left_out["how"] and "the speed model puts it at" in left_out["how"]
+    for row in left_out:
+        assert "model.num_layers=8" in row["setup"] and row["probes"] == 0
+        assert not (out / row["dir"] / "probes").exists()
+        assert 0 < row["predicted_samples_per_s"] < row["bound_samples_per_s"] < best
+        assert row["bound_samples_per_s"] >= row["predicted_samples_per_s"] * (1 + SPEED_NOISE)
+        assert "not probed" in row["how"] and "the speed model puts it at" in row["how"]
+    # the calibration: the 2-layer setups, the most promising, each sending other bytes
+    assert all(r["status"] == "measured" for r in rows.values() if "model.num_layers=2" in r["setup"])
     # every measured setup has the model's speed beside its own, fitted to the other setups alone
     for row in rows.values():
         if row["status"] == "measured":

@@ -3,8 +3,8 @@ every probe that trained is a measured run of the speed model (fsdp_exp.estimate
 priced by what its setup's trace counts of a step.
 
 - Calibration: the fewest setups that pin the rates are probed first (`calibration`): the
-  one the estimate lets reach the largest batch, at two sizes, and the one whose step sends
-  the most different bytes.
+  one the estimate lets reach the largest batch, at two sizes, and the most promising of
+  those whose step sends other bytes.
 - Measure only what can win: a setup not yet probed is bounded by the model's samples/s at
   the largest batch it can reach, widened by the model's error (`predicted_bound`); one
   whose bound cannot reach the best measured is a `predicted` row, without a probe.
@@ -17,11 +17,12 @@ tune.json has the rates fitted to every probe and that error (`speed_model`)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from fsdp_exp.estimate.speed import Measured, Rates, StepWork, calibrate, model_error
 from fsdp_exp.tasks.tune.ranking import SPEED_NOISE
+
+WIRE_APART = 0.1  # a setup whose step sends this share more or less than another's calibrates the wire
 
 
 class Predicting:
@@ -73,9 +74,10 @@ class Predicting:
         return {**rates.to_json(), "error": model_error(runs)}
 
     def calibration(self, entries: list) -> list:
-        """The setups to probe first: the one the estimate lets reach the largest batch (the
-        fewest FLOPs a sample among equals), and the one whose step sends the most different
-        bytes from it. All of `entries` when fewer than two were traced: no model can be made."""
+        """The setups to probe first: the most promising, the one the estimate lets reach the
+        largest batch (the fewest FLOPs a sample among equals), and the most promising of those
+        whose step sends other bytes (WIRE_APART), so that the two pin the wire's rate apart
+        from the step's. All of `entries` when fewer than two were traced: no model can be made."""
         traced = [e for e in entries if self.step_work(e) is not None]
         if len(traced) < 2:
             return entries
@@ -84,11 +86,14 @@ class Predicting:
             work = self.step_work(entry)
             return work.flops / work.batch_size if work else 0.0
 
-        first = max(traced, key=lambda e: (e.row.estimated_max_batch or 0, -per_sample(e)))
+        def promise(entry: Any) -> tuple:
+            return entry.row.estimated_max_batch or 0, -per_sample(entry)
+
+        first = max(traced, key=promise)
         sent = self.step_work(first).wire_bytes  # type: ignore[union-attr]
-        other = max((e for e in traced if e is not first),
-                    key=lambda e: abs(math.log((self.step_work(e).wire_bytes + 1) / (sent + 1))))  # type: ignore[union-attr]
-        return [first, other]
+        rest = [e for e in traced if e is not first]
+        differing = [e for e in rest if abs(self.step_work(e).wire_bytes - sent) > WIRE_APART * max(sent, 1.0)]  # type: ignore[union-attr]
+        return [first, max(differing or rest, key=promise)]
 
     def predicted_bound(self, entry: Any, largest: float) -> tuple[float, float, float] | None:
         """The model's samples/s for the setup at batch `largest`, its error, and that speed

@@ -123,8 +123,10 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
             self.launcher.connect(self.nproc, self.parallel)
         calibration = self.calibration(self.unsettled())
         self.side_by_side(calibration, self.first_speed, self.parallel, self.runs())
-        if len(calibration) < len(self.unsettled()) and not calibration[0].done and not self.stopped:
-            self.second_size(calibration[0])
+        first = calibration[0] if calibration else None
+        if first is not None and len(calibration) < len(self.unsettled()) and not first.done and not self.stopped \
+                and len({p.batch_size for p in self.trained(first)}) == 1:
+            self.second_size(first)
         self.search_those_that_can_win()
         self.stop_unfinished()
         self.rematch()
@@ -298,7 +300,9 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
         bound, best = self.bound(entry), self.best_speed()
         if bound is None or best is None:
             return True
-        if self.trained(entry) and self.speed_band() is None and not can_win(bound, best):
+        if not self.trained(entry):  # the model's bound, widened by its own measured error
+            return can_win(bound, best, self.speed_band() or SPEED_NOISE)
+        if self.speed_band() is None and not can_win(bound, best):
             self.run_again(entry)
         band = self.speed_band()
         return band is None or can_win(self.bound(entry) or math.inf, best, band)

@@ -1,8 +1,9 @@
 """task=estimate's samples/s, calibrated by a tune, against training runs of the same setups.
 
 1. A tune on the model (its speed model fitted to its probes on this machine): the calibration.
-2. For each sharding and batch size: a training run (`python -m fsdp_exp ... train.steps=N`,
-   its summary's samples/s over its timed steps) and `task=estimate` of the same setup with
+2. For each sharding and batch size: a training run (`python -m fsdp_exp ... train.steps=N`
+   under the tune's `memory.limit_gb`, as the tune's command lines run; its summary's
+   samples/s over its timed steps) and `task=estimate` of the same setup with
    `task.calibration=<the tune>` (its predicted samples/s at that batch).
 
 The table: each setup's measured and predicted samples/s, and the error; then the median
@@ -39,7 +40,7 @@ def fsdp_exp(args: list[str], cwd: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="cnn", choices=sorted(MODELS))
-    parser.add_argument("--batches", default="32,128", help="per-rank batch sizes to run and predict")
+    parser.add_argument("--batches", default="32,128,192", help="per-rank batch sizes to run and predict")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     overrides, limit = MODELS[args.model]
@@ -53,8 +54,10 @@ def main() -> None:
         for sharding in ("full", "grad_op", "ddp"):
             for batch in (int(b) for b in args.batches.split(",")):
                 name = f"{sharding}-{batch}"
+                # under the tune's limit, as its command lines run: on a CPU the limit costs speed
                 run = fsdp_exp([*overrides, f"sharding={sharding}", f"train.batch_size={batch}",
-                                f"train.steps={args.steps}", f"hydra.run.dir=run-{name}"], cwd)
+                                f"train.steps={args.steps}", f"memory.limit_gb={limit}", f"hydra.run.dir=run-{name}"],
+                               cwd)
                 est = fsdp_exp(["task=estimate", *overrides, f"sharding={sharding}", f"train.batch_size={batch}",
                                 "task.calibration=tune", f"hydra.run.dir=estimate-{name}"], cwd)
                 measured, predicted = run["samples_per_s"], est["predicted_samples_per_s"]

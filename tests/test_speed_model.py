@@ -172,3 +172,14 @@ def test_a_calibration_that_is_not_a_tunes_is_refused_in_one_line(tmp_path):
     (tmp_path / "plain" / "tune.json").write_text("{not json")
     with pytest.raises(ConfigError, match="is not a tune's record"):
         read_calibration(str(tmp_path / "plain" / "tune.json"))
+
+
+def test_a_calibration_knows_the_batches_it_was_fitted_at_and_a_prediction_outside_them_says_so():
+    rates = calibrate([run_of("full", FULL, 16), run_of("full", FULL, 128), run_of("ddp", DDP, 64)])
+    assert rates.batches == (16, 128) and Rates.from_json(rates.to_json()).batches == (16, 128)
+    assert rates.fitted_at(16) and rates.fitted_at(100) and not rates.fitted_at(8) and not rates.fitted_at(512)
+    record = EstimateRecord(batch_size=512, world_size=2, batches=[{"batch_size": 64}, {"batch_size": 512}],
+                            step_work=FULL.to_json())
+    add_speeds(record, rates, "task.calibration=x", tokens_per_sample=0)
+    assert [b["within_calibration"] for b in record.batches] == [True, False]
+    assert "outside the batches it was fitted at (16 to 128)" in record.speed_from

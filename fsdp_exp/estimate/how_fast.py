@@ -65,7 +65,12 @@ def add_speeds(record: EstimateRecord, rates: Rates, source: str, tokens_per_sam
         return
     for batch in record.batches or []:
         batch["predicted_samples_per_s"] = rates.samples_per_s(work, batch["batch_size"])
+        batch["within_calibration"] = rates.fitted_at(batch["batch_size"])
     at = next((b for b in record.batches or [] if b["batch_size"] == record.batch_size), None)
     record.predicted_samples_per_s = at["predicted_samples_per_s"] if at else None
+    if rates.batches is not None and at is not None and not at["within_calibration"]:
+        low, high = rates.batches
+        record.speed_from += (f"; outside the batches it was fitted at ({low} to {high}), where its error is "
+                              "larger (docs/BENCHMARKS.md, \"How fast, calibrated\")")
     if record.predicted_samples_per_s is not None and tokens_per_sample:
         record.predicted_tokens_per_s = record.predicted_samples_per_s * tokens_per_sample

@@ -72,6 +72,7 @@ class Rates:
     seconds: tuple[float, ...]
     runs: int
     setups: int
+    batches: tuple[int, int] | None = None  # the smallest and largest batch of the runs: the range it was fitted in
 
     def step_s(self, work: StepWork, batch_size: float) -> float:
         return sum(r * x for r, x in zip(self.seconds, work.parts(batch_size)))
@@ -86,14 +87,21 @@ class Rates:
         return {"tflops": per(flops, 1e12), "wire_gb_per_s": per(wire, 1e9),
                 "offload_gb_per_s": per(offload, 1e9), "optimizer_gparams_per_s": per(optimizer, 1e9),
                 "ms_per_step": step * 1e3, "seconds_per_unit": dict(zip(PARTS, self.seconds)), "runs": self.runs,
-                "setups": self.setups}
+                "setups": self.setups, "batches": list(self.batches) if self.batches else None}
 
     @classmethod
     def from_json(cls, record: dict | None) -> Rates | None:
         if not record or "seconds_per_unit" not in record:
             return None
+        batches = record.get("batches")
         return cls(tuple(float(record["seconds_per_unit"][p]) for p in PARTS), int(record["runs"]),
-                   int(record["setups"]))
+                   int(record["setups"]), (int(batches[0]), int(batches[1])) if batches else None)
+
+    def fitted_at(self, batch_size: float) -> bool:
+        """Whether `batch_size` is within the batches the rates were fitted at: outside them a
+        machine's cost of a sample can differ (on a CPU, caches: small batches train faster a
+        sample than the rates say)."""
+        return self.batches is None or self.batches[0] <= batch_size <= self.batches[1]
 
 
 def per(seconds_per_unit: float, unit: float) -> float | None:
@@ -109,7 +117,9 @@ def calibrate(runs: Sequence[Measured]) -> Rates | None:
     rows = [[x / m.step_s for x in m.work.parts(m.batch_size)] for m in runs]
     scale = [max((abs(row[j]) for row in rows), default=0.0) or 1.0 for j in range(len(PARTS))]
     solved = nonnegative_least_squares([[x / s for x, s in zip(row, scale)] for row in rows], [1.0] * len(rows))
-    return Rates(tuple(w / s for w, s in zip(solved, scale)), len(runs), len({m.setup for m in runs}))
+    sizes = [m.batch_size for m in runs]
+    return Rates(tuple(w / s for w, s in zip(solved, scale)), len(runs), len({m.setup for m in runs}),
+                 (min(sizes), max(sizes)))
 
 
 def held_out(runs: Sequence[Measured], setup: str) -> float | None:

@@ -237,7 +237,8 @@ def table(record: EstimateRecord) -> str:
             row += f" {'yes' if fitting_batch(record, b) else 'no':>5}"
         if fast:
             speed = b.get("predicted_samples_per_s")
-            row += f" {speed:>10,.1f}" if speed is not None else f" {'':>10}"
+            mark = "" if b.get("within_calibration", True) else "*"
+            row += f" {f'{speed:,.1f}{mark}':>10}" if speed is not None else f" {'':>10}"
         lines.append(row)
     if on_gpu:
         outside = ", ".join(f"{k.replace('_', ' ')} {v:.2f} GB" for k, v in record.outside_allocator_gb.items())
@@ -265,8 +266,10 @@ def speed_line(record: EstimateRecord) -> str:
     speed, tokens_per_s = record.predicted_samples_per_s, record.predicted_tokens_per_s
     if speed is None:
         return f"samples/s: none predicted; {record.speed_from}"
+    marked = any(not b.get("within_calibration", True) for b in record.batches or [])
     return (f"predicted at batch {record.batch_size}: {speed:,.1f} samples/s on {record.world_size} rank(s)"
-            + (f", {tokens_per_s:,.0f} tokens/s" if tokens_per_s else "") + f", by {record.speed_from}")
+            + (f", {tokens_per_s:,.0f} tokens/s" if tokens_per_s else "") + f", by {record.speed_from}"
+            + ("; *: a batch outside those the calibration was fitted at" if marked else ""))
 
 
 def host_line(record: EstimateRecord) -> str:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.estimate.speed import PARTS, Rates, StepWork
+from fsdp_exp.metrics.flops import PEAKS
 
 if TYPE_CHECKING:
     from fsdp_exp.estimate.gpu import Gpu
@@ -40,8 +41,6 @@ def read_calibration(where: str) -> Rates:
 def roofline(gpu: Gpu, column: str) -> tuple[Rates, str] | None:
     """Rates that cost a step its FLOPs at the GPU's peak in `column` (bf16, tf32, fp32) and
     nothing else, and that said in words; None where the GPU's peak is not known."""
-    from fsdp_exp.metrics.flops import PEAKS  # torch: only here, where a GPU is named
-
     wanted = set(words(gpu.name))
     peak = next((p for p in PEAKS if wanted <= set(words(p.entry))), None)
     tflops = getattr(peak, column) if peak else None

@@ -57,9 +57,9 @@ class Predicting:
         runs = self.measured_runs()
         for entry in self.entries:
             row, work = entry.row, self.step_work(entry)
-            rates = calibrate([m for m in runs if m.setup != entry.setup.name])
             if row.status == "predicted":  # what it was left out by
                 continue
+            rates = calibrate([m for m in runs if m.setup != entry.setup.name])
             row.predicted_samples_per_s = None
             if row.samples_per_s and row.batch_size and row.grad_accum == 1 and work and rates:
                 row.predicted_samples_per_s = rates.samples_per_s(work, row.batch_size)

@@ -369,6 +369,14 @@ def test_the_estimate_prunes_a_setup_whose_smallest_batch_is_over_the_limit(tmp_
     assert json.loads((tmp_path / "tune.json").read_text())["settled"] == {"pruned": 1, "not reached": 1}
 
 
+def test_a_tune_on_a_cpu_tries_offload_false_alone_and_says_why(tmp_path):
+    tune = tuner(tmp_path, "task.space.sharding=[full,grad_op]")
+    space = tune.space_to_try()
+    assert space["offload"] == [False] and space["sharding"] == ["full", "grad_op"]
+    assert len(tune.folded) == 1 and tune.folded[0].startswith("offload=true folded into offload=false")
+    assert tune.save()["folded"] == tune.folded
+
+
 def test_the_setups_estimates_are_traced_side_by_side_each_into_its_own_record(tmp_path, caplog):
     """Two real traces at once on the 2 cores: both start before either ends, and each
     setup's record holds its own curve (a 100,000-class head adds about 0.2 GB at batch 1)."""

@@ -106,12 +106,7 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
 
     def run(self) -> dict:
         nodes = max(1, self.nproc // max(1, self.launcher.ranks_per_node(self.nproc)))
-        space = self.settings.space
-        if self.exp.device == Device.cpu:
-            space, self.folded = fold_on_cpu(space)
-            for note in self.folded:
-                log.info("task=tune: %s", note)
-        made = setups(space, self.command, self.nproc, nodes, as_dict(self.exp))
+        made = setups(self.space_to_try(), self.command, self.nproc, nodes, as_dict(self.exp))
         log.info("task=tune: %d setup(s) of %s on %d rank(s), budget %s", len(made),
                  ", ".join(dict.fromkeys(o.split("=")[0].lstrip("+") for s in made for o in s.overrides)) or "nothing",
                  self.nproc,
@@ -132,6 +127,15 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
         self.rematch()
         self.confirm()
         return self.finish()
+
+    def space_to_try(self) -> dict:
+        """task.space, less the options that change nothing on this device (said, and kept in `folded`)."""
+        if self.exp.device != Device.cpu:
+            return self.settings.space
+        space, self.folded = fold_on_cpu(self.settings.space)
+        for note in self.folded:
+            log.info("task=tune: %s", note)
+        return space
 
     def prepare(self, setup: Setup) -> TunedSetup:
         """The setup composed and checked as its command line would be; refused, a row that says why."""
@@ -187,8 +191,8 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
                 return
 
     def second_size(self, entry: TunedSetup) -> None:
-        """The setup's search's next probe, at another size: the speed model's cost of a
-        sample apart from its cost of a step."""
+        """The setup's search's next probe, at another size: the speed model's cost of the
+        FLOPs apart from its cost of a step."""
         if not self.step(entry) and not self.stopped:
             self.settle_searched(entry)
 
@@ -205,7 +209,7 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
                 if self.trained(entry):
                     self.conclude(entry, "bounded", self.bounded_words(entry))
                 else:
-                    self.conclude(entry, "predicted", self.predicted_words(entry))
+                    self.conclude_predicted(entry)
             elif runs is None:
                 self.search_whole(entry)
             else:
@@ -338,17 +342,17 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
                 f"up to batch {self.largest(entry):.0f}, below the best's {self.best_speed():,.1f} by more than "
                 f"runs here move ({self.speed_band() or SPEED_NOISE:.0%})")
 
-    def predicted_words(self, entry: TunedSetup) -> str:
-        """Why a setup was not probed, with the model's figures on its row."""
+    def conclude_predicted(self, entry: TunedSetup) -> None:
+        """A setup left out without a probe: the model's figures on its row, and why."""
         largest = self.largest(entry)
         predicted = self.predicted_bound(entry, largest)
         assert predicted is not None
         speed, error, bound = predicted
         entry.row.predicted_samples_per_s, entry.row.bound_samples_per_s = speed, bound
-        return (f"the speed model puts it at {speed:,.1f} samples/s at batch {largest:.0f}, the largest the estimate "
-                f"lets it reach; at most {bound:,.1f} within the model's error "
-                f"({max(error, self.speed_band() or SPEED_NOISE):.0%}), "
-                f"below the best's {self.best_speed():,.1f}; not probed")
+        self.conclude(entry, "predicted", f"the speed model puts it at {speed:,.1f} samples/s at batch {largest:.0f}, "
+                      f"the largest the estimate lets it reach; at most {bound:,.1f} within the model's error "
+                      f"({max(error, self.speed_band() or SPEED_NOISE):.0%}), below the best's "
+                      f"{self.best_speed():,.1f}; not probed")
 
     def update(self, entry: TunedSetup) -> None:
         """The row's figures from the setup's probes so far: its fastest that trained."""

@@ -3,7 +3,7 @@ grows with train.steps: each setup searched twice into fresh run directories, wi
 `train.steps=50` and with `train.steps=5000`, the command as a user types it.
 
 The table: per search, the probes' and the verification's seconds (max_batch.json's
-`probe_wall_s` and `verify_wall_s`, the latter including the run that measures what a run
+`probe_wall_s` and `verify_wall_s`: every run of the command, which also measures what a run
 holds beyond a probe), the steps each run of the command trained, the answer, and the ratio
 verifying / probing (goal: at most 1, and the same for both train.steps).
 
@@ -45,9 +45,8 @@ def search(name: str, train_steps: int, out: Path) -> dict:
     if result.returncode != 0:
         raise SystemExit(f"{name}, train.steps={train_steps}: exit {result.returncode}\n{result.stderr[-2000:]}")
     record = json.loads((out / "max_batch.json").read_text())
-    runs = [r for r in (record["verification"] or {}).get("runs", [])]
-    length = (record.get("length_check") or {}).get("run") or {}
-    steps = [r.get("steps") for r in ([length] if length else []) + runs if r.get("status") == "ok"]
+    runs = (record["verification"] or {}).get("runs", [])
+    steps = [r.get("steps") if r.get("status") == "ok" else r.get("status") for r in runs]
     return {"wall_s": wall, "probe_s": record["probe_wall_s"], "verify_s": record["verify_wall_s"],
             "probes": record["probe_count"], "answer": record["max_batch_size"], "run_steps": steps}
 

@@ -157,7 +157,9 @@ def test_a_probe_that_failed_otherwise_above_the_boundary_is_named_with_its_reas
 
 def test_an_answer_bounded_by_the_data_says_so_and_how_much_memory_was_left():
     line = answer_line(record(max_batch_size=256, bounded_by="data", data_share_per_rank=256, limit_gb=1.5,
-                              peak_under_limit_gb=0.7), 1.5)
+                              peak_under_limit_gb=0.7, verification={
+                                  "steps": 50, "status": "completed", "ran_out_of_memory_at": [],
+                                  "runs": [{"batch_size": 256, "status": "ok", "reason": None}]}), 1.5)
     assert line.startswith("max batch: 256 per rank on 2 rank(s), bounded by the data (256 samples a rank); "
                            "0.8 GB of 1.5 left; verified: a 50-step run of the command at 256 completed; "
                            "peak 0.700 GB as the limit counts it")

@@ -59,7 +59,8 @@ GROWING = ["model=custom", f"model._target_={__name__}.GrowingNet", "model.block
 def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_that_does(tmp_path: Path) -> None:
     """Probes stop at 5 steps (task.settle_steps): the peak of this model never settles. A
     10-step run holds twice their history, so the size they found runs out of memory, and the
-    answer steps down, 5% then twice as far each time, to a size whose run completes."""
+    runs step down, 5% then twice as far each time, to a size whose run completes; what that
+    run held beyond a probe is counted, and the answer is at most its size."""
     out = tmp_path / "search"
     result = run_cli("task=max_batch", *GROWING, "task.estimate=false", "task.resolution=64", "task.settle_steps=5",
                      "task.verify_steps=10", "checkpoint=dcp", f"hydra.run.dir={out}", cwd=REPO, timeout=600)
@@ -73,28 +74,28 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
     for probe in [p for p in record["probes"] if p["status"] == "ok"]:
         assert read_json(out / probe["dir"] / "summary.json")["checkpoint_saves"] == 2  # at step 3, and the last
     assert not list(out.glob("*/*/checkpoints"))
-    # once, a 10-step run of the command measured what a run holds beyond a probe: at the first size that
-    # trained near the limit it ran out of memory (5 more steps' history), so at the smallest size that
-    # trained: 5 more steps' history (5 MB at 64), counted against every probe
+    # what grows with the batch, the verification catches: the run at the probes' boundary ran out of memory
+    # (5 more steps' history), and the runs stepped down, 5% then twice as far each time, to one that completed
+    searched, answer = record["searched_max_batch_size"], record["max_batch_size"]
+    runs = check["runs"]
+    assert runs[0]["status"] == "oom" and runs[0]["batch_size"] >= searched
+    assert check["status"] == "stepped down" and runs[-1]["status"] == "ok"
+    done_at = runs[-1]["batch_size"]
+    assert [r["status"] for r in runs[:-1]] == ["oom"] * (len(runs) - 1) and check["ran_out_of_memory_at"] == [
+        r["batch_size"] for r in runs[:-1]]
+    assert 0 < answer and answer % 64 == 0
+    # that run measured what a run of the command holds beyond a probe at its size (where no probe ran there,
+    # beyond the probes' line): 5 more steps' history, counted against every probe
     length = record["length_check"]
-    trained = [p for p in record["probes"] if p["status"] == "ok"]
-    near = next(p for p in trained if p["margin_gb"] + length["counted_gb"] <= 0.05 * 0.6)
-    assert length["near_limit"]["batch_size"] == near["batch_size"] and length["near_limit"]["status"] == "oom"
-    first = min(trained, key=lambda p: p["batch_size"])
-    assert length["batch_size"] == first["batch_size"] < near["batch_size"] and length["run"]["steps"] == 10
-    history_gb = 5 * first["batch_size"] * KEPT_PER_SAMPLE * 4 / 2**30
+    assert length["batch_size"] == done_at and length["run"]["dir"] == runs[-1]["dir"] and length["run"]["steps"] == 10
+    history_gb = 5 * done_at * KEPT_PER_SAMPLE * 4 / 2**30
     assert length["beyond_probe_gb"] == pytest.approx(history_gb, rel=0.3)
     assert record["run_beyond_probe_gb"] == length["counted_gb"] == length["beyond_probe_gb"]
     for probe in [p for p in record["probes"] if p["status"] == "ok"]:
         assert probe["margin_gb"] == pytest.approx(0.6 - length["counted_gb"] - probe["peak_under_limit_gb"])
-    # what grows with the batch, the verification catches
-    searched, answer = record["searched_max_batch_size"], record["max_batch_size"]
-    runs = check["runs"]
-    assert runs[0]["batch_size"] == searched and runs[0]["status"] == "oom"
-    assert check["status"] == "stepped down" and runs[-1]["status"] == "ok" and runs[-1]["batch_size"] == answer
-    assert [r["status"] for r in runs[:-1]] == ["oom"] * (len(runs) - 1) and check["ran_out_of_memory_at"] == [
-        r["batch_size"] for r in runs[:-1]]
-    assert 0 < answer < searched and answer % 64 == 0 and record["bounded_by"] == "verification"
+    # the answer: where the run completed, or below it where the probes, with that counted, found less
+    assert answer == min(searched, done_at)
+    assert record["bounded_by"] == "verification" if answer < searched else record["bounded_by"] in ("noise", "oom")
     # each step down is on the grid and larger than the last (5% of the size, then 10%, 20% ...)
     sizes = [r["batch_size"] for r in runs]
     assert all(b < a for a, b in zip(sizes, sizes[1:]))
@@ -103,12 +104,14 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
     assert read_json(done / "summary.json")["steps"] == 10 and runs[-1]["steps"] == 10
     assert read_json(done / "summary.json")["checkpoint_saves"] == 1  # checkpoint.every=100: the last step
     assert (done / "metrics.jsonl").read_text().count('"step": 10,') == 1
-    # its figures are the answer's, and the answer line says what happened
-    assert record["peak_under_limit_gb"] == runs[-1]["peak_under_limit_gb"] <= 0.6
+    # its figures are the answer's where it ran at the answer, and the answer line says what happened
     line = next(x for x in (result.stdout + result.stderr).splitlines() if "max batch: " in x)
-    assert (f"max batch: {answer} per rank on 2 rank(s) (the probes found {searched}, but a 10-step run of the command "
-            f"ran out of memory at {', '.join(str(s) for s in check['ran_out_of_memory_at'])} under "
-            f"memory.limit_gb=0.6); verified: a 10-step run of the command at {answer} completed") in line
+    assert f"verified: a 10-step run of the command at {done_at} completed" in line
+    if answer < searched:
+        assert record["peak_under_limit_gb"] == runs[-1]["peak_under_limit_gb"] <= 0.6
+        assert (f"max batch: {answer} per rank on 2 rank(s) (the probes found {searched}, but a 10-step run of the "
+                f"command ran out of memory at {', '.join(str(s) for s in check['ran_out_of_memory_at'])} under "
+                "memory.limit_gb=0.6)") in line
     assert read_json(out / "summary.json")["verification"] == "stepped down"
 
 
@@ -169,9 +172,16 @@ def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tm
     assert list((out / verified["dir"] / "wandb").glob("offline-run-*/run-*.wandb")), verified["dir"]
     assert verified["steps"] == 4 and (out / verified["dir"] / "metrics.jsonl").read_text().count('"step"') == 1
     assert verified["dir"] == "verify/01_b8"
-    # no probe came within 5% of the limit (the search stops at 8), so no run measured what a run holds beyond
-    # a probe: the verification ran at the answer all the same
-    assert all(p["margin_gb"] > 0.03 for p in trained) and record["length_check"] is None
+    # the one run of the command also measured what it held beyond the probe at its size, counted against
+    # every probe (the room each had is the limit less it)
+    length = record["length_check"]
+    (probe,) = [p for p in trained if p["batch_size"] == 8]
+    assert length["batch_size"] == 8 and length["run"]["dir"] == verified["dir"]
+    assert length["probe_peaks_gb_per_rank"] == probe["peak_under_limit_gb_per_rank"]
+    assert length["beyond_probe_gb"] == pytest.approx(max(
+        r - p for r, p in zip(verified["peak_under_limit_gb_per_rank"], probe["peak_under_limit_gb_per_rank"])))
+    for p in trained:
+        assert p["margin_gb"] == pytest.approx(0.6 - length["counted_gb"] - p["peak_under_limit_gb"])
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # and the search's own run, with its answer
 
 
@@ -263,3 +273,74 @@ def test_generated_data_bounds_the_search_at_each_ranks_share_and_one_run_verifi
     assert [p.name for p in (out / "verify").iterdir()] == ["01_b150"]  # one run of the command
     assert record["verify_wall_s"] == run["wall_s"]  # and its time counted once
     assert "max batch: 150 per rank on 2 rank(s), bounded by the data (150 samples a rank)" in result.stdout
+
+
+def test_one_run_of_the_command_verifies_and_what_it_held_beyond_its_probe_brings_the_boundary_down(
+        tmp_path: Path) -> None:
+    """The search's own decisions, on probes and runs as a search records them (peaks on a
+    line of 0.25 MB a sample under 0.6 GB, noise band 1.2 MB). The command runs once, at the
+    probes' boundary, 404. It held 1 MB more than its probe there: counted against every
+    probe, 404 no longer has the band to spare, the probes go on below it, and their answer,
+    400, is covered by the run at 404 (a run at a smaller size holds less): no second run.
+    Where the run at the boundary ran out of memory instead, the next run steps down."""
+    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.driver.plan import prepare
+    from fsdp_exp.tasks.max_batch.answer import answer_line
+    from fsdp_exp.tasks.max_batch.probe import Probe
+    from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
+
+    slope, mb = 0.25 / 1024, 1 / 1024
+
+    def peak(size: int) -> float:
+        return 0.5 + slope * size
+
+    def probe(size: int, creep_gb: float = 0.0, steps: int = 5, **kind) -> Probe:
+        status = "oom" if peak(size) + creep_gb > 0.6 else "ok"
+        if status == "oom":
+            return Probe(size, "oom", reason="out of memory", **kind)
+        at = peak(size) + creep_gb
+        return Probe(size, "ok", peak_under_limit_gb=at, peak_under_limit_gb_per_rank=[at, at - 0.1 * mb],
+                     held_before_limit_gb_per_rank=[0.3, 0.3], samples_per_s=100.0, steps=steps, **kind)
+
+    plan = prepare(compose_checked(["task=max_batch", "memory.limit_gb=0.6", "task.resolution=4",
+                                    "task.estimate=false", "wandb.mode=disabled"]), 0)
+    search = MaxBatchSearch(plan.exp, tmp_path, plan.launcher, plan.nproc)
+    search.placed = True
+    search.probes = [probe(size) for size in (200, 360, 404, 408)]  # 408 fits inside the band: not with room
+    assert search.noise_gb() == pytest.approx(0.0012) and search.boundary() == 404 and search.next_size() is None
+    assert search.size_to_verify(404) == 404 and search.verify(404) == 404  # not run yet: unverified
+
+    search.verification.runs.append(probe(404, creep_gb=mb, steps=20, settled_at_step=20, dir="verify/01_b404"))
+    assert search.held_beyond().beyond_gb() == pytest.approx(mb) and search.counted_beyond_gb() == pytest.approx(mb)
+    asked = []
+    while (size := search.next_size()) is not None:  # the probes go on below 404, with 1 MB counted
+        asked.append(size)
+        search.probes.append(probe(size))
+    assert asked and all(360 < s < 404 for s in asked)
+    assert search.boundary() == 400 and search.size_to_verify(400) is None and search.verify(400) == 400
+    record = search.save(400)
+    assert record.length_check["batch_size"] == 404 and record.run_beyond_probe_gb == pytest.approx(mb)
+    assert record.verification["status"] == "completed" and record.bounded_by == "noise"
+    line = answer_line(record, 0.6)
+    assert ("verified: a run of the command at 404 held for 20 steps (above 400: what it held beyond its probe, "
+            "counted, brought the probes' boundary down), its peak settled") in line
+    assert "holds 1.0 MB more than a probe (measured at batch 404, counted)" in line
+
+    # A run of the command at the boundary that ran out of memory: the next one is 5% below, no probe there
+    search.verification.runs = [probe(404, creep_gb=10 * mb, steps=20)]
+    search.probes = search.probes[:4]
+    assert search.boundary() == 404 and search.size_to_verify(404) == 380  # 404 less 5%, on the grid of 4
+    search.verification.runs.append(probe(380, creep_gb=2 * mb, steps=20, dir="verify/02_b380"))
+    length = search.held_beyond()
+    # no probe ran at 380: what the run held beyond one is read against the probes' line
+    assert length.batch_size == 380 and length.probe_peaks_gb_per_rank is None
+    assert length.probe_peak_gb == pytest.approx(peak(380) + 0.05 * mb, abs=0.1 * mb)  # the ranks' mean, near enough
+    assert length.beyond_gb() == pytest.approx(2 * mb, abs=0.1 * mb)
+    while (size := search.next_size()) is not None:  # with 2 MB counted, the probes find 396 ...
+        search.probes.append(probe(size))
+    assert search.boundary() == 396
+    # ... above the run that completed: the answer is where a run completed, with nothing more to run
+    assert search.size_to_verify(396) is None and search.verify(396) == 380
+    record = search.save(380)
+    assert (record.verification["status"], record.bounded_by, record.searched_max_batch_size) == (
+        "stepped down", "verification", 396)

@@ -165,14 +165,17 @@ def answer_line(record: MaxBatchRecord, limit_gb: float | None) -> str:
 
 
 def verified_words(record: MaxBatchRecord) -> str:
-    """Whether a run of the command at the answer completed (fsdp_exp.tasks.max_batch.verify)."""
+    """Whether a run of the command at the answer, or above it, completed
+    (fsdp_exp.tasks.max_batch.verify)."""
     check, size = record.verification or {}, record.max_batch_size
     status = check.get("status", "not run")
     if status in ("completed", "stepped down"):
-        if not check.get("until_settled"):
-            return f"verified: a {check['steps']}-step run of the command at {size} completed"
         done = next(r for r in check["runs"] if r["status"] == "ok")
-        held = f"verified: a run of the command at {size} held for {done['steps']} steps"
+        above = "" if done["batch_size"] <= size else \
+            f" (above {size}: what it held beyond its probe, counted, brought the probes' boundary down)"
+        if not check.get("until_settled"):
+            return f"verified: a {check['steps']}-step run of the command at {done['batch_size']} completed{above}"
+        held = f"verified: a run of the command at {done['batch_size']} held for {done['steps']} steps{above}"
         if done.get("settled_at_step") is not None:
             return f"{held}, its peak settled (no new high over its last {VERIFY_WINDOW})"
         return (f"{held}, its peak still rising at the end (task.verify_steps=<the run's steps> runs the "

@@ -53,7 +53,7 @@ from fsdp_exp.tasks.max_batch.probe import Probe, fingerprint, probe_config, pro
 from fsdp_exp.tasks.max_batch.record import RECORD, MaxBatchRecord
 from fsdp_exp.tasks.max_batch.report import report, summary_figures
 from fsdp_exp.tasks.max_batch.settings import VerifyLength
-from fsdp_exp.tasks.max_batch.verify import LengthCheck, Verification, Verifying
+from fsdp_exp.tasks.max_batch.verify import Verification, Verifying
 
 
 log = logging.getLogger("fsdp_exp")
@@ -79,7 +79,6 @@ class MaxBatchSearch(Verifying):
         self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.max_batch.prior), once traced
         self.reused = 0
         self.verification = Verification.of(settings.verify_length())
-        self.length: LengthCheck | None = None  # what a run holds beyond a probe, once measured
         self.units_told = False
         self.placed = False  # the probe that places the fastest batch has been spent (or was not needed)
         self.start = time.perf_counter()
@@ -171,12 +170,9 @@ class MaxBatchSearch(Verifying):
         self.placed = any(p.for_fastest for p in self.probes)
 
     def step(self) -> bool:
-        """Run the search's next probe (and its retry, if it was killed from outside); False
-        when the boundary is known and the fastest batch placed, with nothing run. Once a
-        probe has trained, a run of the command at its size first measures what a run holds
-        beyond a probe (`check_length`)."""
-        if self.check_length():
-            return True
+        """Run the search's next probe (and its retry, if it was killed from outside); once the
+        boundary is known and the fastest batch placed, the next run of the command that
+        verifies it (`verify_step`). False when nothing is left to run."""
         size, for_fastest = self.next_size(), False
         if size is None and not self.placed and self.boundary():
             self.placed = for_fastest = True
@@ -185,7 +181,7 @@ class MaxBatchSearch(Verifying):
                 log.info("one more probe, at batch %d: the probes next to the fastest batch are more than %gx "
                          "apart", size, SPACING)
         if size is None:
-            return False
+            return self.verify_step()
         small = self.too_small()
         if small and len(small) == len([p for p in self.probes if not p.killed]):
             log.info("batch %d failed for a reason other than memory; trying %d, in case it is too small to "
@@ -290,8 +286,6 @@ class MaxBatchSearch(Verifying):
         self.estimated = earlier.estimate if self.cfg.task.estimate else None
         length = VerifyLength(self.verification.steps, self.verification.until_settled)
         self.verification = Verification.from_json(earlier.verification, length)
-        if self.verification.steps and self.verification.same_length(earlier.verification):
-            self.length = LengthCheck.from_json(earlier.length_check)
         if earlier.smallest_batch_need_probe:
             self.need = Probe.from_json(earlier.smallest_batch_need_probe)
         if probes:
@@ -352,7 +346,8 @@ class MaxBatchSearch(Verifying):
         timed = [*self.probes, *([verified] if verified is not None else [])]  # the verification's 50 steps too
         fastest_size, fastest_speed, near_fastest = fastest(timed, boundary) if boundary else (None,) * 3
         margin = max(settings.margin, noise / self.limit_gb)
-        beyond = self.counted_beyond_gb()
+        length = self.held_beyond()
+        beyond = length.counted_gb() if length else 0.0
         recommended = boundary and recommended_size(model, (1 - margin) * self.limit_gb - beyond, margin,
                                                     boundary, settings.resolution)
         record = MaxBatchRecord(
@@ -368,8 +363,8 @@ class MaxBatchSearch(Verifying):
             max_batch_size=boundary,
             searched_max_batch_size=searched,
             verification=self.verification.to_json(),
-            length_check=self.length.to_json() if self.length else None,
-            run_beyond_probe_gb=self.length.counted_gb() if self.length else None,
+            length_check=length.to_json() if length else None,
+            run_beyond_probe_gb=length.counted_gb() if length else None,
             recommended_batch_size=recommended,
             recommended_keeps_margin=bool(recommended) and (
                 model is None or model.peak_gb(recommended) + beyond <= (1 - margin) * self.limit_gb + 1e-9),

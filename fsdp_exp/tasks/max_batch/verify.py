@@ -7,7 +7,10 @@ data, sinks and checkpoints (`<run>/verify/<n>_b<size>/`): by default until its 
 settled (no new high over VERIFY_WINDOW steps, at most VERIFY_CAP steps, whatever
 train.steps is), or for task.verify_steps steps when given. If that run runs out of memory,
 the answer steps down and is run again: `max batch` is then a size at which a run of the
-command completed.
+command completed. What the run that completed held beyond its probe is counted against
+every probe; where that brings the probes' boundary down, they go on below it, and the run
+covers their answer (a run of a smaller size holds less). One run of the command, most
+often, verifies the answer.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import math
 from dataclasses import dataclass, field
 
 from fsdp_exp.tasks.max_batch.answer import MB, SETTLE_FLOOR, run_words
+from fsdp_exp.tasks.max_batch.policy import fit_memory
 from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
 from fsdp_exp.tasks.max_batch.settings import VerifyLength
 
 log = logging.getLogger("fsdp_exp")
 
 STEP_DOWN = 0.05  # the first step down, as a share of the size that ran out of memory; doubled each time
-NEAR_LIMIT = 0.05  # a probe that left at most this share of the limit measures what a run holds beyond it
 
 
 def step_down(size: int, failures: int, resolution: int, smallest: int) -> int | None:
@@ -85,29 +88,22 @@ class Verification:
             return cls.of(length)
         return cls(length.steps, [Probe.from_json(r) for r in record.get("runs", [])], length.until_settled)
 
-    def same_length(self, record: dict | None) -> bool:
-        """Whether `record` (a recorded verification) ran runs of this length."""
-        return bool(record) and record.get("steps") == self.steps \
-            and bool(record.get("until_settled")) == self.until_settled
-
 
 @dataclass
 class LengthCheck:
-    """What a run of the command holds over its whole length beyond a probe at the same size,
-    measured once per search: the first size that trained within NEAR_LIMIT of the limit is
-    run as the command runs it, for the verification's steps (`<run>/verify/length_b<size>/`).
-    A run's memory creeps on after a probe has settled (about 1 MB over 50 steps on each rank
-    of docs/max_batch.md's example: the allocator's history, the loader, wandb's buffers), by
-    more at small batches than near the limit (2.3 MB at batch 4, 1.1 at 420), so it is
-    measured near the limit, where the answer is. Where that run does not complete (a model
-    whose memory grows with every step at every batch), it is measured at the smallest size
-    that trained. The search counts it against every probe from then on: the room a probe has
-    is the limit less it. What grows with the batch on top of that the verification catches."""
+    """What a run of the command held beyond a probe at the same size: measured on the run
+    that verified the answer (the largest whose run completed), against the probe at its size,
+    or where no probe ran there (a size the verification stepped down to), the probes' line
+    (`probe_peaks_gb_per_rank` None). A run's memory creeps on after a probe has settled
+    (about 1 MB over 50 steps on each rank of docs/max_batch.md's example: the allocator's
+    history, the loader, wandb's buffers), by more at small batches than near the limit, so
+    it is measured where the answer is. The search counts it against every probe: the room a
+    probe has is the limit less it, so a size the probes found with the noise band to spare
+    holds it too, and the run above that size verifies it (a run at a smaller size holds less)."""
 
     batch_size: int
-    probe_peak_gb: float | None  # the probe's, as the search judges it (Probe.judged_peak_gb)
+    probe_peak_gb: float | None  # the probe's, as the search judges it (Probe.judged_peak_gb), or the line's
     run: Probe | None = None
-    near_limit: Probe | None = None  # the run near the limit, where it did not complete and a smaller one measured
     probe_peaks_gb_per_rank: list[float] | None = None  # the probe's, each rank's
 
     def beyond_gb(self) -> float | None:
@@ -125,23 +121,11 @@ class LengthCheck:
         """What the search counts against each probe: never less than nothing."""
         return max(0.0, self.beyond_gb() or 0.0)
 
-    def runs(self) -> list[Probe]:
-        return [r for r in (self.near_limit, self.run) if r is not None]
-
     def to_json(self) -> dict:
         return {"batch_size": self.batch_size, "probe_peak_gb": self.probe_peak_gb, "run_peak_gb":
                 self.run.judged_peak_gb() if self.run else None, "beyond_probe_gb": self.beyond_gb(),
                 "counted_gb": self.counted_gb(), "run": self.run.to_json() if self.run else None,
-                "near_limit": self.near_limit.to_json() if self.near_limit else None,
                 "probe_peaks_gb_per_rank": self.probe_peaks_gb_per_rank}
-
-    @classmethod
-    def from_json(cls, record: dict | None) -> LengthCheck | None:
-        if not record or not record.get("run"):
-            return None
-        near = record.get("near_limit")
-        return cls(record["batch_size"], record["probe_peak_gb"], Probe.from_json(record["run"]),
-                   Probe.from_json(near) if near else None, record.get("probe_peaks_gb_per_rank"))
 
 
 def settle_within_gb(length: VerifyLength, limit_gb: float | None) -> float | None:
@@ -154,104 +138,85 @@ def settle_within_gb(length: VerifyLength, limit_gb: float | None) -> float | No
 
 class Verifying:
     """The runs of the command a search makes (fsdp_exp.tasks.max_batch.search.MaxBatchSearch,
-    whose probes, settings and launcher they read): once, what a run holds beyond a probe; at
-    the end, its answer."""
+    whose probes, settings and launcher they read), one at a time once the probes have found
+    their boundary (`verify_step`), and the answer they leave (`verify`)."""
 
     def settle_within_gb(self) -> float | None:
         length = VerifyLength(self.verification.steps, self.verification.until_settled)
         return settle_within_gb(length, self.limit_gb)
 
+    def held_beyond(self) -> LengthCheck | None:
+        """What the run that verified held beyond a probe at its size (LengthCheck); None
+        until a run of the command completed."""
+        done = [r for r in self.verification.runs if r.status == "ok"]
+        if not done:
+            return None
+        run = max(done, key=lambda r: r.batch_size)
+        probe = next((p for p in reversed(self.probes) if p.batch_size == run.batch_size and p.status == "ok"
+                      and not p.killed and p.judged_peak_gb() is not None), None)
+        if probe is not None:
+            return LengthCheck(run.batch_size, probe.judged_peak_gb(), run, probe.judged_peak_gb_per_rank() or None)
+        model = fit_memory(self.outcomes())
+        return LengthCheck(run.batch_size, model.peak_gb(run.batch_size) if model else None, run)
+
     def counted_beyond_gb(self) -> float:
         """What a run of the command holds beyond a probe, as counted against every probe
-        (LengthCheck); nothing until it is measured."""
-        return self.length.counted_gb() if self.length else 0.0
+        (LengthCheck); nothing until a run of the command completed."""
+        length = self.held_beyond()
+        return length.counted_gb() if length else 0.0
 
     def commands_wall_s(self) -> float:
-        """The time the runs of the command took: the verification's, and the length check's
-        unless they are among them (`length_run_at`)."""
-        verified = {r.dir for r in self.verification.runs}
-        others = [r for r in (self.length.runs() if self.length else []) if r.dir not in verified]
-        return self.verification.wall_s() + sum(r.wall_s for r in others)
+        return self.verification.wall_s()
 
-    def check_length(self) -> bool:
-        """Once per search, at the first size that trained with at most NEAR_LIMIT of the
-        limit left: run the command there for the verification's steps, and count what that
-        run held beyond the probe against every probe (LengthCheck); where that run does not
-        complete, run it at the smallest size that trained instead. False when there is
-        nothing to run: measured already, no probe has trained that near the limit (the
-        verification then runs at the answer all the same), or task.verify_steps=0."""
-        steps = self.verification.steps
-        trained = [p for p in self.probes if p.status == "ok" and not p.killed]
-        near = next((p for p in trained if self.near_limit(p)), None)
-        if self.length is not None or near is None or not steps:
+    def size_to_verify(self, boundary: int) -> int | None:
+        """Where the command runs next: the probes' boundary, or below the last size whose run
+        ran out of memory (`step_down`); None when a run that completed covers the answer (at
+        it or above it), when none is left to try, or after a run failed for another reason."""
+        check = self.verification
+        if not boundary or not check.steps or any(r.status not in ("ok", "oom") for r in check.runs):
+            return None
+        done = max((r.batch_size for r in check.runs if r.status == "ok"), default=0)
+        ran_out = check.ran_out()
+        size: int | None = boundary
+        if ran_out:
+            size = step_down(min(ran_out), len(ran_out), self.cfg.task.resolution, self.searched_from())
+        if size is None or size <= done or boundary <= done:
+            return None
+        return min(size, boundary)
+
+    def verify_step(self) -> bool:
+        """Once the probes have found their boundary: run the command there as it runs, until
+        its peak settles (or for task.verify_steps), and count what it held beyond its probe
+        against every probe, which may bring the boundary down (the probes then go on below
+        it; that run covers their answer). Where the run ran out of memory, the next one
+        steps down. False when there is nothing to run."""
+        size = self.size_to_verify(self.boundary())
+        if size is None:
             return False
-        run = self.length_run(near, steps)
-        self.length = LengthCheck(near.batch_size, near.judged_peak_gb(), run,
-                                  probe_peaks_gb_per_rank=near.judged_peak_gb_per_rank())
-        smallest = min(trained, key=lambda p: p.batch_size)
-        if run.status == "oom" and smallest.batch_size < near.batch_size:
-            log.info("%s at batch %d ran out of memory; measuring at the smallest size that trained, %d",
-                     self.verification.run_words(), near.batch_size, smallest.batch_size)
-            self.length = LengthCheck(smallest.batch_size, smallest.judged_peak_gb(), self.length_run(smallest, steps),
-                                      near_limit=run, probe_peaks_gb_per_rank=smallest.judged_peak_gb_per_rank())
-        beyond = self.length.beyond_gb()
-        if beyond is None:
-            log.warning("%s at batch %d did not complete, so what a run holds beyond a probe is not "
-                        "counted: %s", self.verification.run_words(), self.length.batch_size, self.length.run.reason)
-        else:
-            log.info("%s: %s; %.1f MB more than its probe, counted against every probe",
-                     self.verification.run_words(), self.length.run.line(), beyond / MB)
-        self.save(None)
+        check = self.verification
+        if check.ran_out():
+            log.info("%s of the command ran out of memory at batch %d; stepping down to %d",
+                     check.run_words(), min(check.ran_out()), size)
+        run = self.verify_run(size)
+        if run.status not in ("ok", "oom"):
+            log.warning("the run at batch %d failed, not for lack of memory, so the answer is not verified: %s",
+                        size, run.reason)
+        length = self.held_beyond()
+        if run.status == "ok" and length is not None and length.beyond_gb() is not None:
+            log.info("%s at batch %d held %.1f MB more than its probe, counted against every probe",
+                     check.run_words(), size, length.beyond_gb() / MB)
         return True
 
-    def length_run(self, probe: Probe, steps: int) -> Probe:
-        size = probe.batch_size
-        log.info("measuring what %s of the command holds beyond a probe: the command at batch %d",
-                 self.verification.run_words(), size)
-        timeout_s = self.timeout_s * max(1.0, steps / self.steps)
-        return run_probe(self.cfg, size, self.run_dir / "verify" / f"length_b{size}", self.launcher, self.nproc,
-                         steps, timeout_s, as_command="verify", until_settled=self.settle_within_gb())
-
-    def near_limit(self, probe: Probe) -> bool:
-        peak = probe.judged_peak_gb()
-        return self.limit_gb is not None and peak is not None and self.limit_gb - peak <= NEAR_LIMIT * self.limit_gb
-
     def verify(self, boundary: int) -> int:
-        """The size at which a run of the command completed `verification.steps` steps: the
-        boundary, or, where that run ran out of memory, the next size down that completed
-        (fsdp_exp.tasks.max_batch.verify). The boundary, unverified, without verification
-        (task.verify_steps=0) or where a run failed for another reason; 0 where none completed."""
-        check = self.verification
-        if not boundary or not check.steps:
+        """The answer the runs of the command leave: the boundary where a run at it or above
+        it completed, else the largest size whose run completed, 0 where none did. The
+        boundary, unverified, without verification (task.verify_steps=0) or where a run
+        failed for another reason."""
+        runs = self.verification.runs
+        if not boundary or not self.verification.steps or not runs \
+                or any(r.status not in ("ok", "oom") for r in runs):
             return boundary
-        size: int | None = boundary
-        while size is not None:
-            run = next((r for r in check.runs if r.batch_size == size), None) or self.length_run_at(size) \
-                or self.verify_run(size)
-            if run.status == "ok":
-                return size
-            if run.status != "oom":
-                log.warning("the run at batch %d failed, not for lack of memory, so the answer is not verified: %s",
-                            size, run.reason)
-                return boundary
-            size = step_down(size, len(check.ran_out()), self.cfg.task.resolution, self.searched_from())
-            if size is not None:
-                log.info("%s of the command ran out of memory at batch %d; stepping down to %d",
-                         check.run_words(), run.batch_size, size)
-        return 0
-
-    def length_run_at(self, size: int) -> Probe | None:
-        """A run the length check made of the command at `size` for the same steps: it
-        verifies that size as a run of its own would (or ran out of memory there), so it
-        counts as one."""
-        run = next((r for r in (self.length.runs() if self.length else []) if r.batch_size == size), None)
-        if run is None:
-            return None
-        self.verification.runs.append(run)
-        log.info("verify %d: the run that measured what a run holds beyond a probe: %s",
-                 len(self.verification.runs), run.line())
-        self.save(None)
-        return run
+        return min(boundary, max((r.batch_size for r in runs if r.status == "ok"), default=0))
 
     def verify_run(self, size: int) -> Probe:
         """The command at `size`, run as it runs, for the verification's steps."""
@@ -266,4 +231,3 @@ class Verifying:
         check.runs.append(run)
         self.save(None)
         return run
-

@@ -78,7 +78,7 @@ class TrainSettings:
 class MetricsSettings:
     warmup_steps: int = 3  # left out of the steady-state averages in summary.json
     peak_tflops: float | None = None  # the device's peak for MFU; None: from the table of known GPUs
-    phase_peaks: bool = True  # each phase's peak (peak_forward_gb, ...); on GPU: a read of the allocator's stats per phase
+    phase_peaks: bool = True  # each phase's peak (peak_forward_gb, ...), read in the warm-up steps (at least two)
 
     def __post_init__(self) -> None:
         at_least("metrics.warmup_steps", self.warmup_steps, 0)

@@ -437,18 +437,20 @@ def test_a_runs_retries_are_the_sum_of_its_windows(monkeypatch: pytest.MonkeyPat
 # ---- what measuring memory costs a step ---------------------------------------------------
 
 
-def stats_reads_per_step(fake_gpu: FakeCachingAllocator, phase_peaks: bool, grad_accum: int = 1) -> list[int]:
+def stats_reads_per_step(fake_gpu: FakeCachingAllocator, phase_peaks: bool, grad_accum: int = 1,
+                         warmup_steps: int = 0) -> list[int]:
     """The reads of the allocator's stats (memory_stats, and the calls built on it) in each
     step of a short run, with the trainer's monitor watching the fake GPU."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    steps = 4
+    steps = 5
     batches = [(torch.randn(2, 4), torch.randint(0, 3, (2,))) for _ in range(steps * grad_accum)]
     ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     reads: list[int] = []
     hook = SimpleNamespace(before_step=lambda step: reads.append(-fake_gpu.calls.count("memory_stats")),
                            after_step=lambda step: reads.__setitem__(-1, reads[-1] + fake_gpu.calls.count("memory_stats")))
-    settings = TrainSettings(steps=steps, batch_size=2 * grad_accum, grad_accum=grad_accum, log_every=2)
+    settings = TrainSettings(steps=steps, batch_size=2 * grad_accum, grad_accum=grad_accum, log_every=2,
+                             warmup_steps=warmup_steps)
     trainer = Trainer(settings, ranks, model, OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1)),
                       batches=Batches(batches), memory=MemoryMonitor(torch.device("cuda", 0), phase_peaks=phase_peaks),
                       hooks=Hooks(steps=[hook]))
@@ -460,13 +462,16 @@ def stats_reads_per_step(fake_gpu: FakeCachingAllocator, phase_peaks: bool, grad
 def test_a_step_reads_the_allocators_stats_once_per_phase_boundary(fake_gpu: FakeCachingAllocator) -> None:
     """Each read builds the allocator's whole dict of stats: on a small, launch-bound model that
     costs throughput. Per-phase peaks read once where a phase starts, and once after the
-    optimizer step; with grad_accum, once more per micro-batch's forward and backward."""
-    assert stats_reads_per_step(fake_gpu, phase_peaks=True) == [4] * 4
-    assert stats_reads_per_step(fake_gpu, phase_peaks=True, grad_accum=2) == [6] * 4
+    optimizer step; with grad_accum, once more per micro-batch's forward and backward. Only in
+    the warm-up steps, and at least the first two (the second holds the optimizer's state):
+    the timed steps read none."""
+    assert stats_reads_per_step(fake_gpu, phase_peaks=True) == [4, 4, 0, 0, 0]
+    assert stats_reads_per_step(fake_gpu, phase_peaks=True, warmup_steps=3) == [4, 4, 4, 0, 0]
+    assert stats_reads_per_step(fake_gpu, phase_peaks=True, grad_accum=2) == [6, 6, 0, 0, 0]
 
 
 def test_without_phase_peaks_a_step_reads_no_stats_and_a_window_one(fake_gpu: FakeCachingAllocator) -> None:
-    assert stats_reads_per_step(fake_gpu, phase_peaks=False) == [0] * 4
+    assert stats_reads_per_step(fake_gpu, phase_peaks=False) == [0] * 5
     monitor = MemoryMonitor(torch.device("cuda", 0), phase_peaks=False)
     monitor.start_run()
     fake_gpu.alloc(GB, retry=True)

@@ -24,9 +24,10 @@ under memory.limit_gb a phase's peak is counted as the limit counts memory: what
 when the phase began, plus the growth of resident memory during the phase.
 `metrics.phase_peaks=false` leaves them out: on GPU each phase boundary reads the
 allocator's whole dict of stats (torch.cuda.memory_stats; max_memory_allocated reads it too)
-and resets its peaks, which a small, launch-bound model feels. With them, a step reads the
-stats where each phase starts and after the optimizer step (4 reads at grad_accum=1);
-without, none, and a window once.
+and resets its peaks, which a small, launch-bound model feels, and on CPU over gloo each read
+waits for gloo's threads (GlooWorkers). With them, a step that reads phases (the trainer's
+warm-up steps: fsdp_exp.rank.trainer.PHASE_STEPS) reads the stats where each phase starts
+and after the optimizer step (4 reads at grad_accum=1); without, none, and a window once.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ from fsdp_exp.sharding import gradient_sync, unwrap
 
 log = logging.getLogger("fsdp_exp")
 
+PHASE_STEPS = 2  # the fewest steps whose phases' memory is read: the second holds the optimizer's state
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainSettings:
@@ -172,6 +174,7 @@ class Trainer:
                                      # padding's target, where the loss has one
                                      ignore_index=getattr(self.loss, "ignore_index", -100))
         self.host_data_wait_s = 0.0
+        self.reading_phases = True  # each phase's memory read where it starts and ends (`_train` sets it per step)
 
     def _next(self, batches: Iterator) -> Batch:
         """The next batch, on this rank's device; the host's time waiting for it is counted
@@ -213,14 +216,14 @@ class Trainer:
             first, self._first_micro_batch = self._first_micro_batch, None
             with gradient_sync(self.model, enabled=micro == grad_accum - 1), \
                     first.running() if first is not None else contextlib.nullcontext():
-                self.memory.start_phase("forward")
+                self._phase("forward")
                 batch = self._next(batches)
                 counted = self.items_over_ranks(batch)
                 output = batch.forward(self.model)
                 if first is not None:
                     first.check(output, batch)
                 loss = self.weighed(self.loss(output, batch), counted) / grad_accum
-                self.memory.start_phase("backward")
+                self._phase("backward")
                 self.optimizer.backward(loss)
             flops = first.flops() if first is not None else None
             if flops is not None:
@@ -230,11 +233,21 @@ class Trainer:
         # not two): waiting for a save's staging, which runs in its own thread, allocates nothing.
         if self.checkpoint is not None:
             self.checkpoint.before_update()
-        self.memory.start_phase("optimizer_step")
+        self._phase("optimizer_step")
         self.optimizer.step()
-        self.memory.end_phase()
+        self._phase(None)
         self.optimizer.scheduled()
         return total
+
+    def _phase(self, name: str | None) -> None:
+        """The memory figures' phase boundary (None: the step's last phase ends), in the steps
+        that read them."""
+        if not self.reading_phases:
+            return
+        if name is None:
+            self.memory.end_phase()
+        else:
+            self.memory.start_phase(name)
 
     def fit(self) -> Summary:
         """Train; return the run's figures: steady-state means and the run's peaks, then what
@@ -249,6 +262,11 @@ class Trainer:
         self.model.train()
         batches = iter(self.batches.items)
         first, warmup_end = settings.start_step + 1, settings.start_step + settings.warmup_steps
+        # Each phase's peak is read in the warm-up steps, at least the first two (the second is
+        # the first with the optimizer's state): every later step holds the same, and the reads
+        # (a settling wait for gloo's threads on CPU, the allocator's stats on GPU) stay out of
+        # the timed steps. The window's peaks, the kernel's and the allocator's own, see every step.
+        phases_until = max(warmup_end, first + PHASE_STEPS - 1)
         # Work still queued from before training (a checkpoint load) must
         # not fall into the first window's time.
         distributed.synchronize(self.ranks.device)
@@ -261,6 +279,7 @@ class Trainer:
         for step in range(first, settings.steps + 1):
             for hook in hooks.steps:
                 hook.before_step(step)
+            self.reading_phases = step <= phases_until
             loss = self.train_step(batches)
             for hook in hooks.steps:
                 hook.after_step(step)

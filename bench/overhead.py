@@ -1,8 +1,10 @@
 """Framework overhead: `python -m fsdp_exp` against a hand-written FSDP2 loop.
 
 Same model (default ViT), data (synthetic), per-rank batch, steps and warm-up; the two
-run alternately, `--reps` times each, and the median steps/s ratio is printed. Steps/s
-is timed the same way in both: from the end of the warm-up steps to the last step.
+run alternately, `--reps` times each, the one that goes first swapping every rep (so a
+machine that speeds up or slows down over the run favours neither), and the median steps/s
+ratio is printed. Steps/s is timed the same way in both: from the end of the warm-up steps
+to the last step.
 
     python bench/overhead.py [--reps 3] [--steps 60] [--batch-size 32]
 """
@@ -61,8 +63,12 @@ def main() -> None:
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(1, args.reps + 1):
-            ours = framework(args.steps, args.batch_size, args.warmup, Path(tmp))
-            theirs = hand_loop(args.steps, args.batch_size, args.warmup, nproc)
+            if rep % 2:
+                ours = framework(args.steps, args.batch_size, args.warmup, Path(tmp))
+                theirs = hand_loop(args.steps, args.batch_size, args.warmup, nproc)
+            else:
+                theirs = hand_loop(args.steps, args.batch_size, args.warmup, nproc)
+                ours = framework(args.steps, args.batch_size, args.warmup, Path(tmp))
             ratios.append(ours / theirs)
             print(f"{rep:>3}  {ours:>16.3f}  {theirs:>17.3f}  {ratios[-1]:>6.3f}", flush=True)
     print(f"median ratio fsdp_exp / hand loop: {statistics.median(ratios):.3f} "

@@ -96,6 +96,18 @@ def gpu_index(env: Mapping[str, str], visible_gpus: int) -> int:
     return local_rank
 
 
+def check_gpus_for_local_ranks(local_ranks: int, visible_gpus: int, env: Mapping[str, str]) -> None:
+    """Refuse more ranks on a node than the GPUs they all see. Ranks that torchrun starts
+    inherit one CUDA_VISIBLE_DEVICES, so where a node's ranks outnumber its GPUs two of them
+    would take the same one (`gpu_index`), and NCCL refuses a second rank on a device. A
+    launcher that names each rank's GPU (FSDP_EXP_DEVICE) is trusted."""
+    if env.get(DEVICE_VARIABLE, "").startswith("cuda") or local_ranks <= visible_gpus:
+        return
+    seen = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in env else "no CUDA_VISIBLE_DEVICES"
+    raise ConfigError(f"torchrun --nproc_per_node={local_ranks}: this node shows {visible_gpus} GPU(s) ({seen}), "
+                      f"and each rank needs one of its own; start at most {visible_gpus} rank(s) a node")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on this rank's GPU, so that a timer reads the time it took."""
     if device.type == "cuda":

@@ -22,6 +22,7 @@ from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.memory import under_limit_figures
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from tests.test_data import make_dataset
 
@@ -392,9 +393,11 @@ class CappedGpu:
                             "memory. Tried to allocate 20.00 MiB", out_of_memory=True)
         reserved = min(1.1 + 0.0105 * batch, self.CAP_GB - 0.003)
         retries = 0.0 if reserved < self.CAP_GB - 0.003 else 1.0 + (batch - 657) // 5
+        # under the limit, as a rank reports it: its reserved peak, what the cap limits (fsdp_exp.memory)
+        under_limit = under_limit_figures(cfg.memory.limit_gb, "cuda", [reserved] * nproc)
         return {"peak_mem_gb": allocated, "peak_mem_gb_per_rank": [allocated] * nproc, "peak_reserved_gb": reserved,
                 "peak_reserved_gb_per_rank": [reserved] * nproc, "held_mem_gb": 0.9, "alloc_retries": retries,
-                "samples_per_s": 100.0 * batch}
+                "samples_per_s": 100.0 * batch, **under_limit}
 
 
 def test_on_a_gpu_a_probe_that_trained_fits_though_its_reserved_peak_is_at_the_cap(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,14 +27,12 @@ from hydra.core.utils import setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fsdp_exp import distributed
+from fsdp_exp.config import Device, Experiment
 from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launch.core import RunFailed
 from fsdp_exp.rank.worker import rank_log_path, run_rank
-
-if TYPE_CHECKING:
-    from fsdp_exp.config import Experiment
 
 
 @dataclass
@@ -139,7 +137,11 @@ def plan_here(argv: list[str], compose: Callable[[list[str]], DictConfig],
         choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
         with open_dict(cfg):
             del cfg["hydra"]  # the rest of it only resolves inside Hydra's own runtime
-        plan = prepare(cfg, torch.cuda.device_count(), world_size=world_size)
+        gpus = torch.cuda.device_count()
+        plan = prepare(cfg, gpus, world_size=world_size)
+        if plan.exp.device == Device.cuda:
+            distributed.check_gpus_for_local_ranks(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), gpus,
+                                                   os.environ)
         if plan.nproc == 1 and world_size > 1:
             raise ConfigError("sharding=none: runs one process; start it without torchrun")
         if not plan.task.runs_as_torchruns_ranks:

@@ -84,11 +84,20 @@ class Probe:
         it raises, so the reserved peaks of sizes that still train flatten just under the cap:
         judged by them, those sizes would read as inside the noise band. Allocated memory
         keeps growing with the batch, so a GPU probe that trained fits, and the size that
-        really runs out of memory sets the boundary."""
+        really runs out of memory sets the boundary. (A GPU rank's peak_under_limit_gb is its
+        reserved peak, what the cap limits: not judged.) As fsdp_exp.rank.settle judges."""
+        if self.on_gpu():
+            return self.peak_mem_gb
         return self.peak_under_limit_gb if self.peak_under_limit_gb is not None else self.peak_mem_gb
 
     def judged_peak_gb_per_rank(self) -> list[float]:
+        if self.on_gpu():
+            return self.peak_mem_gb_per_rank or []
         return self.peak_under_limit_gb_per_rank or self.peak_mem_gb_per_rank or []
+
+    def on_gpu(self) -> bool:
+        """Whether its ranks ran on GPUs: only a GPU rank reports a reserved peak."""
+        return self.peak_reserved_gb is not None
 
     def outcome(self) -> Outcome:
         return Outcome(self.batch_size, self.status == "ok", self.judged_peak_gb(), self.held_mem_gb,

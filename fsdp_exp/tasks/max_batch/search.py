@@ -335,8 +335,8 @@ class MaxBatchSearch(Verifying):
             probe.margin_gb = margin_gb(probe, self.room_gb())
             probe.within_noise = probe.status == "ok" and not fits_with_room(probe, self.room_gb(), noise)
         # The peak the search judges by (Probe.judged_peak_gb): allocated on GPU, not reserved.
-        measure = "peak_under_limit_gb" if any(p.peak_under_limit_gb is not None for p in self.probes) \
-            else "peak_mem_gb"
+        measure = "peak_under_limit_gb" if any(p.peak_under_limit_gb is not None and not p.on_gpu()
+                                               for p in self.probes) else "peak_mem_gb"
         _, hi = self.search().bracket(outcomes)
         verified = self.verification.completed()
         at_max = verified if verified is not None and verified.batch_size == boundary else \

@@ -303,6 +303,28 @@ def test_a_rank_without_a_gpu_of_its_own_is_one_line(env: dict, visible: int, me
     assert message in str(err.value)
 
 
+def test_under_torchrun_more_ranks_a_node_than_its_gpus_are_refused_before_the_ranks_train(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`torchrun --nproc_per_node=2 -m fsdp_exp device=cuda` on a node that shows one GPU:
+    both ranks inherit the one CUDA_VISIBLE_DEVICES, both would take cuda:0, and NCCL refuses
+    a second rank on a device. Rank 0's plan refuses it in one line (every rank then exits 2);
+    one rank a node on two nodes is fine."""
+    from fsdp_exp.cli import compose_config
+    from fsdp_exp.driver.external_torchrun import plan_here
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the one door: the GPUs this node shows
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    made, _ = plan_here(["device=cuda", "wandb.mode=disabled"], compose_config, world_size=2)
+    assert made.refused == ("torchrun --nproc_per_node=2: this node shows 1 GPU(s) (CUDA_VISIBLE_DEVICES=0), and "
+                            "each rank needs one of its own; start at most 1 rank(s) a node")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    made, _ = plan_here(["device=cuda", "wandb.mode=disabled"], compose_config, world_size=2)
+    assert made.refused is None and made.plan.nproc == 2
+    # a launcher that names each rank's GPU is trusted
+    distributed.check_gpus_for_local_ranks(2, 1, {"FSDP_EXP_DEVICE": "cuda:0"})
+
+
 def test_a_ray_worker_names_the_device_ray_train_gave_it() -> None:
     from fsdp_exp.launch.ray_worker import worker_variables
 

@@ -42,6 +42,7 @@ class TaskOption(GroupOption):
 @dataclass
 class ProfileOption(GroupOption):
     group = "profile"
+    records_history: ClassVar[bool] = False  # the GPU allocator's history from the run's start (fsdp_exp.profile)
 
 
 @dataclass

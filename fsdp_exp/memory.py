@@ -82,13 +82,6 @@ class MemorySettings:
                 raise ConfigError(f"memory.{key}={value}: must be greater than 0")
 
 
-def records_history(limit_gb: float | None, probe: bool) -> bool:
-    """Whether a GPU rank records the allocator's history from the start, so that an
-    out-of-memory snapshot shows the allocations that led to it: where running out is
-    expected, under a limit and in every probe of task=max_batch."""
-    return limit_gb is not None or probe
-
-
 def check_limit(limit_gb: float | None, device_type: str, ranks_per_device: int) -> None:
     """Refuse a limit the device cannot give each of its ranks."""
     if limit_gb is None:

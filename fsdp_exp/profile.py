@@ -4,7 +4,9 @@ profile=memory writes, per rank, a torch profiler memory timeline (HTML) over st
 [start_step, start_step + steps), and on a GPU a CUDA memory snapshot (pickle) that
 pytorch.org/memory_viz reads. A GPU run that runs out of memory dumps a snapshot anyway;
 it holds the allocations that led there when the allocator recorded its history from the
-start of the run (`record_allocation_history`: under memory.limit_gb, and in max_batch probes).
+start of the run (`record_allocation_history`), which profile=memory asks for: the history
+costs host time at every allocation, so a run that did not ask for it (a max_batch probe
+above all, whose samples/s the tune ranks by) does not record it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -66,6 +68,8 @@ class NoProfiler:
 
 @dataclass
 class MemoryProfile(NoProfile):
+    records_history: ClassVar[bool] = True  # so that an out-of-memory snapshot shows what led there too
+
     start_step: int = 3  # the first profiled step
     steps: int = 2  # how many steps the window holds
 

@@ -21,7 +21,7 @@ from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launch.core import RunFailed
-from fsdp_exp.memory import allocation_failure, is_out_of_memory, records_history
+from fsdp_exp.memory import allocation_failure, is_out_of_memory
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.peaks import GB, MemoryMonitor, device_used_gb
 from fsdp_exp.batch import Batches
@@ -252,7 +252,7 @@ def test_a_memory_profile_keeps_the_runs_allocation_history_on(gpu_host: list[tu
                                                                from_the_start: bool) -> None:
     monkeypatch.setattr(torch.profiler, "profile", FakeProfiler)
     gpu = torch.device("cuda", 0)
-    if from_the_start:  # under memory.limit_gb, or in a max_batch probe
+    if from_the_start:  # profile=memory: the run recorded from its start
         assert profile.record_allocation_history(gpu)
     memory_profile = profile.MemoryProfile(start_step=1, steps=1).start(tmp_path, 0, gpu)
     memory_profile.before_step(1)
@@ -273,10 +273,19 @@ def test_a_snapshot_that_cannot_be_written_does_not_hide_the_failure(monkeypatch
     profile.dump_cuda_snapshot(tmp_path / "oom_snapshot_rank0.pickle", torch.device("cuda", 0))
 
 
-def test_history_is_recorded_under_a_limit_and_in_every_probe() -> None:
-    assert not records_history(None, probe=False)
-    assert records_history(20, probe=False)
-    assert records_history(None, probe=True)
+def test_history_is_recorded_only_where_the_memory_profile_is_asked_for() -> None:
+    """The allocator's history costs host time at every allocation (about 2 us with Python
+    stacks): a probe, whose samples/s the tune ranks by, and a run under a limit do not record
+    it; profile=memory does, from the run's start, so an out-of-memory snapshot shows what led there."""
+    from fsdp_exp.tasks.max_batch.probe import probe_config
+
+    asked = prepare(compose_checked(["profile=memory", "wandb.mode=disabled"]), 0).exp
+    assert asked.profile.records_history
+    limited = prepare(compose_checked(["task=max_batch", "memory.limit_gb=1", "profile=memory",
+                                       "wandb.mode=disabled"]), 0).exp
+    assert limited.memory.limit_gb == 1 and not probe_config(limited, 8, 3, 2).profile.records_history
+    plain = prepare(compose_checked(["memory.limit_gb=1", "wandb.mode=disabled"]), 0).exp
+    assert not plain.profile.records_history
 
 
 # ---- which GPU is a rank's ----------------------------------------------------------------

@@ -16,7 +16,7 @@ from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import restart_count, resume_point
 from fsdp_exp import distributed
 from fsdp_exp.distributed import Ranks
-from fsdp_exp.memory import OutOfMemory, allocation_failure, apply_limit, is_out_of_memory, records_history
+from fsdp_exp.memory import OutOfMemory, allocation_failure, apply_limit, is_out_of_memory
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
 from fsdp_exp.metrics.peaks import mark_runtime
 from fsdp_exp.metrics.startup import process_started
@@ -61,7 +61,7 @@ def join(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool) -> Ra
         worker.console_warnings_only()
     ranks = distributed.init(cfg.device, cfg.offload)
     context.startup["process_group"] = time.time()
-    if records_history(cfg.memory.limit_gb, probe):
+    if cfg.profile.records_history:
         record_allocation_history(ranks.device)
     if ranks.is_main:  # the run's device is rank 0's, not the driver's
         seen = rank_environment(ranks.device)

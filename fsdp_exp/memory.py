@@ -82,13 +82,20 @@ class MemorySettings:
                 raise ConfigError(f"memory.{key}={value}: must be greater than 0")
 
 
-def check_limit(limit_gb: float | None, device_type: str, ranks_per_device: int) -> None:
-    """Refuse a limit the device cannot give each of its ranks."""
+def check_limit(limit_gb: float | None, device_type: str, ranks_per_device: int, gpus: int = 1) -> None:
+    """Refuse a limit the device cannot give each of its ranks: on GPUs, the smallest of the
+    `gpus` this node's ranks take (cuda:0 up, as LOCAL_RANK picks them), which on a node of
+    mixed GPUs need not be the current one."""
     if limit_gb is None:
         return
-    total = device_memory_gb(device_type)
+    if device_type == "cuda":
+        sizes = [device_memory_gb(torch.device("cuda", i)) for i in range(max(1, gpus))]
+        total, index = min((size, i) for i, size in enumerate(sizes))
+        where = "this GPU has" if len(sizes) == 1 else f"cuda:{index}, the smallest of the {len(sizes)} its ranks take, has"
+    else:
+        total = device_memory_gb(device_type)
+        where = f"{ranks_per_device} ranks share this machine's"
     if limit_gb * ranks_per_device > total:
-        where = "this GPU has" if device_type == "cuda" else f"{ranks_per_device} ranks share this machine's"
         raise ConfigError(f"memory.limit_gb={limit_gb}: above the device's memory ({where} {total:.1f} GB)")
 
 

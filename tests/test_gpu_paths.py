@@ -349,6 +349,25 @@ def test_a_ray_worker_names_the_device_ray_train_gave_it() -> None:
 # ---- the device is rank 0's, not the driver's ---------------------------------------------
 
 
+def test_a_limit_is_checked_against_the_smallest_gpu_the_ranks_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node of mixed GPUs, an 80 GB one at cuda:0 and a 24 GB one at cuda:1, under
+    launcher=local with 2 ranks: memory.limit_gb=30 fits the current GPU but not rank 1's,
+    and is refused before any rank starts, naming it; one rank takes cuda:0 alone."""
+    sizes = {0: 80 * GB, 1: 24 * GB}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",  # the one door: each GPU's memory
+                        lambda device: SimpleNamespace(total_memory=sizes[torch.device(device).index or 0]))
+    from fsdp_exp.cli import compose_config
+
+    cfg = compose_config(["device=cuda", "memory.limit_gb=30", "launcher.nproc_per_node=2", "wandb.mode=disabled"])
+    with pytest.raises(ConfigError) as err:
+        prepare(cfg, 2)
+    assert str(err.value) == ("memory.limit_gb=30.0: above the device's memory (cuda:1, the smallest of the 2 its "
+                              "ranks take, has 24.0 GB)")
+    one = compose_config(["device=cuda", "memory.limit_gb=30", "launcher.nproc_per_node=1", "sharding=full",
+                           "wandb.mode=disabled"])
+    assert prepare(one, 2).nproc == 1
+
+
 H200 = {"torch": "2.11.0", "cuda": "12.8", "nccl": "2.27.3", "device": "NVIDIA H200", "device_count": 8,
         "device_memory_gb": 8.0, "pytorch_cuda_alloc_conf": None, "python": "3.12.3", "host": "gpu-node-07"}
 

@@ -85,7 +85,7 @@ def prepare(cfg: DictConfig, local_gpus: int, world_size: int | None = None) -> 
     check_attention(exp)
     exp.profile.check(exp.train.steps)
     if exp.launcher.runs_here and exp.task.uses_the_device:  # on a cluster, the memory is the cluster's
-        check_limit(exp.memory.limit_gb, exp.device, 1 if on_gpu else nproc)
+        check_limit(exp.memory.limit_gb, exp.device, 1 if on_gpu else nproc, gpus=min(nproc, gpus) if on_gpu else 1)
     exp.checkpoint.check()
     exp.task.check(exp)
     exp.task.check_world(world)

@@ -288,8 +288,8 @@ def test_estimate_for_a_gpu_on_a_machine_without_one(tmp_path):
     assert record["breakdown_gb"]["baseline"] == pytest.approx(1.188)
     allocated = record["step_peak_gb"] - record["breakdown_gb"]["baseline"]
     assert record["peak_reserved_gb"] >= allocated and record["device_used_gb"] == pytest.approx(record["peak_reserved_gb"] + 1.188)
-    fitting = record["device_used_gb"] <= 40 and record["peak_reserved_gb"] <= 80
-    assert record["gpu"] == "A100-40GB" and record["gpu_memory_gb"] == 40
+    fitting = record["device_used_gb"] <= 39.39 and record["peak_reserved_gb"] <= 80
+    assert record["gpu"] == "A100-40GB" and record["gpu_memory_gb"] == 39.39  # as torch reports it (40 GB sold)
     assert record["largest_batch_fitting"] == (record["batch_size"] if fitting else 0)
     assert "the device also holds cuda context 0.50 GB, nccl 0.69 GB outside it" in result.stdout
     result = refused_here("task=estimate", "device=cuda", "wandb.mode=disabled", cwd=tmp_path)

@@ -40,34 +40,45 @@ NVLS_GB = 1.0
 
 @dataclass(frozen=True)
 class Gpu:
-    """A GPU by its datasheet: `task.gpu=<name>`."""
+    """A GPU by name: `task.gpu=<name>`."""
 
     name: str
-    memory_gb: float  # GiB on the datasheet; the driver keeps a little of it back
+    memory_gb: float  # GiB torch reports (total_memory), less than the datasheet's: the driver keeps some back
     nvswitch: bool  # on HGX/DGX boards its NVLink goes through NVSwitches: NCCL uses NVLS
     compute_capability: float
     source: str
 
 
+def mib(reported: int) -> float:
+    """GiB, from the MiB torch prints (`_CudaDeviceProperties(... total_memory=<N>MB ...)`)."""
+    return round(reported / 1024, 2)
+
+
+# memory_gb is what torch reports as total_memory (printed in MiB by torch's own repr, or
+# CUDA's deviceQuery, which reads the same totalGlobalMem), from users' printouts; the same
+# GPU reports a few tens of MiB apart under other drivers (a T4: 14918 to 15110), so the
+# smallest seen is taken. Where none was found, the datasheet's figure, said in the source.
 GPUS: tuple[Gpu, ...] = (
-    Gpu("B200", 180, True, 10.0, "HGX B200 datasheet: 1.4 TB HBM3e over 8 GPUs"),
-    Gpu("H200-SXM", 141, True, 9.0, "H200 datasheet: 141 GB HBM3e"),
-    Gpu("H200-NVL", 141, False, 9.0, "H200 datasheet: 141 GB HBM3e"),
-    Gpu("H100-SXM", 80, True, 9.0, "H100 datasheet: 80 GB HBM3"),
-    Gpu("H100-PCIe", 80, False, 9.0, "H100 datasheet: 80 GB HBM2e"),
-    Gpu("H100-NVL", 94, False, 9.0, "H100 datasheet: 94 GB HBM3"),
-    Gpu("A100-80GB", 80, False, 8.0, "A100 datasheet: 80 GB HBM2e (HGX boards have NVSwitch, but no NVLS)"),
-    Gpu("A100-40GB", 40, False, 8.0, "A100 datasheet: 40 GB HBM2"),
-    Gpu("L40S", 48, False, 8.9, "L40S datasheet: 48 GB GDDR6"),
-    Gpu("L40", 48, False, 8.9, "L40 datasheet: 48 GB GDDR6"),
-    Gpu("A10", 24, False, 8.6, "A10 datasheet: 24 GB GDDR6"),
-    Gpu("A10G", 24, False, 8.6, "AWS G5 instances: 24 GB"),
-    Gpu("L4", 24, False, 8.9, "L4 datasheet: 24 GB GDDR6"),
-    Gpu("RTX-4090", 24, False, 8.9, "GeForce RTX 4090 specifications: 24 GB GDDR6X"),
-    Gpu("RTX-3090", 24, False, 8.6, "GeForce RTX 3090 specifications: 24 GB GDDR6X"),
-    Gpu("V100-32GB", 32, False, 7.0, "V100 datasheet: 32 GB HBM2"),
-    Gpu("V100-16GB", 16, False, 7.0, "V100 datasheet: 16 GB HBM2"),
-    Gpu("T4", 16, False, 7.5, "T4 datasheet: 16 GB GDDR6"),
+    Gpu("B200", mib(182631), True, 10.0, "torch: total_memory=182631MB (datasheet: 180 GB HBM3e)"),
+    Gpu("H200-SXM", mib(143156), True, 9.0, "torch: total_memory=143156MB (datasheet: 141 GB HBM3e)"),
+    Gpu("H200-NVL", mib(143156), False, 9.0, "the H200-SXM's torch figure, the same 141 GB HBM3e (not seen for "
+        "the NVL itself)"),
+    Gpu("H100-SXM", mib(81089), True, 9.0, "torch: total_memory=81089MB (datasheet: 80 GB HBM3)"),
+    Gpu("H100-PCIe", mib(81008), False, 9.0, "torch: total_memory=81008MB (datasheet: 80 GB HBM2e)"),
+    Gpu("H100-NVL", mib(95235), False, 9.0, "deviceQuery: 95235 MBytes (datasheet: 94 GB HBM3)"),
+    Gpu("A100-80GB", mib(81049), False, 8.0, "PCIe: 81049 MB, SXM4: 81158 MBytes (deviceQuery); datasheet 80 GB "
+        "HBM2e (HGX boards have NVSwitch, but no NVLS)"),
+    Gpu("A100-40GB", mib(40339), False, 8.0, "deviceQuery: 40339 MBytes (datasheet: 40 GB HBM2)"),
+    Gpu("L40S", mib(45589), False, 8.9, "torch: total_memory=45589MB (datasheet: 48 GB GDDR6)"),
+    Gpu("L40", mib(45589), False, 8.9, "the L40S's torch figure, the same 48 GB GDDR6 (not seen for the L40 itself)"),
+    Gpu("A10", 24, False, 8.6, "A10 datasheet: 24 GB GDDR6 (torch's figure not seen: expect about 22 GiB)"),
+    Gpu("A10G", mib(22587), False, 8.6, "torch: total_memory=22587MB (a user's printout; AWS G5: 24 GB)"),
+    Gpu("L4", mib(22478), False, 8.9, "deviceQuery: 22478 MBytes (datasheet: 24 GB GDDR6)"),
+    Gpu("RTX-4090", mib(24210), False, 8.9, "deviceQuery: 24210 MBytes; torch 24563MB elsewhere (24 GB GDDR6X)"),
+    Gpu("RTX-3090", mib(24154), False, 8.6, "deviceQuery: 24154 MBytes; torch 24268MB elsewhere (24 GB GDDR6X)"),
+    Gpu("V100-32GB", mib(32510), False, 7.0, "torch: total_memory=32510MB (datasheet: 32 GB HBM2)"),
+    Gpu("V100-16GB", mib(16160), False, 7.0, "torch: total_memory=16160MB (datasheet: 16 GB HBM2)"),
+    Gpu("T4", mib(14918), False, 7.5, "deviceQuery: 14918 to 15110 MBytes by driver (datasheet: 16 GB GDDR6)"),
 )
 
 

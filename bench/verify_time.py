@@ -30,8 +30,10 @@ SETUPS = {
     "vit": ["memory.limit_gb=0.8"],  # the README's example
     "cnn": ["model=cnn", "memory.limit_gb=2"],
     "gpt2-small": ["model=gpt", "model.size=small", "data=synthetic_tokens", "memory.limit_gb=3"],
-    # not one of the repository's models: the example project's own net, from its config folder
-    "my_project": ["model=mynet", "hydra.searchpath=[file://./conf]", "memory.limit_gb=0.8"],
+    # not one of the repository's models: the example project's own net, from its config folder,
+    # made wide enough, and its data large enough, that memory bounds the search, not the data
+    "my_project": ["model=mynet", "hydra.searchpath=[file://./conf]", "model.width=512", "model.depth=8",
+                   "data.num_samples=65536", "memory.limit_gb=0.8"],
 }
 CWD = {"my_project": REPO / "examples" / "my_project"}
 

@@ -394,10 +394,13 @@ def test_a_search_without_a_limit_is_a_gpus_row_whose_limit_is_the_devices_memor
     assert "max_batch_device" in runs(GPU, Path("/w")) and "max_batch_device" not in runs(CPU, Path("/w"))
     assert [c.runs for c in checks(GPU)][-1] == ("max_batch_device",)
     assert ("max_batch_device",) not in [c.runs for c in checks(CPU)]
-    found = result(max_batch_size=40, bounded_by="noise", limit_gb=79.1, environment={"device_memory_gb": 79.2})
-    assert device_memory_search(found) == (True, "max batch 40 (bounded by noise) under the device's 79.1 GB")
+    found = result(max_batch_size=40, bounded_by="noise", limit_gb=77.9, environment={"device_memory_gb": 79.2})
+    assert device_memory_search(found) == (True, "max batch 40 (bounded by noise) under the 77.9 GB the device "
+                                                 "leaves its allocator")
     assert not device_memory_search(result(max_batch_size=40, bounded_by="noise", limit_gb=8.0,
                                            environment={"device_memory_gb": 79.2}))[0]  # not the device's memory
+    assert not device_memory_search(result(max_batch_size=40, bounded_by="noise", limit_gb=79.2,
+                                           environment={"device_memory_gb": 79.2}))[0]  # the context's left in
     assert not device_memory_search(result(max_batch_size=40, bounded_by="search_up_to", limit_gb=79.1))[0]
     assert not device_memory_search(result("failed", error="rank 0 failed: TypeError: ..."))[0]
 

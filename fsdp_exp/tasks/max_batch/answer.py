@@ -115,7 +115,7 @@ def probe_to_place_fastest(probes: Sequence[Probe], up_to: int, resolution: int)
 def answer_line(record: MaxBatchRecord, limit_gb: float | None) -> str:
     """The search's answer in one line, for the log. Only a size that ran out of memory is
     said to fail under the limit: a probe that failed otherwise is named with its reason."""
-    under = f"memory.limit_gb={limit_gb:g}" if limit_gb else f"the device's {record.limit_gb:.0f} GB"
+    under = f"memory.limit_gb={limit_gb:g}" if limit_gb else f"the {record.limit_gb:.1f} GB the device leaves its allocator"
     count = record.probe_count
     cost = f"{count} probe{'s' if count != 1 else ''}, {record.probe_wall_s:.0f} s of probing"
     check = record.verification or {}

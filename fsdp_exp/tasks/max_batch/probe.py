@@ -46,6 +46,9 @@ class Probe:
     held_before_limit_gb_per_rank: list[float] | None = None  # CPU: what each rank held when its limit was set
     held_mem_gb: float | None = None
     alloc_retries: float | None = None  # GPU: the caching allocator's retries (it freed its cache to allocate)
+    # GPU: what the device held beyond the allocator's reserved peak (the CUDA context, NCCL's and
+    # cuBLAS's memory), the most on any rank: device_used_gb less peak_reserved_gb
+    outside_allocator_gb: float | None = None
     samples_per_s: float | None = None
     tokens_per_s: float | None = None  # token data: the tokens the loss saw (padding left out)
     mfu: float | None = None  # model FLOPs utilisation, where the device's peak is known
@@ -213,6 +216,14 @@ def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+def outside_allocator_gb(summary: Summary) -> float | None:
+    """GPU: the most any rank's device held beyond its allocator's reserved peak (None on CPU)."""
+    used, reserved = summary.device_used_gb_per_rank, summary.peak_reserved_gb_per_rank
+    if not used or not reserved or len(used) != len(reserved):
+        return None
+    return max(max(u - r, 0.0) for u, r in zip(used, reserved))
+
+
 def startup_s(summary: Summary, launched: float) -> float | None:
     """From the launch to the first step's start, by rank 0's marks (none from a launcher
     whose ranks do not report them)."""
@@ -258,6 +269,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
             held_before_limit_gb_per_rank=summary.held_before_limit_gb_per_rank,
             held_mem_gb=summary.held_mem_gb,
             alloc_retries=summary.alloc_retries,
+            outside_allocator_gb=outside_allocator_gb(summary),
             samples_per_s=summary.samples_per_s,
             tokens_per_s=summary.tokens_per_s,
             mfu=summary.mfu,

@@ -258,7 +258,19 @@ class MaxBatchSearch(Verifying):
         write_device_record(self.run_dir, self.device_seen)
         self.context.environment.update(self.device_seen)
         if self.limit_gb is None:
-            self.limit_gb = self.device_seen["device_memory_gb"]
+            self.limit_gb = self.allocator_room_gb([*self.probes, *probes])
+
+    def allocator_room_gb(self, probes: list[Probe]) -> float:
+        """Without memory.limit_gb, the memory to fit in: what rank 0's GPU holds, less what the
+        first probe's ranks held outside the allocator (the CUDA context, NCCL, cuBLAS), which
+        the allocator can never get; all of it where no probe said (one that failed first)."""
+        device_gb = self.device_seen["device_memory_gb"]
+        outside = next((p.outside_allocator_gb for p in probes if p.outside_allocator_gb is not None), None)
+        if outside is None:
+            return device_gb
+        log.info("the memory to fit in: rank 0's GPU holds %.2f GB, %.2f GB of it outside the caching allocator "
+                 "(the CUDA context, NCCL, cuBLAS): %.2f GB", device_gb, outside, device_gb - outside)
+        return device_gb - outside
 
     def probe_dirs(self) -> list[Path]:
         return sorted(p for p in (self.run_dir / "probes").glob("*_b*") if p.is_dir())

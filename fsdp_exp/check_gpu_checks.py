@@ -42,7 +42,8 @@ class CheckSetup:
     mfu_batch: int
     limit_gb: float  # memory.limit_gb of the memory checks
     limit_batch: int  # trains well under limit_gb
-    oom_batch: int  # far too big for limit_gb
+    oom_batch: int  # too big for limit_gb; with cap_proof, one the GPU trains without the limit
+    cap_proof: bool = False  # oom_batch also runs without the limit ("cap_free"): it must train there
     peak_tflops: float | None = None  # metrics.peak_tflops, when given
     memory_gpt: tuple[str, ...] = ()  # the GPT of the memory checks; () the MFU check's
 
@@ -57,6 +58,21 @@ TINY_GPT = ("model=gpt", "model.size=tiny", "model.vocab_size=256", "data=synthe
 # because a 12 GB card or a MIG slice had less room than an 80 GB one.
 GPT2_SMALL_BF16_GB = {8: 10.52, 4: 6.30, 2: 4.26, 1: 3.27}  # by batch: the MFU run
 GPT2_SMALL_FP32_GB = {2: 4.76, 1: 3.49}  # by batch: the run under memory.limit_gb
+
+
+def gpt2_small_fp32_gb(batch: int) -> float:
+    """GPT-2 small's fp32 need past the table, on its line (1.27 GB a sample of 1024 tokens)."""
+    slope = GPT2_SMALL_FP32_GB[2] - GPT2_SMALL_FP32_GB[1]
+    return GPT2_SMALL_FP32_GB[1] + slope * (batch - 1)
+
+
+def cap_batch(limit_gb: float, memory_gb: float) -> int | None:
+    """The smallest batch of GPT-2 small (fp32) that needs a quarter more than limit_gb yet
+    trains on the card without it (0.8 of its memory less what sits outside the allocator):
+    the batch that proves the cap, running out under it and training without it; None on a
+    card too small for one."""
+    return next((b for b in range(1, 65) if gpt2_small_fp32_gb(b) > 1.25 * limit_gb
+                 and gpt2_small_fp32_gb(b) <= 0.8 * memory_gb - OUTSIDE_ALLOCATOR_GB), None)
 OUTSIDE_ALLOCATOR_GB = 1.5  # the CUDA context and NCCL's buffers (0.5-0.7 GB a communicator), with room
 MAX_LIMIT_GB = 8.0
 
@@ -74,8 +90,10 @@ def setup_for(device: str, gpus: int, peak_tflops: float | None = None, memory_g
         # the largest batch that leaves an eighth of the limit free, by the estimate
         limit_batch = max((b for b, need in GPT2_SMALL_FP32_GB.items() if need <= 0.875 * limit_gb), default=0)
         if limit_batch:
+            proving = cap_batch(limit_gb, memory_gb)
             return CheckSetup("cuda", max(gpus, 1), 1e-4, gpt, mfu_batch=mfu_batch, limit_gb=limit_gb,
-                         limit_batch=limit_batch, oom_batch=64, peak_tflops=peak_tflops)
+                              limit_batch=limit_batch, oom_batch=proving or 64, peak_tflops=peak_tflops,
+                              cap_proof=proving is not None)
         # under 8 GB a card: the memory checks on the development run's small GPT
         return CheckSetup("cuda", max(gpus, 1), 1e-4, gpt, mfu_batch=mfu_batch, limit_gb=min(1.5, limit_gb),
                      limit_batch=4, oom_batch=2048, peak_tflops=peak_tflops, memory_gpt=TINY_GPT)
@@ -137,6 +155,9 @@ def runs(setup: CheckSetup, workdir: Path) -> dict[str, Overrides]:
                            "task.search_up_to=1", "task.estimate=false", "task.verify_steps=0"],
         # on a GPU, task=max_batch without memory.limit_gb: the device's memory is the limit
         **({"max_batch_device": [*memory_gpt, "task=max_batch", "task.verify_steps=5"]} if setup.device == "cuda" else {}),
+        # the oom run's batch without the limit: it trains, so the cap, not the card, stopped it
+        **({"cap_free": [*memory_gpt, f"train.batch_size={setup.oom_batch}", "train.steps=2"]}
+           if setup.cap_proof else {}),
     }
 
 
@@ -177,6 +198,8 @@ def checks(setup: CheckSetup) -> list[Check]:
         Check("a compiled max_batch probe", ("compiled_probe",), compiled_probe),
         *([Check("max_batch with the GPU's memory as the limit", ("max_batch_device",), device_memory_search)]
           if setup.device == "cuda" else []),
+        *([Check("the cap: a batch the GPU trains runs out under memory.limit_gb", ("oom", "cap_free"),
+                 lambda capped, free: cap_holds(capped, free, setup.limit_gb))] if setup.cap_proof else []),
     ]
 
 
@@ -391,6 +414,20 @@ def device_memory_search(run: RunResult) -> tuple[bool, str]:
         return False, f"limit_gb {limit} for a device of {device_gb} GB (not its allocator's share)"
     detail = f"max batch {size} (bounded by {bounded_by}) under the {limit:.1f} GB the device leaves its allocator"
     return bool(size) and bounded_by in ("oom", "noise", "verification"), detail
+
+
+def cap_holds(capped: RunResult, free: RunResult, limit_gb: float) -> tuple[bool, str]:
+    """The cap bites: a batch that trains without memory.limit_gb, reserving more than it,
+    runs out of memory under it. (A peak under the limit cannot show it: the allocator
+    enforces the cap on what it reserves, so reserved <= limit holds whether the cap works
+    or not.)"""
+    if problem := not_ok(free, "without the limit"):
+        return False, problem
+    reserved = free.summary.peak_reserved_gb or 0.0
+    capped_status = capped.summary.status if capped.summary is not None else "no summary.json"
+    detail = (f"batch without the limit: ok, {reserved:.2f} GB reserved; under memory.limit_gb={limit_gb:g}: "
+              f"{capped_status}")
+    return capped_status == "oom" and reserved > limit_gb, detail
 
 
 def out_of_memory(run: RunResult) -> tuple[bool, str]:

@@ -102,7 +102,10 @@ def test_the_runs_compared_differ_only_where_the_check_says() -> None:
     assert set(plan["resumed"]) - set(plan["full"]) == {"checkpoint=dcp", "checkpoint.dir=/tmp/w/checkpoints",
                                                          "resume=auto"}
     assert f"train.steps={PARITY_STEPS // 2}" in plan["first_half"]
-    assert "memory.limit_gb=8" in plan["oom"] and "train.batch_size=64" in plan["oom"]
+    # the batch that runs out under the limit trains without it: the cap, not the card, stops it
+    assert "memory.limit_gb=8" in plan["oom"] and "train.batch_size=7" in plan["oom"] and GPU.cap_proof
+    assert set(plan["oom"]) - set(plan["cap_free"]) == {"memory.limit_gb=8"}
+    assert "cap_free" not in runs(CPU, Path("/w")) and "cap_free" not in runs(setup_for("cuda", 1, memory_gb=12), Path("/w"))
     assert not any(o.startswith("metrics.peak_tflops") for o in plan["gpt"])  # the table's peak
     assert "metrics.peak_tflops=400" in runs(setup_for("cuda", 2, peak_tflops=400), Path("/w"))["gpt"]
     assert "launcher.nproc_per_node=1" in runs(ONE_GPU, Path("/w"))["full"]
@@ -325,6 +328,9 @@ def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_p
             return probe_run(tmp_path, step_time_s=0.1, wall_s=60.0)
         if out.name == "estimate_gpt":
             return result(peak_mem_gb=10.2, peak_reserved_gb=12.5)
+        if out.name == "cap_free":
+            assert not any(o.startswith("memory.limit_gb") for o in overrides)
+            return result(peak_reserved_gb=11.5)
         return result(**GPT, peak_mem_gb=10.0, peak_reserved_gb=12.0, device_used_gb=14.0, estimated_device_used_gb=13.1)
 
     lines: list[str] = []
@@ -371,7 +377,12 @@ def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path, mo
     """On a card or MIG slice of any size, every run's limit is one the plan accepts, the
     run meant to fit leaves room under it, and the MFU run fits the card, by task=estimate's
     figures for GPT-2 small (GPT2_SMALL_*_GB)."""
-    from fsdp_exp.check_gpu_checks import GPT2_SMALL_BF16_GB, GPT2_SMALL_FP32_GB, OUTSIDE_ALLOCATOR_GB
+    from fsdp_exp.check_gpu_checks import (
+        GPT2_SMALL_BF16_GB,
+        GPT2_SMALL_FP32_GB,
+        OUTSIDE_ALLOCATOR_GB,
+        gpt2_small_fp32_gb,
+    )
 
     monkeypatch.setattr(memory, "device_memory_gb", lambda device: float(memory_gb))
     setup = setup_for("cuda", gpus=2, memory_gb=memory_gb)
@@ -385,14 +396,30 @@ def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path, mo
         assert GPT2_SMALL_FP32_GB[setup.limit_batch] <= 0.875 * setup.limit_gb
     if "data.seq_len=1024" in plan["gpt"]:
         assert GPT2_SMALL_BF16_GB[setup.mfu_batch] + OUTSIDE_ALLOCATOR_GB <= 0.9 * memory_gb
-    assert setup.mfu_batch >= 1 and setup.limit_batch >= 1 and setup.oom_batch > 4 * setup.limit_batch
+    assert setup.mfu_batch >= 1 and setup.limit_batch >= 1 and setup.oom_batch > 3 * setup.limit_batch
+    if setup.cap_proof:  # the oom run's batch needs a quarter more than the limit, and fits the card without it
+        need = gpt2_small_fp32_gb(setup.oom_batch)
+        assert 1.25 * setup.limit_gb < need <= 0.8 * memory_gb - OUTSIDE_ALLOCATOR_GB
+
+
+def test_the_cap_is_proven_by_a_batch_that_trains_without_it_and_runs_out_under_it() -> None:
+    """reserved <= limit cannot fail (the allocator enforces it): the row that proves the cap
+    needs a run that must hit it."""
+    from fsdp_exp.check_gpu_checks import cap_holds
+
+    capped, free = result("oom", error="rank 0 failed: OutOfMemory: ..."), result(peak_reserved_gb=11.5)
+    assert cap_holds(capped, free, 8.0) == (True, "batch without the limit: ok, 11.50 GB reserved; under "
+                                                  "memory.limit_gb=8: oom")
+    assert not cap_holds(result(peak_reserved_gb=7.9), free, 8.0)[0]  # the cap did not stop it
+    assert not cap_holds(capped, result(peak_reserved_gb=7.5), 8.0)[0]  # the batch fits the limit anyway
+    assert not cap_holds(capped, result("oom", error="rank 0 failed: OutOfMemory"), 8.0)[0]  # the card stopped it
 
 
 def test_a_search_without_a_limit_is_a_gpus_row_whose_limit_is_the_devices_memory() -> None:
     from fsdp_exp.check_gpu_checks import device_memory_search
 
     assert "max_batch_device" in runs(GPU, Path("/w")) and "max_batch_device" not in runs(CPU, Path("/w"))
-    assert [c.runs for c in checks(GPU)][-1] == ("max_batch_device",)
+    assert ("max_batch_device",) in [c.runs for c in checks(GPU)]
     assert ("max_batch_device",) not in [c.runs for c in checks(CPU)]
     found = result(max_batch_size=40, bounded_by="noise", limit_gb=77.9, environment={"device_memory_gb": 79.2})
     assert device_memory_search(found) == (True, "max batch 40 (bounded by noise) under the 77.9 GB the device "

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_exp.check_gpu_checks import CheckSetup, RunResult, checks, runs, setup_for
+from fsdp_exp.check_gpu_checks import TORCHRUN, CheckSetup, RunResult, checks, runs, setup_for
 from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.settle import settled_summary
 from fsdp_exp.metrics.environment import package_version
@@ -41,6 +41,11 @@ RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "GR
 
 
 def command(overrides: list[str], out: Path) -> list[str]:
+    """`python -m fsdp_exp <overrides>`; a run whose first word is `torchrun:--nproc_per_node=N`
+    runs under an external torchrun of N processes on this machine instead."""
+    if overrides and overrides[0].startswith(TORCHRUN):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", overrides[0][len(TORCHRUN):],
+                "-m", "fsdp_exp", *overrides[1:], f"hydra.run.dir={out}"]
     return [sys.executable, "-m", "fsdp_exp", *overrides, f"hydra.run.dir={out}"]
 
 

@@ -118,6 +118,9 @@ RESNET = ["model=resnet", "sharding=full", "offload=true", "train.batch_size=8",
 Overrides = list[str] | Callable[[dict[str, RunResult]], list[str] | None]  # a run made from earlier runs' results
 
 
+TORCHRUN = "torchrun:"  # a run's first word: under an external torchrun (fsdp_exp.check_gpu.command)
+
+
 def runs(setup: CheckSetup, workdir: Path) -> dict[str, Overrides]:
     """Every run the checks read, by name: the overrides of `python -m fsdp_exp`, or how to
     make them from the runs before it (None: it cannot run)."""
@@ -130,6 +133,9 @@ def runs(setup: CheckSetup, workdir: Path) -> dict[str, Overrides]:
     return {
         "none": [*vit, "sharding=none"],
         "full": [*vit, "sharding=full"],
+        # the same run under an external torchrun: each process one rank, each rank its own GPU
+        "torchrun": [f"{TORCHRUN}--nproc_per_node={setup.ranks}",
+                     *[o for o in vit if not o.startswith("launcher.")], "sharding=full"],
         "grad_op": [*vit, "sharding=grad_op"],
         "ddp": [*vit, "sharding=ddp"],
         "bf16_offload": [*vit, "sharding=full", "offload=true", "precision=bf16"],
@@ -182,6 +188,8 @@ def checks(setup: CheckSetup) -> list[Check]:
     return [
         *(Check(f"parity: {s} = none", ("none", s), lambda ref, run: parity(ref, run, tol))
           for s in ("full", "grad_op", "ddp")),
+        Check("under an external torchrun = launcher=local", ("full", "torchrun"),
+              lambda local, torchrun: same_training(local, torchrun, tol, "launcher=local")),
         Check("bf16 + offload trains", ("bf16_offload",), trains),
         Check("fp16 + offload trains on every GPU", ("fp16_offload",), lambda run: trains_on_every_gpu(run, setup.ranks)),
         Check("DCP save and resume", ("full", "first_half", "resumed"), lambda a, b, c: resumes(a, b, c, tol)),
@@ -371,15 +379,16 @@ def under_limit(run: RunResult, limit_gb: float) -> tuple[bool, str]:
     return 0 < peak <= limit_gb, f"peak {peak:.3f} GB ({what}) under memory.limit_gb={limit_gb:g}"
 
 
-def same_training(reference: RunResult, run: RunResult, tolerance: float) -> tuple[bool, str]:
-    """The run logs the reference's loss at every step, and learns."""
+def same_training(reference: RunResult, run: RunResult, tolerance: float,
+                  of: str = "the plain build") -> tuple[bool, str]:
+    """The run logs the reference's (`of`) loss at every step, and learns."""
     if problem := not_ok(reference, "reference") or not_ok(run):
         return False, problem
     worst, problem = same_losses(reference.losses, run.losses, tolerance)
     if problem:
         return False, f"{problem} (tolerance {tolerance:g})"
     learned, detail = trains(run)
-    return learned, f"{len(reference.losses)} steps within {worst:.1e} of the plain build; {detail}"
+    return learned, f"{len(reference.losses)} steps within {worst:.1e} of {of}; {detail}"
 
 
 def answer_trains(search: RunResult, run: RunResult, limit_gb: float) -> tuple[bool, str]:

@@ -76,6 +76,11 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path: Path) -> Non
 
 # ---- the command lines --------------------------------------------------------------------------
 
+def fsdp_exp_args(line: list[str]) -> list[str]:
+    """A run's command line after `-m fsdp_exp`: what fsdp_exp composes."""
+    return line[line.index("fsdp_exp") + 1:]
+
+
 @pytest.mark.parametrize("setup", [GPU, CPU], ids=["cuda", "cpu"])
 def test_every_run_composes_and_passes_the_plan(setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What `python -m fsdp_exp` checks before it starts a rank, for each run of the check:
@@ -85,8 +90,12 @@ def test_every_run_composes_and_passes_the_plan(setup, tmp_path: Path, monkeypat
     made = {"max_batch": RunResult(tmp_path, Summary(status="ok", max_batch_size=3), {}, [])}
     for name, overrides in runs(setup, tmp_path).items():
         line = command(overrides(made) if callable(overrides) else overrides, tmp_path / name)
-        assert line[1:3] == ["-m", "fsdp_exp"] and line[-1] == f"hydra.run.dir={tmp_path / name}"
-        plan = prepare(compose_config(line[3:]), gpus)
+        world = None
+        if name == "torchrun":  # each process one rank: torchrun's world, as the ranks' plan takes it
+            assert line[1:6] == ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={setup.ranks}", "-m"]
+            world = setup.ranks
+        assert line[line.index("fsdp_exp") - 1] == "-m" and line[-1] == f"hydra.run.dir={tmp_path / name}"
+        plan = prepare(compose_config(fsdp_exp_args(line)), gpus, world_size=world)
         assert plan.exp.device.value == setup.device, name
         assert plan.exp.wandb.mode.value == "disabled", name
         assert plan.nproc == (1 if name == "none" else setup.ranks), name
@@ -351,7 +360,8 @@ def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_p
 
     lines.clear()
     assert not check_all(GPU, tmp_path, run=odd_summary, out=lines.append)
-    assert "| MFU and FLOPs | fail | could not judge the run: TypeError" in lines[7]
+    assert "| MFU and FLOPs | fail | could not judge the run: TypeError" in next(
+        line for line in lines if line.startswith("| MFU and FLOPs"))
 
 
 def test_a_table_cell_cannot_break_the_row() -> None:
@@ -390,7 +400,7 @@ def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path, mo
     made = {"max_batch": RunResult(tmp_path, Summary(status="ok", max_batch_size=3), {}, [])}
     for name, overrides in plan.items():
         overrides = overrides(made) if callable(overrides) else overrides
-        prepare(compose_config(command(overrides, tmp_path / name)[3:]), 2)  # a limit above the card is refused
+        prepare(compose_config(fsdp_exp_args(command(overrides, tmp_path / name))), 2)  # a limit above the card is refused
     assert setup.limit_gb <= memory_gb / 2
     if "model.size=small" in plan["under_limit"]:
         assert GPT2_SMALL_FP32_GB[setup.limit_batch] <= 0.875 * setup.limit_gb

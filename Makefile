@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install test test-slow run check-gpu bench bench-estimate bench-gpu clean
+.PHONY: install test test-slow run check-gpu gpu-session bench bench-estimate bench-gpu clean
 
 install:  ## make .venv and install the package editable with its dev extras
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ run:  ## the default experiment
 
 check-gpu:  ## does fsdp_exp work on this machine's GPUs? a few minutes of real runs, a pass/fail table
 	$(BIN)/python -m fsdp_exp.check_gpu
+
+gpu-session:  ## on a GPU machine, ten minutes: every GPU claim proven or disproven, one table and gpu_session.json (no install needed: docs/gpu.md)
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m fsdp_exp.gpu_session
 
 bench:  ## every benchmark (about 40 minutes on 2 CPU cores); figures go in docs/BENCHMARKS.md
 	$(BIN)/python bench/overhead.py

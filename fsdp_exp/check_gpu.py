@@ -97,12 +97,14 @@ def table_row(*cells: object) -> str:
 TABLE_HEAD = table_row("check", "result", "detail", "s") + "\n" + table_row("---", "---", "---", "---:")
 
 
-def check_all(setup: CheckSetup, workdir: Path, run=run_fsdp_exp, out=print) -> bool:
-    """Run every check in order, printing its row as it ends; whether all passed. A run
-    two checks read (the GPT run: MFU and the device) runs once."""
-    plan, done, all_passed = runs(setup, workdir), {}, True
+def check_all(setup: CheckSetup, workdir: Path, run=run_fsdp_exp, out=print, plan: dict | None = None,
+              checks_run: list | None = None, rows: list | None = None) -> bool:
+    """Run every check in order (check_gpu's, or `checks_run` on the runs of `plan`),
+    printing its row as it ends, and adding it to `rows`; whether all passed. A run two
+    checks read (the GPT run: MFU and the device) runs once."""
+    plan, done, all_passed = plan if plan is not None else runs(setup, workdir), {}, True
     out(TABLE_HEAD)
-    for check in checks(setup):
+    for check in checks_run if checks_run is not None else checks(setup):
         start = time.perf_counter()
         for name in check.runs:
             if name not in done:
@@ -114,7 +116,10 @@ def check_all(setup: CheckSetup, workdir: Path, run=run_fsdp_exp, out=print) -> 
         except Exception as err:  # noqa: BLE001 - a summary the judge did not expect is a failed check, not a crash
             passed, detail = False, f"could not judge the run: {one_line(err, named=True, whole=True)}"
         all_passed &= passed
-        out(table_row(check.name, "pass" if passed else "fail", detail, f"{time.perf_counter() - start:.0f}"))
+        seconds = time.perf_counter() - start
+        out(table_row(check.name, "pass" if passed else "fail", detail, f"{seconds:.0f}"))
+        if rows is not None:
+            rows.append({"check": check.name, "result": "pass" if passed else "fail", "detail": detail, "s": seconds})
         sys.stdout.flush()
     return all_passed
 

@@ -118,8 +118,8 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
 def test_the_verification_runs_until_the_peak_settles_whatever_train_steps_is(tmp_path: Path) -> None:
     """SettlingNet's memory grows for 30 steps, past its 5-step probes, then holds. With
     train.steps=5000, the answer is run only until its peak settles (no new high over 10
-    steps: 40 steps here), not for 5000: the size the probes found runs out of memory within
-    those steps and the answer steps down to one whose run settled."""
+    steps, read from step 3 on: 43 steps here), not for 5000: the size the probes found runs
+    out of memory within those steps and the answer steps down to one whose run settled."""
     out = tmp_path / "search"
     result = run_cli("task=max_batch", "model=custom", f"model._target_={__name__}.SettlingNet",
                      "model.blocks=[torch.nn.Linear]", "sharding=full", "wandb.mode=disabled", "memory.limit_gb=0.6",
@@ -131,13 +131,13 @@ def test_the_verification_runs_until_the_peak_settles_whatever_train_steps_is(tm
     assert (check["steps"], check["until_settled"], check["status"]) == (100, True, "stepped down")
     assert {p["steps"] for p in record["probes"] if p["status"] == "ok"} == {5}  # settled to the probes' eyes
     done = check["runs"][-1]
-    # checked every 10 steps: grown at 10, 20 and 30 (until step 30), not at 40
-    assert (done["status"], done["steps"], done["settled_at_step"]) == ("ok", 40, 40)
-    assert read_json(out / done["dir"] / "summary.json")["steps"] == 40
+    # read at step 3 (task.steps_per_probe), then every 10 steps: grown at 13, 23 and 33 (until step 30), not at 43
+    assert (done["status"], done["steps"], done["settled_at_step"]) == ("ok", 43, 43)
+    assert read_json(out / done["dir"] / "summary.json")["steps"] == 43
     assert check["ran_out_of_memory_at"] and min(check["ran_out_of_memory_at"]) > done["batch_size"]
     assert record["max_batch_size"] == done["batch_size"] < record["searched_max_batch_size"]
     line = next(x for x in (result.stdout + result.stderr).splitlines() if "max batch: " in x)
-    assert f"verified: a run of the command at {done['batch_size']} held for 40 steps, its peak settled" in line
+    assert f"verified: a run of the command at {done['batch_size']} held for 43 steps, its peak settled" in line
 
 
 def test_the_verifications_length_is_task_verify_steps_or_bounded_never_train_steps() -> None:

@@ -200,10 +200,14 @@ def command_config(cfg: Experiment, batch_size: int, steps: int, job_type: str,
                    wandb=wandb, checkpoint=checkpoint, task=Train())
 
 
-def verify_rule(tolerance_gb: float) -> dict:
+def verify_rule(cfg: Experiment, tolerance_gb: float) -> dict:
     """A run of the command's rule for when its peak has settled (fsdp_exp.rank.settle.PeakSettled):
-    checked every VERIFY_WINDOW steps, until its peak rose by at most `tolerance_gb` over one."""
-    return {"tolerance_gb": tolerance_gb, "first_check": VERIFY_WINDOW, "window": VERIFY_WINDOW}
+    first read where a probe first reads it (task.steps_per_probe, past the warm-up a compiled
+    step needs), then every VERIFY_WINDOW steps, until its peak rose by at most `tolerance_gb`
+    over the last VERIFY_WINDOW: a run that holds still stops after steps_per_probe +
+    VERIFY_WINDOW steps (13 by default)."""
+    first = settling_rule(cfg, getattr(cfg.task, "steps_per_probe", VERIFY_WINDOW), tolerance_gb)["first_check"]
+    return {"tolerance_gb": tolerance_gb, "first_check": first, "window": VERIFY_WINDOW}
 
 
 def fingerprint(cfg: Experiment, world_size: int, steps: int) -> str:
@@ -247,7 +251,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
         run_cfg = command_config(cfg, batch_size, steps, as_command,
                                  save_within=VERIFY_WINDOW if until_settled is not None else None)
         if until_settled is not None:
-            context.settle = verify_rule(until_settled)
+            context.settle = verify_rule(cfg, until_settled)
     elif settle_gb is not None:
         run_cfg = probe_config(cfg, batch_size, steps, world_size, limit_gb, cfg.task.settle_steps)
         context.settle = settling_rule(cfg, steps, settle_gb)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -311,16 +312,17 @@ def test_a_run_past_its_time_is_ended_and_fails_its_check(tmp_path: Path) -> Non
     assert out_of_memory(run) == (False, "status no summary.json: still running after 0.5 s, ended")
 
 
-def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_path: Path) -> None:
-    ran: list[str] = []
+def passing_runs(tmp_path: Path, ran: list[str]) -> Callable[[list[str], Path], RunResult]:
+    """Runs as a GPU that passes every check would report them, by name (check_gpu's and
+    the GPU session's, tests/test_gpu_session.py); each name run is added to `ran`."""
 
     def fake_run(overrides: list[str], out: Path) -> RunResult:
         ran.append(out.name)
         if out.name == "oom":
             return result("oom", error="rank 0 failed: OutOfMemory: ...")
-        if out.name == "first_half":
+        if out.name in ("first_half", "pinned_first_half"):
             return result(steps=3)
-        if out.name == "resumed":
+        if out.name in ("resumed", "pinned_resumed"):
             return result(steps=6, resumed_from_step=3)
         if out.name == "under_limit":
             return result(peak_reserved_gb=3.0, limit_gb=8.0, peak_under_limit_gb=3.0,
@@ -335,12 +337,23 @@ def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_p
             return result(peak_reserved_gb=7.5)
         if out.name == "compiled_probe":
             return probe_run(tmp_path, step_time_s=0.1, wall_s=60.0)
-        if out.name == "estimate_gpt":
+        if out.name.startswith("estimate_"):
             return result(peak_mem_gb=10.2, peak_reserved_gb=12.5)
         if out.name == "cap_free":
             assert not any(o.startswith("memory.limit_gb") for o in overrides)
             return result(peak_reserved_gb=11.5)
-        return result(**GPT, peak_mem_gb=10.0, peak_reserved_gb=12.0, device_used_gb=14.0, estimated_device_used_gb=13.1)
+        if out.name == "tune":
+            return result(winner="sharding=full", winner_confirmed=True, batch_size=3, samples_per_s=40.0, setups=2,
+                          probes=6)
+        return result(**GPT, peak_mem_gb=10.0, peak_reserved_gb=12.0, device_used_gb=14.0, estimated_device_used_gb=13.1,
+                      tflops_per_device=300.0)
+
+    return fake_run
+
+
+def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_path: Path) -> None:
+    ran: list[str] = []
+    fake_run = passing_runs(tmp_path, ran)
 
     lines: list[str] = []
     assert check_all(GPU, tmp_path, run=fake_run, out=lines.append)

@@ -19,7 +19,7 @@ from fsdp_exp.driver.plan import prepare
 from fsdp_exp.gpu_session import against_matmul, matmul_tflops, session, session_checks, session_runs, tuned
 from fsdp_exp.metrics.summary import Summary
 from tests.conftest import REPO
-from tests.test_check_gpu import GPT, fsdp_exp_args, result
+from tests.test_check_gpu import fsdp_exp_args, passing_runs, result
 
 GPU = setup_for("cuda", gpus=1, memory_gb=80.0)
 
@@ -58,38 +58,7 @@ def test_every_session_run_composes_and_passes_the_plan(setup, tmp_path: Path, m
 
 def test_the_session_runs_check_gpus_rows_and_its_own_and_writes_every_row(tmp_path: Path) -> None:
     ran: list[str] = []
-
-    def fake_run(overrides: list[str], out: Path) -> RunResult:
-        ran.append(out.name)
-        if out.name in ("oom",):
-            return result("oom", error="rank 0 failed: OutOfMemory: ...")
-        if out.name in ("first_half", "pinned_first_half"):
-            return result(steps=3)
-        if out.name in ("resumed", "pinned_resumed"):
-            return result(steps=6, resumed_from_step=3)
-        if out.name == "under_limit":
-            return result(peak_reserved_gb=3.0, limit_gb=8.0, peak_under_limit_gb=3.0,
-                          peak_under_limit_gb_per_rank=[2.9, 3.0])
-        if out.name == "max_batch":
-            return result(max_batch_size=5, bounded_by="oom")
-        if out.name == "max_batch_device":
-            return result(max_batch_size=40, bounded_by="noise", limit_gb=77.9, environment={"device_memory_gb": 79.2})
-        if out.name == "at_max_batch":
-            return result(peak_reserved_gb=7.5)
-        if out.name == "compiled_probe":
-            from tests.test_check_gpu import probe_run
-
-            return probe_run(tmp_path, step_time_s=0.1, wall_s=60.0)
-        if out.name == "cap_free":
-            return result(peak_reserved_gb=11.5)
-        if out.name.startswith("estimate_"):
-            return result(peak_mem_gb=10.2, peak_reserved_gb=12.5)
-        if out.name == "tune":
-            return result(winner="sharding=full", winner_confirmed=True, batch_size=3, samples_per_s=40.0, setups=2,
-                          probes=6)
-        return result(**GPT, peak_mem_gb=10.0, peak_reserved_gb=12.0, device_used_gb=14.0, estimated_device_used_gb=13.1,
-                      tflops_per_device=300.0)
-
+    fake_run = passing_runs(tmp_path, ran)
     out = tmp_path / "gpu_session.json"
     assert session(GPU, tmp_path, out, {"gpu": "NVIDIA H200", "gpus": 1}, run=fake_run, matmul=(700.0, ""))
     record = json.loads(out.read_text())

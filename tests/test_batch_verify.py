@@ -172,6 +172,7 @@ def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tm
     assert list((out / verified["dir"] / "wandb").glob("offline-run-*/run-*.wandb")), verified["dir"]
     assert verified["steps"] == 4 and (out / verified["dir"] / "metrics.jsonl").read_text().count('"step"') == 1
     assert verified["dir"] == "verify/01_b8"
+    assert record["probes_before_verifying"] == len(record["probes"])  # nothing to probe below it afterwards
     # the one run of the command also measured what it held beyond the probe at its size, counted against
     # every probe (the room each had is the limit less it)
     length = record["length_check"]

@@ -64,6 +64,9 @@ class MaxBatchRecord(JsonRecord):
     probes: list[dict] = field(default_factory=list)
     smallest_batch_need_probe: dict | None = None  # none fits: under all this device gives a rank
     probe_count: int | None = None
+    # the probes run before the first run of the command (the search's own); the rest went on
+    # below the boundary with what that run held beyond its probe counted
+    probes_before_verifying: int | None = None
     probes_reused: int | None = None
     wall_s: float | None = None  # this run's, after any reused probes
     probe_wall_s: float | None = None

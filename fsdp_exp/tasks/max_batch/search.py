@@ -79,6 +79,7 @@ class MaxBatchSearch(Verifying):
         self.estimated: dict | None = None  # the estimate's curve (fsdp_exp.tasks.max_batch.prior), once traced
         self.reused = 0
         self.verification = Verification.of(settings.verify_length())
+        self.probes_before_verifying: int | None = None  # set when the first run of the command starts
         self.units_told = False
         self.placed = False  # the probe that places the fastest batch has been spent (or was not needed)
         self.start = time.perf_counter()
@@ -298,6 +299,7 @@ class MaxBatchSearch(Verifying):
         self.estimated = earlier.estimate if self.cfg.task.estimate else None
         length = VerifyLength(self.verification.steps, self.verification.until_settled)
         self.verification = Verification.from_json(earlier.verification, length)
+        self.probes_before_verifying = earlier.probes_before_verifying
         if earlier.smallest_batch_need_probe:
             self.need = Probe.from_json(earlier.smallest_batch_need_probe)
         if probes:
@@ -404,6 +406,7 @@ class MaxBatchSearch(Verifying):
             probes=[p.to_json() for p in self.probes],
             smallest_batch_need_probe=self.need.to_json() if self.need else None,
             probe_count=len(self.probes),
+            probes_before_verifying=self.probes_before_verifying,
             probes_reused=self.reused,
             wall_s=time.perf_counter() - self.start,
             probe_wall_s=sum(p.wall_s for p in self.probes) + (self.need.wall_s if self.need else 0.0),

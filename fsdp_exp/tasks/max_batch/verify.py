@@ -194,6 +194,8 @@ class Verifying:
         if size is None:
             return False
         check = self.verification
+        if self.probes_before_verifying is None:
+            self.probes_before_verifying = len(self.probes)
         if check.ran_out():
             log.info("%s of the command ran out of memory at batch %d; stepping down to %d",
                      check.run_words(), min(check.ran_out()), size)

@@ -124,6 +124,12 @@ def check_all(setup: CheckSetup, workdir: Path, run=run_fsdp_exp, out=print, pla
     return all_passed
 
 
+def gpus_here() -> tuple[int, float]:
+    """The GPUs this machine shows, and the memory of the smallest (80 GB where there are none)."""
+    gpus = torch.cuda.device_count()
+    return gpus, min((torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(gpus)), default=80.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsdp_exp.check_gpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fsdp_exp.check_gpu: no GPU here (torch.cuda.is_available() is False), so nothing to check",
               file=sys.stderr)
         return EXIT_NO_GPU
-    gpus = torch.cuda.device_count()
-    smallest_gb = min((torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(gpus)), default=80.0)
+    gpus, smallest_gb = gpus_here()
     setup = setup_for(args.device, gpus, args.peak_tflops, smallest_gb)
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="fsdp_exp_check_gpu_"))
     print(title(setup))

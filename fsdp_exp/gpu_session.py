@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from fsdp_exp import distributed
-from fsdp_exp.check_gpu import EXIT_FAILED, EXIT_NO_GPU, check_all, run_fsdp_exp, title
+from fsdp_exp.check_gpu import EXIT_FAILED, EXIT_NO_GPU, check_all, gpus_here, run_fsdp_exp, title
 from fsdp_exp.check_gpu_checks import (
     PARITY_STEPS,
     RESNET,
@@ -154,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fsdp_exp.gpu_session: needs a GPU (torch.cuda.is_available() is False here); "
               "on a CPU, make test runs what can be checked", file=sys.stderr)
         return EXIT_NO_GPU
-    gpus = torch.cuda.device_count()
-    smallest_gb = min((torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(gpus)), default=80.0)
+    gpus, smallest_gb = gpus_here()
     setup = setup_for(args.device, gpus, None, smallest_gb)
     workdir = (args.keep or Path(tempfile.mkdtemp(prefix="fsdp_exp_gpu_session_"))).resolve()
     print(title(setup).replace("fsdp_exp.check_gpu", "fsdp_exp.gpu_session"))

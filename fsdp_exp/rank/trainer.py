@@ -28,6 +28,10 @@ log = logging.getLogger("fsdp_exp")
 PHASE_STEPS = 2  # the fewest steps whose phases' memory is read: the second holds the optimizer's state
 
 
+def _no_phase(name: str | None) -> None:
+    """A step that reads no phase's memory (past the warm-up)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSettings:
     """The trainer's numbers. `batch_size`: a rank's samples a step, in `grad_accum`
@@ -174,7 +178,6 @@ class Trainer:
                                      # padding's target, where the loss has one
                                      ignore_index=getattr(self.loss, "ignore_index", -100))
         self.host_data_wait_s = 0.0
-        self.reading_phases = True  # each phase's memory read where it starts and ends (`_train` sets it per step)
 
     def _next(self, batches: Iterator) -> Batch:
         """The next batch, on this rank's device; the host's time waiting for it is counted
@@ -206,24 +209,25 @@ class Trainer:
         share = items * self.ranks.world_size / over_ranks().clamp_min(1)
         return torch.where(items > 0, loss, loss.new_zeros(())) * share
 
-    def train_step(self, batches: Iterator) -> torch.Tensor:
+    def train_step(self, batches: Iterator, read_phases: bool = True) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; gradients are reduced across
         ranks only after the last. Returns this rank's part of the step's loss: its mean over
         ranks is the step's loss."""
+        phase = self._phase if read_phases else _no_phase  # each phase's memory, where it starts and ends
         total = torch.zeros((), device=self.ranks.device)
         grad_accum = self.settings.grad_accum
         for micro in range(grad_accum):
             first, self._first_micro_batch = self._first_micro_batch, None
             with gradient_sync(self.model, enabled=micro == grad_accum - 1), \
                     first.running() if first is not None else contextlib.nullcontext():
-                self._phase("forward")
+                phase("forward")
                 batch = self._next(batches)
                 counted = self.items_over_ranks(batch)
                 output = batch.forward(self.model)
                 if first is not None:
                     first.check(output, batch)
                 loss = self.weighed(self.loss(output, batch), counted) / grad_accum
-                self._phase("backward")
+                phase("backward")
                 self.optimizer.backward(loss)
             flops = first.flops() if first is not None else None
             if flops is not None:
@@ -233,17 +237,14 @@ class Trainer:
         # not two): waiting for a save's staging, which runs in its own thread, allocates nothing.
         if self.checkpoint is not None:
             self.checkpoint.before_update()
-        self._phase("optimizer_step")
+        phase("optimizer_step")
         self.optimizer.step()
-        self._phase(None)
+        phase(None)
         self.optimizer.scheduled()
         return total
 
     def _phase(self, name: str | None) -> None:
-        """The memory figures' phase boundary (None: the step's last phase ends), in the steps
-        that read them."""
-        if not self.reading_phases:
-            return
+        """The memory figures' phase boundary (None: the step's last phase ends)."""
         if name is None:
             self.memory.end_phase()
         else:
@@ -279,8 +280,7 @@ class Trainer:
         for step in range(first, settings.steps + 1):
             for hook in hooks.steps:
                 hook.before_step(step)
-            self.reading_phases = step <= phases_until
-            loss = self.train_step(batches)
+            loss = self.train_step(batches, read_phases=step <= phases_until)
             for hook in hooks.steps:
                 hook.after_step(step)
             if self.checkpoint is not None:

@@ -10,10 +10,10 @@ import torch
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.estimate.allocator import CachingAllocator, PastTheCap, replay, segment_size
+from fsdp_exp.estimate.allocator import CachingAllocator, PastTheCap, replay, reserved_under, segment_size
 from fsdp_exp.estimate.breakdown import estimate_batch
-from fsdp_exp.estimate.gpu import cublas_workspaces, gpu_named, outside_allocator_gb
-from fsdp_exp.estimate.predict import fits
+from fsdp_exp.estimate.gpu import allocator_cap_gb, cublas_workspaces, gpu_named, outside_allocator_gb
+from fsdp_exp.estimate.predict import estimate, fits
 from fsdp_exp.estimate.counting import LiveBytes
 from fsdp_exp.estimate.trace import trace
 from fsdp_exp.estimate.traced import StepTrace, TracedPeak
@@ -117,6 +117,39 @@ def test_fsdp2_allocates_on_three_streams_and_ddp_on_one() -> None:
     assert trace(plan.exp, 2, [4], on_gpu=True).steps[0].streams == 3  # compute, all-gather copy-in, reduce-scatter
     plan = prepare(compose_checked(["model.num_layers=2", "wandb.mode=disabled", "sharding=ddp"]), 0)
     assert trace(plan.exp, 2, [4], on_gpu=True).steps[0].streams == 1
+
+
+def test_under_a_cap_a_steps_allocations_replay_with_the_cache_released_before_it_runs_out() -> None:
+    counts = LiveBytes(offloaded=())
+    with torch.cpu.stream(torch.cpu.Stream()):  # as FSDP2's all-gather copy-in stream
+        counts.allocate("a", "Activation", 3 * MIB)  # a 20 MiB segment of that stream
+    counts.release("a", "Activation", 3 * MIB)  # cached, wholly free, for that stream only
+    counts.allocate("b", "Activation", 12 * MIB)  # a 12 MiB segment of the compute stream
+    assert counts.device.peak_reserved == 32 * MIB  # uncapped, the cached segment stays
+    assert reserved_under(counts.events, 24 * MIB) == 20 * MIB  # under 24 MiB it goes back before b's
+    counts.allocate("c", "Activation", 14 * MIB)
+    assert reserved_under(counts.events, 24 * MIB) is None  # 26 MiB with nothing cached: out of memory
+
+
+def test_an_estimate_under_a_limit_holds_what_the_allocator_releases_near_it() -> None:
+    """FSDP2's three streams leave cached segments that the compute stream cannot use: under a
+    limit just below the uncapped replay's reserved peak the allocator gives them back and the
+    step fits, as on a GPU (the replay used to run uncapped and say it did not)."""
+    plan = prepare(compose_checked(["model.num_layers=2", "wandb.mode=disabled", "sharding=full"]), 0)
+    over = estimate(plan.exp, 2, [64], on_gpu=True).peak_reserved_gb
+    limit = over - 2 * MIB / 2**30
+    limited = prepare(compose_checked(["model.num_layers=2", "wandb.mode=disabled", "sharding=full",
+                                       f"memory.limit_gb={limit!r}"]), 0)
+    record = estimate(limited.exp, 2, [64], on_gpu=True)
+    assert record.largest_batch_fitting == 64 and record.peak_reserved_gb <= limit
+
+
+def test_the_allocators_cap_is_the_limit_or_what_the_named_gpu_leaves_it() -> None:
+    h100 = gpu_named("H100-SXM")
+    assert allocator_cap_gb(None, None, 1.0) is None
+    assert allocator_cap_gb(10.0, None, 1.0) == 10.0
+    assert allocator_cap_gb(None, h100, 1.5) == pytest.approx(h100.memory_gb - 1.5)
+    assert allocator_cap_gb(90.0, h100, 1.5) == pytest.approx(h100.memory_gb - 1.5)  # the device is the smaller
 
 
 # --- what sits beside the allocator on a GPU, and the GPUs by name (fsdp_exp/estimate/gpu.py) ---

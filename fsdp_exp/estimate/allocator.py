@@ -172,3 +172,13 @@ def replay(events: Iterable[Event], cap: int | None = None) -> CachingAllocator:
         else:
             allocator.malloc(key, nbytes, stream)
     return allocator
+
+
+def reserved_under(events: Iterable[Event], cap: int) -> int | None:
+    """The reserved peak of `events` where the allocator may reserve `cap` bytes in all (it
+    releases its cached segments before passing it, as torch's does); None where they pass it
+    all the same: out of memory."""
+    try:
+        return replay(events, cap).peak_reserved
+    except PastTheCap:
+        return None

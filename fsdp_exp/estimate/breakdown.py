@@ -85,6 +85,13 @@ def attention_workspace(shapes: list[tuple[int, ...]]) -> int:
     return 4 * (math.prod(largest) + rows)
 
 
+def untraced_segments(step: StepTrace) -> int:
+    """The segments of what a GPU allocates that the trace does not see (DDP's buckets, the
+    attention kernel's workspace), each in a segment of its own. cuBLAS's workspaces are in the
+    replay's (`segments`)."""
+    return sum(segment_size(cuda_block(n)) for n in (step.ddp_buckets_bytes, attention_workspace(step.attention)) if n)
+
+
 def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: bool, baseline_gb: float,
                    builds_whole_model: bool, workspace_bytes: int = 0, stages_checkpoint: bool = False,
                    checkpoint_threads: int = 0, pretrained: bool = False) -> BatchEstimate:
@@ -113,10 +120,7 @@ def estimate_batch(step: StepTrace, trace: Trace | None, on_gpu: bool, offload: 
     if on_gpu:
         found["unsharded_and_buffers"] += cuda_block(step.ddp_buckets_bytes) + cuda_block(workspace_bytes)
         found["temporaries"] += attention_workspace(step.attention)
-        # allocations the trace does not see, each in a segment of its own (cuBLAS's
-        # workspaces are in the replay's, `segments`)
-        untraced = (step.ddp_buckets_bytes, attention_workspace(step.attention))
-        reserved = (step.peaks["segments"].bytes + sum(segment_size(cuda_block(n)) for n in untraced if n)) / GB
+        reserved = (step.peaks["segments"].bytes + untraced_segments(step)) / GB
         if offload:
             offloaded = sum(v for c, v in step.peaks["cpu"].categories.items() if c in OFFLOADED) / GB
     else:

@@ -9,7 +9,7 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_exp.estimate.allocator import CachingAllocator, cuda_block
+from fsdp_exp.estimate.allocator import CachingAllocator, Event, cuda_block
 from fsdp_exp.estimate.library import LibraryOps
 from fsdp_exp.estimate.traced import TracedPeak
 from fsdp_exp.torch_private import FSDPMemTracker, MemTracker, UpdateType
@@ -27,7 +27,8 @@ class LiveBytes:
     reduce-scatter on streams of its own (`torch.cpu.Stream`s in the trace, as
     `torch.cuda.Stream`s on a GPU), and the tracker sees the current one. cuBLAS's
     workspaces (`workspaces`, bytes each) are held from the first matmul on, on the compute
-    stream."""
+    stream. `events` keeps what went to the replay, in order, to replay again under a cap
+    (`allocator.reserved_under`)."""
 
     def __init__(self, offloaded: tuple[str, ...], workspaces: tuple[int, ...] = ()):
         self.offloaded = offloaded
@@ -35,8 +36,9 @@ class LiveBytes:
         self.peaks = {"cpu": TracedPeak(), "blocks": TracedPeak(), "segments": TracedPeak()}
         self.device = CachingAllocator()
         self.streams: dict[object, int] = {torch.cpu.current_stream(): 0}
+        self.events: list[Event] = []
         for n, nbytes in enumerate(workspaces):
-            self.device.malloc(("cuBLAS workspace", n), nbytes, 0)
+            self._on_device(("cuBLAS workspace", n), nbytes, 0)
         self.phase = ""
         self.at_phase_ends = 0  # the most the storages held where a phase started or ended
         self.library = LibraryOps()  # the ops MKL and oneDNN ran (fsdp_exp.estimate.library)
@@ -49,12 +51,17 @@ class LiveBytes:
         self.change(category, nbytes, +1)
         if category not in self.offloaded and nbytes:  # a request of 0 bytes takes no block
             stream = self.streams.setdefault(torch.cpu.current_stream(), len(self.streams))
-            self.device.malloc(key, nbytes, stream)
+            self._on_device(key, nbytes, stream)
+
+    def _on_device(self, key: object, nbytes: int, stream: int) -> None:
+        self.device.malloc(key, nbytes, stream)
+        self.events.append((key, nbytes, stream))
 
     def release(self, key: object, category: str, nbytes: int) -> None:
         self.change(category, nbytes, -1)
         if key in self.device.live:
             self.device.free(key)
+            self.events.append((key, -1, 0))
 
     def change(self, category: str, nbytes: int, sign: int) -> None:
         for kind, size in (("stored", nbytes), ("blocks", cuda_block(nbytes))):

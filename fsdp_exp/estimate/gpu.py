@@ -19,6 +19,15 @@ a GPU). Each is 32 MiB on compute capability 9.x to 12.x and 4096 KiB x 2 + 16 K
 earlier GPUs (torch 2.14's aten/src/ATen/cuda/CublasHandlePool.cpp, CUBLAS_WORKSPACE_CONFIG
 unset; earlier torch gave 32 MiB to 9.0 only); cuBLASLt shares it (torch 2.14's default).
 
+Not counted: cuDNN's convolution workspaces. Each convolution takes its plan's workspace
+from the caching allocator for the call only, and frees it after; torch tries the plans
+cuDNN ranks first and, where a workspace does not fit, the next, with a smaller one
+(aten/src/ATen/native/cudnn/Conv_v8.cpp: `try_plans` goes on past an out-of-memory, and with
+`torch.backends.cudnn.benchmark`, which fsdp_exp leaves off, the workspace is halved until it
+fits). So they do not move where a run runs out of memory, but a conv model's allocated and
+reserved peaks can be above the estimate by the largest workspace a plan took (none measured
+here: `make gpu-session`'s ResNet row shows it).
+
 These figures stand until a GPU says otherwise: `python -m fsdp_exp.check_gpu` prints the
 estimate beside a real run.
 """
@@ -108,6 +117,14 @@ def outside_allocator_gb(world_size: int, groups: tuple[int, ...], gpu: Gpu | No
     nccl = sum((NCCL_PAIR_GB if size == 2 else NCCL_GROUP_GB) + (NVLS_GB if nvls and size > 2 else 0.0)
                for size in communicator_sizes(world_size, groups))
     return {"cuda_context": CONTEXT_GB, "nccl": nccl}
+
+
+def allocator_cap_gb(limit_gb: float | None, gpu: Gpu | None, outside_gb: float) -> float | None:
+    """What the caching allocator may reserve on a rank: memory.limit_gb's cap
+    (`set_per_process_memory_fraction`), and on a named GPU what the device leaves it beside
+    what sits outside it (`outside_gb`); None where neither is known."""
+    caps = [cap for cap in (limit_gb, gpu.memory_gb - outside_gb if gpu is not None else None) if cap is not None]
+    return min(caps) if caps else None
 
 
 def cublas_workspaces(gpu: Gpu | None) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.breakdown import GB, estimate_batch, evaluation_gb
 from fsdp_exp.estimate.curve import PeakCurve
-from fsdp_exp.estimate.gpu import Gpu, cublas_workspaces, outside_allocator_gb
+from fsdp_exp.estimate.gpu import Gpu, allocator_cap_gb, cublas_workspaces, outside_allocator_gb
 from fsdp_exp.estimate.host import HostSetup, host_memory
 from fsdp_exp.estimate.record import EstimateRecord
 from fsdp_exp.estimate.speed import StepWork
@@ -43,7 +43,10 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     own_gb = anonymous_bytes() / GB  # this command's: as the launching command's and its rank server's, and task=eval's
     outside = outside_allocator_gb(world_size, exp.sharding.groups(world_size), gpu) if on_gpu else {}
     workspaces = cublas_workspaces(gpu) if on_gpu else ()
-    traced = trace_in_child(exp, world_size, batch_sizes, on_gpu, baseline_gb, stop_above_gb, outside, workspaces)
+    outside_gb = baseline_gb if baseline_gb is not None else sum(outside.values())
+    cap_gb = allocator_cap_gb(exp.memory.limit_gb, gpu, outside_gb) if on_gpu else None
+    traced = trace_in_child(exp, world_size, batch_sizes, on_gpu, baseline_gb, stop_above_gb, outside, workspaces,
+                            None if cap_gb is None else max(int(cap_gb * GB), 0))
     if baseline_gb is not None and on_gpu:  # the user's figure stands for everything outside the allocator
         outside = {"task.baseline_gb": baseline_gb}
     baseline_gb = baseline_or_measured(baseline_gb, on_gpu, traced.baseline_bytes, outside)
@@ -163,14 +166,15 @@ def baseline_or_measured(baseline_gb: float | None, on_gpu: bool, measured_bytes
 
 def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
                    baseline_gb: float | None = None, stop_above_gb: float | None = None,
-                   outside: dict[str, float] | None = None, workspaces: tuple[int, ...] = ()) -> Any:
+                   outside: dict[str, float] | None = None, workspaces: tuple[int, ...] = (),
+                   cap_bytes: int | None = None) -> Any:
     """The trace, in a fresh process: the fake process group is this process's own, nothing
     of the driver's (threads, a sweep's other runs) is in the way, and what the process
     holds before tracing is what a rank holds before building its model (the baseline)."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe(duplex=False)
     process = context.Process(target=_traced, args=(child, exp, world_size, batch_sizes, on_gpu, baseline_gb,
-                                                    stop_above_gb, outside or {}, workspaces), daemon=True)
+                                                    stop_above_gb, outside or {}, workspaces, cap_bytes), daemon=True)
     # Ctrl-C reaches every process of the terminal's group: blocked in the tracing process
     # from its start (a forked process keeps the mask, through exec too), it leaves the
     # signal to this one, which stops it on its way out.
@@ -206,7 +210,7 @@ def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_
 
 def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
             baseline_gb: float | None, stop_above_gb: float | None, outside: dict[str, float],
-            workspaces: tuple[int, ...]) -> None:
+            workspaces: tuple[int, ...], cap_bytes: int | None) -> None:
     warnings.filterwarnings("ignore")
     try:
         from fsdp_exp.estimate.trace import trace  # here, in the child: tracing's imports cost the driver 0.5 s
@@ -219,7 +223,7 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
             return estimate_batch(step, None, on_gpu, exp.offload, base, False, sum(workspaces)).peak_under_limit_gb > stop_above_gb
 
         pipe.send((True, trace(exp, world_size, batch_sizes, on_gpu, enough if stop_above_gb is not None else None,
-                               workspaces)))
+                               workspaces, cap_bytes)))
     except Exception as err:  # noqa: BLE001 - sent back as one line
         pipe.send((False, one_line(err, named=True, whole=True, limit=500)))
 

@@ -43,6 +43,8 @@ from torch.overrides import TorchFunctionMode
 
 from fsdp_exp.batch import Batches, BatchKeys, forward_keys, iter_tensors, stacked
 from fsdp_exp.distributed import Ranks
+from fsdp_exp.estimate.allocator import reserved_under
+from fsdp_exp.estimate.breakdown import untraced_segments
 from fsdp_exp.estimate.counting import LiveBytes, PlainTracker, ShardedTracker, tracker
 from fsdp_exp.estimate.library import kept_by_step
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace
@@ -127,10 +129,12 @@ def foreach(optimizer: Any) -> Any:
 
 
 def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
-          enough: Callable[[StepTrace, int], bool] | None = None, workspaces: tuple[int, ...] = ()) -> Trace:
+          enough: Callable[[StepTrace, int], bool] | None = None, workspaces: tuple[int, ...] = (),
+          cap_bytes: int | None = None) -> Trace:
     """Build, shard and train one rank of `world_size` on fake tensors: one step to make
     the optimizer state, then one counted step at each batch size, in order, until
-    `enough(step, baseline_bytes)` says no larger size is needed."""
+    `enough(step, baseline_bytes)` says no larger size is needed. On a GPU, `cap_bytes` is what
+    the caching allocator may reserve (see `LiveBytes`)."""
     start = time.perf_counter()
     before_data, in_use = anonymous_bytes(), InUse()
     loading = PeakGrowth()
@@ -187,6 +191,8 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
                                        at_phase_ends_bytes=counts.at_phase_ends,
                                        flops=flops.step.hardware if flops is not None and flops.step else 0,
                                        wire_bytes=counts.wire_bytes + reduced))
+                if cap_bytes is not None:
+                    cap_the_replay(steps[-1], counts, cap_bytes)
                 library.append(counts.library)
                 if enough is not None and enough(steps[-1], baseline):
                     break
@@ -207,6 +213,17 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
     return Trace(world_size, steps, build, params, shard_count, baseline, data_bytes, stacks, stack, data_load,
                  time.perf_counter() - start, whole, sample_bytes, workers, build_held, pinned_bytes(model),
                  data_in_use + build_in_use, optimizer_params=shards)
+
+
+def cap_the_replay(step: StepTrace, counts: LiveBytes, cap_bytes: int) -> None:
+    """The step's reserved peak where the allocator may reserve `cap_bytes`: near the cap it
+    releases its cached segments before it grows, so the peak can be lower than uncapped; past
+    it, `past_the_cap` (a run runs out of memory there) and the uncapped peak, to say by how
+    much. What the trace does not see is in segments of its own, beside the replay."""
+    under = reserved_under(counts.events, cap_bytes - untraced_segments(step))
+    step.past_the_cap = under is None
+    if under is not None:
+        step.peaks["segments"] = replace(step.peaks["segments"], bytes=under)
 
 
 def eval_forward_bytes(model: torch.nn.Module, item: Any, batch_size: int, loss: LossOption,

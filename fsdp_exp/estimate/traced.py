@@ -50,6 +50,7 @@ class StepTrace:
     library: Kept | None = None  # CPU: what MKL and oneDNN keep after the step's ops (None: not replayed)
     flops: int = 0  # the FLOPs the step ran, recomputed ones too (counted at the first size traced; else 0)
     wire_bytes: int = 0  # what this rank's collectives sent, as a ring sends them
+    past_the_cap: bool = False  # GPU: the replay of the allocator passed the cap it was given: out of memory in a run
 
 
 @dataclass

@@ -317,7 +317,9 @@ def test_max_batch_traces_doubling_sizes_up_to_the_first_over_the_limit():
     stopped = trace(exp, 2, doubling(1, 4096), on_gpu=False, enough=enough)
     sizes = [s.batch_size for s in stopped.steps]
     assert sizes == doubling(1, 4096)[:len(sizes)] and sizes[-1] in (512, 1024)
-    last, before = (estimate_batch(s, stopped, False, False, 0, False).peak_under_limit_gb for s in stopped.steps[-1:-3:-1])
+    # judged as `enough` judges them (what the math libraries keep is added after, and on some
+    # CPUs it is not monotonic in the batch)
+    last, before = (estimate_batch(s, None, False, False, 0, False).peak_under_limit_gb for s in stopped.steps[-1:-3:-1])
     assert last > limit >= before  # stopped at the first size over it
     curve = prior({"peaks_gb": [[b, gb] for b, gb in zip(doubling(1, 4096), peaks, strict=True)]})
     assert curve.peak_gb(256) == peaks[8] and curve.peak_gb(384) == pytest.approx((peaks[8] + peaks[9]) / 2)
@@ -441,6 +443,20 @@ print(len(linear.seen), linear.flops(), first.in_use_bytes, first.data_bytes, le
 """
 
 
+REAL_LINEAR_STEP = """
+import torch
+from fsdp_exp.memory import map_large_blocks
+from fsdp_exp.metrics.peaks import heap_in_use_bytes
+map_large_blocks()  # as the replay: blocks over 64 KiB go back to the system on free
+torch.set_num_threads(1)
+layer, x = torch.nn.Linear(9216, 128), torch.zeros(32, 9216, requires_grad=True)
+start = heap_in_use_bytes()
+layer(x).sum().backward()
+x.grad = layer.weight.grad = layer.bias.grad = None
+print(heap_in_use_bytes() - start)
+"""
+
+
 SWEEP_PROBE = SEEN + """
 steps = {b: library.LibraryOps() for b in (8, 16, 64, 128)}
 with FakeTensorMode():
@@ -462,9 +478,11 @@ def test_a_trace_of_several_batches_measures_each_as_a_rank_running_it_alone() -
     in a fresh process (as a rank that runs only it) and puts those between on the line; a
     batch past REPLAY_FLOPS keeps at least what the largest replayed keeps, not nothing."""
     shown = subprocess.run([sys.executable, "-c", SWEEP_PROBE], capture_output=True, text=True, cwd=REPO, check=True)
-    first, middle, largest, past, alone, in_one_process = (int(x) for x in shown.stdout.split())
+    first, middle, largest, past, alone, _ = (int(x) for x in shown.stdout.split())
+    # (what a sweep in one process would say, the last figure, depends on the CPU: with
+    # AVX-512 without AMX, MKL held each shape's buffers, 0.5 MB and more above `alone`; on a
+    # CPU with AMX, less than `alone`)
     assert largest == pytest.approx(alone, rel=0.05, abs=64 * 1024), shown.stdout
-    assert in_one_process > alone + 2**19, shown.stdout  # what a sweep in one process would have said
     assert middle == round(first + (16 - 8) / (64 - 8) * (largest - first))
     assert past == largest > first, shown.stdout
 
@@ -479,6 +497,9 @@ def test_what_the_math_libraries_keep_after_a_steps_ops_is_measured() -> None:
     shown = subprocess.run([sys.executable, "-c", LIBRARY_PROBE], capture_output=True, text=True, cwd=REPO, check=True)
     count, flops, in_use, data, convs, conv_data, capped = shown.stdout.split()
     assert int(count) == 3 and float(flops) == pytest.approx(3 * 2 * 32 * 9216 * 128)
-    assert int(in_use) > 2**20 and int(data) > 2**20, shown.stdout  # MKL's buffers: 6.6 MB here
+    # what the replay of the recorded ops keeps is what the layer's real step keeps, on this
+    # CPU (MKL's buffers: 6.6 MB with AVX-512, a few kB where it has AMX)
+    real = subprocess.run([sys.executable, "-c", REAL_LINEAR_STEP], capture_output=True, text=True, cwd=REPO, check=True)
+    assert int(in_use) == pytest.approx(int(real.stdout), rel=0.1, abs=256 * 1024), (shown.stdout, real.stdout)
     assert int(convs) == 2 and int(conv_data) > 0, shown.stdout  # oneDNN's kernels for the convolution
     assert capped == "None"

@@ -334,12 +334,17 @@ def test_under_torchrun_more_ranks_a_node_than_its_gpus_are_refused_before_the_r
     distributed.check_gpus_for_local_ranks(2, 1, {"FSDP_EXP_DEVICE": "cuda:0"})
 
 
-def test_a_ray_worker_names_the_device_ray_train_gave_it() -> None:
-    from fsdp_exp.launch.ray_worker import worker_variables
+def test_a_ray_worker_names_the_device_ray_train_gave_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray.train.torch
 
+    from fsdp_exp.launch.ray_worker import trains_on, worker_variables
+
+    # Ray Train's choice of the worker's GPU (its accelerator ids, not CUDA_VISIBLE_DEVICES' order)
+    monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cuda", 3))
+    assert trains_on("cpu") is None
     context = SimpleNamespace(get_world_rank=lambda: 5, get_local_rank=lambda: 1, get_world_size=lambda: 8,
                               get_local_world_size=lambda: 4)
-    variables = worker_variables(context, torch.device("cuda", 3))
+    variables = worker_variables(context, trains_on("cuda"))
     assert variables == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
                          "FSDP_EXP_RESTARTS": "0", "FSDP_EXP_DEVICE": "cuda:3"}
     assert distributed.gpu_index(variables, 4) == 3

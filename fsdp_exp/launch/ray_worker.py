@@ -46,11 +46,7 @@ class RayJob(RankJob):
 
         context = ray.train.get_context()
         rank = context.get_world_rank()
-        device = None
-        if self.cfg.device == "cuda":
-            import ray.train.torch
-
-            device = ray.train.torch.get_device()
+        device = trains_on(self.cfg.device)
         restored = ray.train.get_checkpoint()
         os.environ.update(worker_variables(
             context, device, restarts=self.count_start(restored) if rank == 0 else 0,
@@ -85,6 +81,15 @@ class RayJob(RankJob):
             return before
         except OSError:
             return int(restored is not None)
+
+
+def trains_on(device: str) -> Any:
+    """The GPU Ray Train gave this worker (`device=cuda`); None on CPU."""
+    if device == "cuda":
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+    return None
 
 
 def worker_variables(context: Any, device: Any = None, restarts: int = 0, restored: str | None = None) -> dict[str, str]:

@@ -35,7 +35,7 @@ from fsdp_exp.driver.plan import RunPlan
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import stop_on_signals, stop_signal
+from fsdp_exp.launcher.core import stop_on_signals, stop_signal
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.metrics.startup import process_started
 

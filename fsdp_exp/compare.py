@@ -21,7 +21,7 @@ from typing import Any
 from fsdp_exp.finished_runs import CompareError, Run, Skipped, find_run_dirs, is_run_dir, load_run, wandb_runs
 from fsdp_exp.keys import MISSING, lookup
 from fsdp_exp.metrics.plots import none_fits, plot_comparison, plot_throughput_vs_memory
-from fsdp_exp.metrics.sinks import wandb_project
+from fsdp_exp.metrics.wandb_sink import wandb_project
 from fsdp_exp.metrics.summary import Summary
 
 EXIT_BAD_INPUT = 2

@@ -35,7 +35,7 @@ from fsdp_exp.groups import (
     TaskOption,
 )
 from fsdp_exp.memory import MemorySettings
-from fsdp_exp.metrics.sinks import WandbSettings
+from fsdp_exp.metrics.wandb_sink import WandbSettings
 from fsdp_exp.models import NO_BUILDER, ModelSpec
 from fsdp_exp.precision import Precision
 from fsdp_exp.schedule import LrSchedule

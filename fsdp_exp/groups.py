@@ -1,7 +1,7 @@
 """The base class of each config group's options. `Experiment` (fsdp_exp.config) types each
 group by its base, as Hydra's structured configs do, so a group's node holds one of the
 group's options and nothing else; every option's schema subclasses it. What an option does
-is said in its group's home: fsdp_exp.sharding, fsdp_exp.checkpoint, fsdp_exp.launch
+is said in its group's home: fsdp_exp.sharding, fsdp_exp.checkpoint, fsdp_exp.launcher
 (`Launcher`), fsdp_exp.tasks (`Task`), fsdp_exp.profile and fsdp_exp.loss.
 
 The model, data and optimizer groups are open (a user's own `_target_` and its keys) and

@@ -17,12 +17,12 @@ from fsdp_exp.data.images import SyntheticImages, TorchvisionImages
 from fsdp_exp.data.padded import PaddedTokens
 from fsdp_exp.data.token_file import TokenFile
 from fsdp_exp.data.tokens import SyntheticTokens, TextBytes
-from fsdp_exp.launch.local import LocalLauncher
-from fsdp_exp.launch.ray import RayLauncher
-from fsdp_exp.launch.slurm import SlurmLauncher
-from fsdp_exp.launch.torchrun import TorchrunLauncher
+from fsdp_exp.launcher.local import LocalLauncher
+from fsdp_exp.launcher.ray import RayLauncher
+from fsdp_exp.launcher.slurm import SlurmLauncher
+from fsdp_exp.launcher.torchrun import TorchrunLauncher
 from fsdp_exp.loss import CrossEntropy, CustomLoss, MeanSquaredError, ModelLoss
-from fsdp_exp.metrics.sinks import WandbSettings
+from fsdp_exp.metrics.wandb_sink import WandbSettings
 from fsdp_exp.precision import Precision
 from fsdp_exp.profile import MemoryProfile, NoProfile
 from fsdp_exp.sharding import DDP, FullyShard, HybridShard, NoSharding

@@ -18,7 +18,7 @@ class RunContext:
     resume: str | None = None  # the checkpoint the run starts from, as the driver settled it
     estimate_file: str | None = None  # where the driver writes the run's estimate, for rank 0 (memory.estimate)
     estimate_pid: int | None = None  # the process tracing it, which rank 0 holds still while the run is timed
-    # A probe of task=max_batch: it trains until its peak has settled (fsdp_exp.rank.settle.PeakSettled's keys)
+    # A probe of task=max_batch: it trains until its peak has settled (fsdp_exp.rank.peak_settled.PeakSettled's keys)
     settle: dict | None = None
 
     def overrides(self) -> list[str]:

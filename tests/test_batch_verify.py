@@ -187,7 +187,7 @@ def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tm
 
 
 def test_a_probes_peak_has_settled_when_two_checks_a_window_apart_agree_within_the_noise_band() -> None:
-    from fsdp_exp.rank.settle import PeakSettled
+    from fsdp_exp.rank.peak_settled import PeakSettled
 
     peaks = iter([0.500, 0.520, 0.5205, 0.530])  # the peak so far, at each check
     settled = PeakSettled(tolerance_gb=0.001, first_check=3, window=2, device=torch.device("cpu"),

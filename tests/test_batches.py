@@ -234,11 +234,11 @@ def test_ragged_token_batches_train_alike_sharded_and_not_each_token_weighing_al
 
 def test_a_ranks_loss_weighs_by_its_share_of_the_counted_targets_and_nothing_counted_adds_nothing() -> None:
     from fsdp_exp.distributed import Ranks
-    from fsdp_exp.rank.trainer import OptimizerStep, Trainer, TrainSettings
+    from fsdp_exp.rank.trainer import OptimizerStep, Trainer, TrainerSettings
 
     model = torch.nn.Linear(2, 2)
     ranks = Ranks(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
-    trainer = Trainer(TrainSettings(steps=1, batch_size=2), ranks, model,
+    trainer = Trainer(TrainerSettings(steps=1, batch_size=2), ranks, model,
                       OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1)))
     assert float(trainer.weighed(torch.tensor(2.0), (torch.tensor(3), lambda: torch.tensor(12.0)))) == 1.0
     empty = torch.tensor(float("nan"), requires_grad=True)

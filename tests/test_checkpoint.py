@@ -31,7 +31,7 @@ from fsdp_exp.cli import compose_checked
 from tests.conftest import SMALL_VIT, precheck, read_json, read_jsonl, refused_here, run_cli, signal_at_step
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.local import LocalLauncher
+from fsdp_exp.launcher.local import LocalLauncher
 from fsdp_exp.models import build_model
 from fsdp_exp.run_context import RunContext
 from tests import rank_tasks

@@ -209,7 +209,7 @@ import atexit
 import sys
 import threading
 import time
-from fsdp_exp.launch.rank_server import start_rank_server
+from fsdp_exp.launcher.rank_server import start_rank_server
 import fsdp_exp.cli as cli
 
 main_ended = threading.Event()

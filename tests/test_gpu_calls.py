@@ -21,7 +21,7 @@ from fsdp_exp.memory import apply_limit
 from fsdp_exp.metrics.environment import rank_environment
 from fsdp_exp.metrics.flops import device_peak
 from fsdp_exp.precision import Precision
-from fsdp_exp.rank.settle import judged_peak_gb
+from fsdp_exp.rank.peak_settled import judged_peak_gb
 
 GB = 2**30
 GPU = torch.device("cuda", 1)

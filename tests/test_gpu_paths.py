@@ -20,14 +20,14 @@ from fsdp_exp.cli import compose_checked
 from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launcher.core import RunFailed
 from fsdp_exp.memory import allocation_failure, is_out_of_memory
 from fsdp_exp.metrics.environment import DEVICE_RECORD, read_device_record
 from fsdp_exp.metrics.peaks import GB, MemoryMonitor, device_used_gb
 from fsdp_exp.batch import Batches
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.rank.report import DeviceUsed
-from fsdp_exp.rank.trainer import Hooks, OptimizerStep, Trainer, TrainSettings
+from fsdp_exp.rank.trainer import Hooks, OptimizerStep, Trainer, TrainerSettings
 
 # ---- a CPU tensor in a GPU run's process group --------------------------------------------
 
@@ -337,7 +337,7 @@ def test_under_torchrun_more_ranks_a_node_than_its_gpus_are_refused_before_the_r
 def test_a_ray_worker_names_the_device_ray_train_gave_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray.train.torch
 
-    from fsdp_exp.launch.ray_worker import trains_on, worker_variables
+    from fsdp_exp.launcher.ray_worker import trains_on, worker_variables
 
     # Ray Train's choice of the worker's GPU (its accelerator ids, not CUDA_VISIBLE_DEVICES' order)
     monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cuda", 3))
@@ -483,7 +483,7 @@ def tiny_trainer(steps: int, log_every: int, hooks: tuple = (), sinks: tuple = (
     model = torch.nn.Linear(4, 3)
     batches = [(torch.randn(2, 4), torch.randint(0, 3, (2,))) for _ in range(steps)]
     ranks = distributed.Ranks(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    return Trainer(TrainSettings(steps=steps, batch_size=2, log_every=log_every), ranks, model,
+    return Trainer(TrainerSettings(steps=steps, batch_size=2, log_every=log_every), ranks, model,
                    OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1)), batches=Batches(batches),
                    memory=memory, hooks=Hooks(sinks=list(sinks), steps=list(hooks)))
 
@@ -524,7 +524,7 @@ def stats_reads_per_step(fake_gpu: FakeCachingAllocator, phase_peaks: bool, grad
     reads: list[int] = []
     hook = SimpleNamespace(before_step=lambda step: reads.append(-fake_gpu.calls.count("memory_stats")),
                            after_step=lambda step: reads.__setitem__(-1, reads[-1] + fake_gpu.calls.count("memory_stats")))
-    settings = TrainSettings(steps=steps, batch_size=2 * grad_accum, grad_accum=grad_accum, log_every=2,
+    settings = TrainerSettings(steps=steps, batch_size=2 * grad_accum, grad_accum=grad_accum, log_every=2,
                              warmup_steps=warmup_steps)
     trainer = Trainer(settings, ranks, model, OptimizerStep(torch.optim.SGD(model.parameters(), lr=0.1)),
                       batches=Batches(batches), memory=MemoryMonitor(torch.device("cuda", 0), phase_peaks=phase_peaks),

@@ -18,7 +18,7 @@ from fsdp_exp.cli import compose_config
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.gpu_session import against_matmul, matmul_tflops, session, session_checks, session_runs, tuned
 from fsdp_exp.metrics.summary import Summary
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 from tests.test_check_gpu import fsdp_exp_args, passing_runs, result
 
 GPU = setup_for("cuda", gpus=1, memory_gb=80.0)
@@ -80,3 +80,20 @@ def test_the_tune_row_needs_a_winner_whose_command_line_ran_and_the_mfu_row_a_ma
     assert against_matmul(run, 700.0, "")[0]
     assert not against_matmul(run, 200.0, "")[0]  # more than a matmul: the FLOPs are miscounted
     assert against_matmul(run, None, "CUDA error") == (False, "the matmul was not measured: CUDA error")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_whole_session_runs_on_two_cpu_ranks_and_writes_every_row(tmp_path: Path) -> None:
+    """`python -m fsdp_exp.gpu_session --device cpu`, end to end on gloo: check_gpu's rows and
+    the session's own against real runs (about 9 minutes on 2 cores)."""
+    out = tmp_path / "gpu_session.json"
+    done = run_cli("--device", "cpu", "--out", str(out), cwd=tmp_path, module=("-m", "fsdp_exp.gpu_session"),
+                   timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith(("| check", "| ---"))]
+    record = json.loads(out.read_text())
+    cpu = setup_for("cpu", 0)
+    assert len(rows) == len(record["rows"]) == len([*checks(cpu), *session_checks(cpu, (1.0, ""))])
+    assert record["passed"] and all(r["result"] == "pass" for r in record["rows"]), rows

@@ -96,7 +96,7 @@ IMPORTED_LATE = {
 
 def test_the_package_has_no_import_circle() -> None:
     graph = import_graph()
-    assert {"fsdp_exp.config", "fsdp_exp.tasks.train", "fsdp_exp.launch.ray"} <= graph["fsdp_exp.options"].keys()
+    assert {"fsdp_exp.config", "fsdp_exp.tasks.train", "fsdp_exp.launcher.ray"} <= graph["fsdp_exp.options"].keys()
     assert circles({module: set(imported) for module, imported in graph.items()}) == []
 
 
@@ -117,7 +117,7 @@ def test_the_folders_import_one_another_without_a_circle() -> None:
             folder_of(i) for i in imported if folder_of(i) != folder_of(module))
     assert {"fsdp_exp.checkpoint", "fsdp_exp.distributed"} <= folders["fsdp_exp.rank"]
     assert circles(folders) == []
-    assert not {"fsdp_exp.driver", "fsdp_exp.tasks", "fsdp_exp.cli"} & folders["fsdp_exp.launch"]
+    assert not {"fsdp_exp.driver", "fsdp_exp.tasks", "fsdp_exp.cli"} & folders["fsdp_exp.launcher"]
 
 
 def test_no_import_is_put_in_a_function_but_the_named_few() -> None:
@@ -141,7 +141,7 @@ def test_an_import_inside_a_function_still_makes_a_circle(tmp_path: Path) -> Non
 def test_the_experiments_schema_imports_no_task_and_no_launcher() -> None:
     """fsdp_exp.config is what every layer imports: it must not pull the layers above it."""
     code = ("import sys, fsdp_exp.config; "
-            "print(sorted(m for m in sys.modules if m.startswith(('fsdp_exp.tasks.', 'fsdp_exp.launch.', "
+            "print(sorted(m for m in sys.modules if m.startswith(('fsdp_exp.tasks.', 'fsdp_exp.launcher.', "
             "'fsdp_exp.rank.', 'fsdp_exp.driver'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]", result.stdout

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.launch.core import (
+from fsdp_exp.launcher.core import (
     CPU_RANKS,
     Alongside,
     Echo,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_exp.launch.core import RunFailed, rank_threads
-from fsdp_exp.launch.local import LocalLauncher
+from fsdp_exp.launcher.core import RunFailed, rank_threads
+from fsdp_exp.launcher.local import LocalLauncher
 from tests import rank_tasks
 from tests.conftest import REPO, SMALL_VIT, names, read_json, read_jsonl, run_cli
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.slurm import SlurmLauncher
+from fsdp_exp.launcher.slurm import SlurmLauncher
 from tests.conftest import REPO, SMALL_VIT, names, read_json, read_jsonl, refused_here, run_cli, signal_at_step
 
 SLURM_LOCAL = ["launcher=slurm", "launcher.cluster=local"]

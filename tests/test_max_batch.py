@@ -21,7 +21,7 @@ from tests.conftest import REPO, SMALL_VIT, precheck, rank_pid, read_json, refus
 from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launcher.core import RunFailed
 from fsdp_exp.memory import under_limit_figures
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from tests.test_data import make_dataset

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
-from fsdp_exp.launch.local import LocalLauncher
+from fsdp_exp.launcher.local import LocalLauncher
 from tests import rank_tasks
 
 MODEL = ["model=custom", "model._target_=tests.rank_tasks.BufferedNet", "model.blocks=[torch.nn.BatchNorm2d]", "wandb.mode=disabled", "device=cpu"]

@@ -23,7 +23,7 @@ from fsdp_exp.models.vit import build_vit
 from fsdp_exp.batch import Batches
 from fsdp_exp.metrics.peaks import MemoryMonitor
 from fsdp_exp.metrics.startup import MARKS
-from fsdp_exp.rank.trainer import Hooks, OptimizerStep, Trainer, TrainSettings
+from fsdp_exp.rank.trainer import Hooks, OptimizerStep, Trainer, TrainerSettings
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, refused_here, run_cli
 
 
@@ -50,7 +50,7 @@ def test_samples_per_s_agrees_with_wall_time(one_rank_group: Ranks) -> None:
         def log(self, record: dict) -> None:
             records.append(record)
 
-    trainer = Trainer(TrainSettings(steps=12, batch_size=64, log_every=4, warmup_steps=4), one_rank_group, model,
+    trainer = Trainer(TrainerSettings(steps=12, batch_size=64, log_every=4, warmup_steps=4), one_rank_group, model,
                       OptimizerStep(torch.optim.AdamW(model.parameters())), batches=Batches(batches),
                       hooks=Hooks(sinks=[Kept()]))
     summary = trainer.fit()
@@ -67,7 +67,7 @@ def test_each_phase_has_its_peak_unless_turned_off(one_rank_group: Ranks, phase_
     torch.manual_seed(0)
     model = build_vit(28, 7, 4, 2, 128, 128, 10)
     batches = SyntheticImages(num_samples=512).batches(64, 0, 1, seed=0)
-    summary = Trainer(TrainSettings(steps=3, batch_size=64, log_every=3), one_rank_group, model,
+    summary = Trainer(TrainerSettings(steps=3, batch_size=64, log_every=3), one_rank_group, model,
                       OptimizerStep(torch.optim.AdamW(model.parameters())), batches=Batches(batches),
                       memory=MemoryMonitor(one_rank_group.device, phase_peaks=phase_peaks)).fit().as_dict()
     phases = {k: v for k, v in summary.items() if k.startswith("peak_") and k.endswith("_gb")
@@ -408,7 +408,7 @@ def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:
 WANDB_THREADS = """
 import threading, sys
 from pathlib import Path
-from fsdp_exp.metrics.sinks import Wandb
+from fsdp_exp.metrics.wandb_sink import Wandb
 sink = Wandb(mode="offline", project="p", entity=None, group=None, tags=[], config={}, run_dir=Path(sys.argv[1]),
              job_type="train")
 before = {t.name for t in threading.enumerate()}

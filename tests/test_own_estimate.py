@@ -24,7 +24,7 @@ from fsdp_exp.driver.plan import prepare
 from fsdp_exp.estimate.beside import WAIT_S, EstimateBeside, at_idle_priority
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
 from fsdp_exp.estimate.settle import checked, settle, settled_summary
-from fsdp_exp.metrics.sinks import write_json
+from fsdp_exp.files import write_json
 from fsdp_exp.metrics.summary import PENDING, Summary
 from tests.conftest import REPO, SMALL_VIT, read_json, run_cli
 from tests.test_estimate import STACK

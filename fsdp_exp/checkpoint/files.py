@@ -16,7 +16,6 @@ crash during a save leaves the previous checkpoint the latest.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from fsdp_exp.files import write_atomically
 
 LATEST = "latest"
 TRAIN_STATE = "train_state.json"
@@ -38,12 +39,6 @@ class CheckpointError(Exception):
 
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def mark_latest(root: Path, name: str) -> None:

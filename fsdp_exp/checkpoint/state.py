@@ -20,8 +20,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fsdp_exp.checkpoint.files import TRAIN_STATE, SafeReader, write_atomically
+from fsdp_exp.checkpoint.files import TRAIN_STATE, SafeReader
 from fsdp_exp.distributed import Ranks
+from fsdp_exp.files import write_atomically
 from fsdp_exp.sharding import unwrap
 
 log = logging.getLogger("fsdp_exp")

@@ -31,7 +31,7 @@ from fsdp_exp.config import Device, Experiment
 from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.errors import ConfigError, one_line
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launcher.core import RunFailed
 from fsdp_exp.rank.worker import rank_log_path, run_rank
 
 

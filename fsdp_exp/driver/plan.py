@@ -23,7 +23,7 @@ from fsdp_exp.blocks import check_compile
 from fsdp_exp.config import Device, Experiment
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.memory import check_limit
-from fsdp_exp.launch.rank_server import in_a_fork
+from fsdp_exp.launcher.rank_server import in_a_fork
 from fsdp_exp.models.contract import DataShare, check_model, check_model_and_data, check_model_reads_data
 from fsdp_exp.models.hf import needs_gpu
 

@@ -18,7 +18,7 @@ import torch
 from fsdp_exp.config import Experiment
 from fsdp_exp.driver.plan import RunPlan
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import RunFailed, stop_signal
+from fsdp_exp.launcher.core import RunFailed, stop_signal
 from fsdp_exp.metrics.environment import (
     DEVICE_RECORD,
     environment,
@@ -65,7 +65,7 @@ def run_experiment(
     except ConfigError as err:  # found only once the run directory exists (resume=auto)
         log.error("%s", err)
         summary = Summary(status="failed", error=str(err), world_size=nproc)
-    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (fsdp_exp.launch.core.Interrupted)
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (fsdp_exp.launcher.core.Interrupted)
         signal_name = stop_signal(err).name
         step = last_logged_step(run_dir)
         at = "" if choices.get("task", "train") != "train" else \

@@ -7,7 +7,7 @@ submitted before any has finished; a new one waits while `max_parallel` are in f
 Each run keeps its own run directory, summary.json and log file. `RunOutcomes` (Hydra's
 callback) waits for them at the end of the sweep and lists the failed ones.
 
-Launchers (fsdp_exp.launch.core.watch) see the run's `Alongside` and print one line per
+Launchers (fsdp_exp.launcher.core.watch) see the run's `Alongside` and print one line per
 change of its job's state instead of echoing rank 0's lines, which would interleave.
 A task=max_batch search is one run: its probes go one after another in the run's thread,
 while the sweep's other searches run beside it.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-from fsdp_exp.launch.core import POLL_S, Alongside, alongside
+from fsdp_exp.launcher.core import POLL_S, Alongside, alongside
 
 log = logging.getLogger("fsdp_exp")
 

@@ -21,9 +21,9 @@ from fsdp_exp.estimate.gpu import Gpu, allocator_cap_gb, cublas_workspaces, outs
 from fsdp_exp.estimate.host import HostSetup, host_memory
 from fsdp_exp.estimate.record import EstimateRecord
 from fsdp_exp.estimate.speed import StepWork
-from fsdp_exp.launch.core import POLL_S, RunFailed, alongside
+from fsdp_exp.launcher.core import POLL_S, RunFailed, alongside
 from fsdp_exp.metrics.peaks import anonymous_bytes
-from fsdp_exp.metrics.sinks import Wandb, WandbMode
+from fsdp_exp.metrics.wandb_sink import Wandb, WandbMode
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

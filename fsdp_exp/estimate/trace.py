@@ -51,9 +51,9 @@ from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace
 from fsdp_exp.groups import LossOption
 from fsdp_exp.metrics.flops import counting_flops
 from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
-from fsdp_exp.launch.core import rank_threads
+from fsdp_exp.launcher.core import rank_threads
 from fsdp_exp.rank.build import build_model_for_training
-from fsdp_exp.rank.trainer import OptimizerStep, Trainer, TrainSettings
+from fsdp_exp.rank.trainer import OptimizerStep, Trainer, TrainerSettings
 from fsdp_exp.sharding import NoSharding
 from fsdp_exp.torch_private import FakeStore, FakeTensorMode, flash_attention_for_cpu
 
@@ -164,7 +164,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             as_in_a_run.enter_context(unpacked_sequences())  # the build imported the model's library
             optimizer = instantiate(traced.optimizer)(model.parameters())
             phases = Phases()
-            settings = TrainSettings(steps=1, batch_size=batch_sizes[0], grad_accum=traced.train.grad_accum)
+            settings = TrainerSettings(steps=1, batch_size=batch_sizes[0], grad_accum=traced.train.grad_accum)
             trainer = Trainer(settings, ranks, model, OptimizerStep(optimizer), traced.loss,
                               Batches([], traced.data.batch_keys), memory=phases)
             # A step before counting: it makes the optimizer state, which every later step

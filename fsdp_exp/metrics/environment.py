@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fsdp_exp.memory import device_memory_gb
-from fsdp_exp.metrics.sinks import read_json, write_json
+from fsdp_exp.files import read_json, write_json
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 DEVICE_RECORD = "device.json"

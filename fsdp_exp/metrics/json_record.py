@@ -11,7 +11,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fsdp_exp.metrics.sinks import read_json, write_json
+from fsdp_exp.files import read_json, write_json
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -37,7 +37,7 @@ class Summary(JsonRecord):
 
     # Training (fsdp_exp.rank.trainer, fsdp_exp.metrics.throughput): the steady-state means
     steps: int | None = None
-    peak_settled_at_step: int | None = None  # a run that trains until its peak settles (fsdp_exp.rank.settle)
+    peak_settled_at_step: int | None = None  # a run that trains until its peak settles (fsdp_exp.rank.peak_settled)
     estimate_trace_held: bool | None = None  # the run's own trace was stopped through its timed steps (fsdp_exp.rank.trace_held)
     resumed_from_step: int | None = None
     final_loss: float | None = None

@@ -39,12 +39,13 @@ from fsdp_exp.metrics.flops import (
     peak_column,
     step_flops_figures,
 )
-from fsdp_exp.metrics.sinks import METRICS, JsonLines, Progress, Wandb
+from fsdp_exp.metrics.sinks import METRICS, JsonLines, Progress
+from fsdp_exp.metrics.wandb_sink import Wandb
 from fsdp_exp.metrics.peaks import MemoryMonitor, Runtime
 from fsdp_exp.rank import worker
-from fsdp_exp.rank.trainer import AfterFit, Hooks, OptimizerStep, Trainer, TrainSettings
+from fsdp_exp.rank.trainer import AfterFit, Hooks, OptimizerStep, Trainer, TrainerSettings
 from fsdp_exp.rank.report import Known, StartupMarks
-from fsdp_exp.rank.settle import PeakSettled
+from fsdp_exp.rank.peak_settled import PeakSettled
 from fsdp_exp.rank.trace_held import TraceHeld
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.schedule import lr_schedule
@@ -230,7 +231,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
     first = CountedFirstMicroBatch(model, train.grad_accum, ranks.is_main, figures, cfg.model.name,
                                    analytic_flops(model, data.tokens_per_sample, micro_batch), cfg.loss)
     settled = PeakSettled(**context.settle, device=ranks.device, is_main=ranks.is_main) if context.settle else None
-    settings = TrainSettings(steps=train.steps, batch_size=train.batch_size, log_every=train.log_every,
+    settings = TrainerSettings(steps=train.steps, batch_size=train.batch_size, log_every=train.log_every,
                              warmup_steps=cfg.metrics.warmup_steps, grad_accum=train.grad_accum,
                              tokens_per_sample=data.tokens_per_sample, peak_tflops=peak.tflops,
                              start_step=start_step, start_loss=start_loss)

@@ -33,7 +33,7 @@ def _no_phase(name: str | None) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainSettings:
+class TrainerSettings:
     """The trainer's numbers. `batch_size`: a rank's samples a step, in `grad_accum`
     micro-batches. Every `log_every` steps (and at the last) one record goes to the sinks;
     the first `warmup_steps` are left out of the summary's means. `tokens_per_sample` > 0:
@@ -140,7 +140,7 @@ class Hooks:
     console and wandb). `steps`: called around each step. `first_micro_batch`: what the first
     micro-batch also does (counts FLOPs, checks the model's output). `stop_early(step,
     window_peak_gb)`: called by every rank after each step, with what reads the window's peak so
-    far; True ends training there (a probe whose peak has settled, fsdp_exp.rank.settle).
+    far; True ends training there (a probe whose peak has settled, fsdp_exp.rank.peak_settled).
     `after_fit`: figures added to the summary."""
 
     sinks: list[Sink] = field(default_factory=list)
@@ -162,7 +162,7 @@ class Trainer:
     run's loss option (fsdp_exp.loss). `memory`: the memory figures, by default this rank's
     MemoryMonitor. `checkpoint`: saves the training state."""
 
-    def __init__(self, settings: TrainSettings, ranks: Ranks, model: nn.Module, optimizer: OptimizerStep,
+    def __init__(self, settings: TrainerSettings, ranks: Ranks, model: nn.Module, optimizer: OptimizerStep,
                  loss: LossOption | None = None, batches: Batches | None = None, memory: PeakMemory | None = None,
                  checkpoint: Checkpointer | None = None, hooks: Hooks | None = None):
         self.settings, self.ranks, self.model, self.optimizer = settings, ranks, model, optimizer

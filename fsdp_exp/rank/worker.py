@@ -111,7 +111,7 @@ def setup_rank(run_dir: Path, rank: int) -> None:
     file_only.info("rank %d is pid %d on %s", rank, os.getpid(), socket.gethostname())
 
 
-TORCH_WARNED = "torch warned: "  # the start of a warning kept in the rank's log (launch.core.Echo skips it)
+TORCH_WARNED = "torch warned: "  # the start of a warning kept in the rank's log (launcher.core.Echo skips it)
 
 
 def log_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,

@@ -21,7 +21,7 @@ from fsdp_exp.estimate.gpu import Gpu, gpu_named
 from fsdp_exp.estimate.how_fast import add_speeds, read_calibration, roofline
 from fsdp_exp.estimate.predict import estimate, fits
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launcher.core import RunFailed
 from fsdp_exp.memory import device_memory_gb
 from fsdp_exp.metrics.flops import peak_column
 from fsdp_exp.metrics.plots import plot_tokens
@@ -30,7 +30,7 @@ from fsdp_exp.tasks import Task, setup_line
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
     from fsdp_exp.estimate.speed import Rates
-    from fsdp_exp.launch.core import Launcher
+    from fsdp_exp.launcher.core import Launcher
     from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")

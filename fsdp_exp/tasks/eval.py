@@ -21,7 +21,7 @@ from fsdp_exp.tasks.export import plain_model
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
-    from fsdp_exp.launch.core import Launcher
+    from fsdp_exp.launcher.core import Launcher
     from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")

@@ -19,7 +19,7 @@ from fsdp_exp.tasks import Task
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
-    from fsdp_exp.launch.core import Launcher
+    from fsdp_exp.launcher.core import Launcher
     from fsdp_exp.run_context import RunContext
 
 log = logging.getLogger("fsdp_exp")

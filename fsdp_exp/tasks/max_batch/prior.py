@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_exp.estimate.curve import PeakCurve
 from fsdp_exp.estimate.predict import estimate
-from fsdp_exp.launch.core import RunFailed
+from fsdp_exp.launcher.core import RunFailed
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

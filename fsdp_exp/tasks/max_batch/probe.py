@@ -20,8 +20,8 @@ from typing import Any
 from fsdp_exp.blocks import warmup_steps_to_skip
 from fsdp_exp.checkpoint import NoCheckpoint
 from fsdp_exp.config import Device, Experiment, as_dict
-from fsdp_exp.launch.core import Launcher, RunFailed
-from fsdp_exp.metrics.sinks import WandbMode
+from fsdp_exp.launcher.core import Launcher, RunFailed
+from fsdp_exp.metrics.wandb_sink import WandbMode
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.profile import NoProfile
 from fsdp_exp.rank.train import train_rank
@@ -88,7 +88,7 @@ class Probe:
         judged by them, those sizes would read as inside the noise band. Allocated memory
         keeps growing with the batch, so a GPU probe that trained fits, and the size that
         really runs out of memory sets the boundary. (A GPU rank's peak_under_limit_gb is its
-        reserved peak, what the cap limits: not judged.) As fsdp_exp.rank.settle judges."""
+        reserved peak, what the cap limits: not judged.) As fsdp_exp.rank.peak_settled judges."""
         if self.on_gpu():
             return self.peak_mem_gb
         return self.peak_under_limit_gb if self.peak_under_limit_gb is not None else self.peak_mem_gb
@@ -166,7 +166,7 @@ def probe_config(cfg: Experiment, batch_size: int, steps: int, world_size: int,
 
 
 def settling_rule(cfg: Experiment, steps: int, tolerance_gb: float) -> dict:
-    """A probe's rule for when its peak has settled (fsdp_exp.rank.settle.PeakSettled): checked
+    """A probe's rule for when its peak has settled (fsdp_exp.rank.peak_settled.PeakSettled): checked
     from its `steps`-th step, every (steps less warm-up) steps after, until two checks agree
     within `tolerance_gb` (the search's noise band)."""
     warmup = warmup_steps_to_skip(cfg.train.compile)
@@ -201,7 +201,7 @@ def command_config(cfg: Experiment, batch_size: int, steps: int, job_type: str,
 
 
 def verify_rule(cfg: Experiment, tolerance_gb: float) -> dict:
-    """A run of the command's rule for when its peak has settled (fsdp_exp.rank.settle.PeakSettled):
+    """A run of the command's rule for when its peak has settled (fsdp_exp.rank.peak_settled.PeakSettled):
     first read where a probe first reads it (task.steps_per_probe, past the warm-up a compiled
     step needs), then every VERIFY_WINDOW steps, until its peak rose by at most `tolerance_gb`
     over the last VERIFY_WINDOW: a run that holds still stops after steps_per_probe +

@@ -21,7 +21,7 @@ from typing import Any
 from fsdp_exp.config import Experiment
 from fsdp_exp.estimate.curve import PeakCurve
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.core import Launcher, RunFailed
+from fsdp_exp.launcher.core import Launcher, RunFailed
 from fsdp_exp.memory import device_memory_gb
 from fsdp_exp.metrics.environment import (
     DEVICE_RECORD,

@@ -18,7 +18,7 @@ VERIFY_CAP = 100  # steps: the most a verification runs unless task.verify_steps
 @dataclass(frozen=True)
 class VerifyLength:
     """How long a run of the command verifies an answer: at most `steps` steps, and with
-    `until_settled` only until its peak has settled (fsdp_exp.rank.settle.PeakSettled,
+    `until_settled` only until its peak has settled (fsdp_exp.rank.peak_settled.PeakSettled,
     checked every VERIFY_WINDOW steps). `steps` 0: not verified."""
 
     steps: int

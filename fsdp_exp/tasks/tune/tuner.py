@@ -35,8 +35,8 @@ from fsdp_exp.driver.check import check_run
 from fsdp_exp.driver.compose import compose_config
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError, one_line
-from fsdp_exp.launch.core import RunFailed
-from fsdp_exp.metrics.sinks import write_json
+from fsdp_exp.launcher.core import RunFailed
+from fsdp_exp.files import write_json
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.tune.report import RECORD, command_words, report, tune_record
@@ -57,7 +57,7 @@ from fsdp_exp.tasks.tune.space import Setup, fold_on_cpu, setups
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
     from fsdp_exp.driver.plan import RunPlan
-    from fsdp_exp.launch.core import Launcher
+    from fsdp_exp.launcher.core import Launcher
 
 log = logging.getLogger("fsdp_exp")
 

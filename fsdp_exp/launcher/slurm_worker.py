@@ -1,4 +1,4 @@
-"""launcher=slurm, in each task of the job: one rank of the run (fsdp_exp.launch.slurm
+"""launcher=slurm, in each task of the job: one rank of the run (fsdp_exp.launcher.slurm
 submits the job; submitit pickles a SlurmJob to every task).
 """
 

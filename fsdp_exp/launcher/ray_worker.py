@@ -1,5 +1,5 @@
 """launcher=ray, in each worker: one rank of the run in Ray Train's worker, and the thread
-that reports the run's checkpoints to Ray Train (fsdp_exp.launch.ray starts them).
+that reports the run's checkpoints to Ray Train (fsdp_exp.launcher.ray starts them).
 
 How it works, and why: docs/clusters.md, "Ray Train: how the launcher works".
 """
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.checkpoint.files import LATEST, METADATA, latest, step_name
 from fsdp_exp.errors import one_line
-from fsdp_exp.launch.core import POLL_S
-from fsdp_exp.launch.tail import NewLines
+from fsdp_exp.launcher.core import POLL_S
+from fsdp_exp.launcher.tail import NewLines
 from fsdp_exp.metrics.sinks import METRICS
 from fsdp_exp.rank.worker import RankJob, rank_variables
 

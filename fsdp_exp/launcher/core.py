@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.launch.tail import NewLines
+from fsdp_exp.launcher.tail import NewLines
 from fsdp_exp.rank.worker import TORCH_WARNED, rank_log_path
 
 if TYPE_CHECKING:

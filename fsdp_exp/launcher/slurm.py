@@ -5,7 +5,7 @@ through submitit's local executor on this machine (one process per task, the sam
 pickles, signals and requeue path), so everything but sbatch itself can be tried and
 tested without a cluster.
 
-This is the driver side; each task runs fsdp_exp.launch.slurm_worker.
+This is the driver side; each task runs fsdp_exp.launcher.slurm_worker.
 How it works, and why: docs/clusters.md, "SLURM: how the launcher works".
 """
 
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.errors import ConfigError, at_least, choice
 from fsdp_exp.groups import LauncherOption
-from fsdp_exp.launch.core import (
+from fsdp_exp.launcher.core import (
     POLL_S,
     Echo,
     RankOutcome,
@@ -38,7 +38,7 @@ from fsdp_exp.launch.core import (
     threads_per_rank,
     watch,
 )
-from fsdp_exp.launch.slurm_worker import RankError, SlurmJob, started_path
+from fsdp_exp.launcher.slurm_worker import RankError, SlurmJob, started_path
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

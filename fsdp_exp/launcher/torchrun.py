@@ -22,8 +22,8 @@ import torch
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from fsdp_exp.errors import ConfigError, one_line
-from fsdp_exp.launch.core import RunFailed
-from fsdp_exp.launch.local import LocalLauncher, elastic_run
+from fsdp_exp.launcher.core import RunFailed
+from fsdp_exp.launcher.local import LocalLauncher, elastic_run
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment

@@ -22,7 +22,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fsdp_exp.errors import ConfigError, at_least, choice
 from fsdp_exp.groups import LauncherOption
-from fsdp_exp.launch.core import (
+from fsdp_exp.launcher.core import (
     Interrupted,
     RankOutcome,
     check_nproc,
@@ -32,7 +32,7 @@ from fsdp_exp.launch.core import (
     ranks_per_node,
     scoped_env,
 )
-from fsdp_exp.launch.rank_server import start_rank_server
+from fsdp_exp.launcher.rank_server import start_rank_server
 from fsdp_exp.rank.worker import rank_error, run_rank
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ StartMethod = choice("StartMethod", ("forkserver", "spawn"), __name__)
 class LocalLauncher(LauncherOption):
     nproc_per_node: Any = "auto"  # auto: one rank per GPU, or 2 on a CPU-only machine
     max_restarts: int = 0  # restarts of all ranks after one fails (they resume from the latest checkpoint)
-    # forkserver: the ranks are forked from a process that imported torch once (fsdp_exp.launch.rank_server);
+    # forkserver: the ranks are forked from a process that imported torch once (fsdp_exp.launcher.rank_server);
     # spawn: each rank starts a fresh interpreter and imports torch itself, as a bare torchrun does
     start_method: StartMethod = StartMethod["forkserver"]
     runs_here = True

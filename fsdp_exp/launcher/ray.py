@@ -1,5 +1,5 @@
 """launcher=ray: the ranks as the workers of one Ray Train run (`TorchTrainer`); this is the
-driver side, and each worker runs fsdp_exp.launch.ray_worker.
+driver side, and each worker runs fsdp_exp.launcher.ray_worker.
 
     python -m fsdp_exp launcher=ray                          # a local Ray, started here
     python -m fsdp_exp launcher=ray launcher.address=auto    # join the cluster of this node
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_exp.distributed import backend_for
 from fsdp_exp.errors import ConfigError, at_least, one_line
 from fsdp_exp.groups import LauncherOption
-from fsdp_exp.launch.core import (
+from fsdp_exp.launcher.core import (
     Echo,
     RankOutcome,
     RunFailed,
@@ -36,7 +36,7 @@ from fsdp_exp.launch.core import (
     missing_extra,
     watch,
 )
-from fsdp_exp.launch.ray_worker import RayJob, _train_loop, size
+from fsdp_exp.launcher.ray_worker import RayJob, _train_loop, size
 from fsdp_exp.rank.worker import rank_log_path
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, precheck, read_json, read_jsonl, run_cli
+from tests.conftest import REPO, precheck, read_json, read_jsonl, run_cli, user_package
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 
@@ -88,6 +88,9 @@ MYNET = ["model=mynet", "data=squares"]
     ([*MYNET, "model.blocks=[mypkg.model.Net,torch.nn.GRU]"],
      "model.blocks: torch.nn.modules.rnn.GRU is not in the model mypkg.model.Net builds"),
     ([*MYNET, "model.num_classes=3"], "model.num_classes=3: smaller than the data's 4 classes"),
+    ([*MYNET, "model.num_classes=5"],
+     "model.num_classes=5: more than the data's 4 classes (mypkg.model.Net returns 5 logits per sample); "
+     "set model.num_classes=4"),
     (["model=mynet", "data=synthetic_tokens"], "data.seq_len=128: model mypkg.model.Net cannot read this data's inputs"),
     (["model=custom", "model._target_=torch.nn.Identity", "sharding.wrap=root", "data=squares"],
      "model: torch.nn.Identity returns logits of shape [2, 1, 28, 28] for targets of shape [2]"),
@@ -101,9 +104,60 @@ def test_a_model_or_data_that_breaks_the_contract_gets_one_line(project: Path, o
     assert message in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
-def test_num_classes_larger_than_the_data_is_fine(project: Path) -> None:
-    """Logits over more classes than the data has still train (the extra ones go unused)."""
-    precheck(["model=mynet", "data=squares", "model.num_classes=10", SEARCHPATH])
+SEGMENTATION = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+
+    def forward(self, x):
+        return x + torch.relu(self.conv(x))
+
+
+class UNetish(nn.Module):
+    def __init__(self, classes=3, width=8):
+        super().__init__()
+        self.stem, self.block, self.head = nn.Conv2d(1, width, 3, padding=1), Block(width), nn.Conv2d(width, classes, 1)
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x)))
+
+
+class Masks(torch.utils.data.Dataset):
+    classes = ["background", "disc", "ring"]
+
+    def __init__(self, train=True):
+        g = torch.Generator().manual_seed(0 if train else 1)
+        self.images = torch.randn(32, 1, 16, 16, generator=g)
+        self.masks = torch.randint(0, 3, (32, 16, 16), generator=g)
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.images[i], self.masks[i]
+'''
+SEGMENT = ["model=custom", "model._target_=seg.UNetish", "model.blocks=[seg.Block]", "data=custom",
+           "data._target_=seg.Masks", "loss.class_dim=1", "train.batch_size=8", "wandb.mode=disabled"]
+
+
+@pytest.mark.parametrize("classes, refused", [(3, None), (2, "smaller than"), (5, "more than")])
+def test_a_segmentation_models_classes_are_checked_both_ways_against_the_datas(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, classes: int, refused: str | None) -> None:
+    """A user's segmentation net (logits (batch, classes, H, W)) on a data set that names its
+    3 classes: as many logits as classes pass; fewer or more are refused, naming the setting."""
+    user_package(tmp_path, monkeypatch, "seg", SEGMENTATION)
+    overrides = [*SEGMENT, f"+model.classes={classes}"]
+    if refused is None:
+        precheck(overrides)
+        return
+    with pytest.raises(ConfigError) as refusal:
+        precheck(overrides)
+    assert str(refusal.value).startswith(f"model.classes={classes}: {refused} the data's 3 classes"), str(refusal.value)
 
 
 def test_the_users_data_holds_out_samples_for_eval(project: Path) -> None:

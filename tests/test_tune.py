@@ -322,13 +322,13 @@ def test_the_chart_stars_the_winner_and_draws_the_limit(tmp_path):
 # --- setups composed as their command lines (no rank starts) ---
 
 
-def tuner(tmp_path: Path, *overrides: str):
+def tuner(tmp_path: Path, *overrides: str, model: str = "cnn"):
     from fsdp_exp.cli import compose_checked
     from fsdp_exp.driver.plan import prepare
     from fsdp_exp.run_context import RunContext
     from fsdp_exp.tasks.tune.tuner import Tuner
 
-    command = ["task=tune", "model=cnn", "memory.limit_gb=0.6", "wandb.mode=disabled", *overrides]
+    command = ["task=tune", f"model={model}", "memory.limit_gb=0.6", "wandb.mode=disabled", *overrides]
     plan = prepare(compose_checked(command), 0)
     return Tuner(plan.exp, RunContext(environment={"overrides": command}), tmp_path, plan.launcher, plan.nproc)
 
@@ -379,10 +379,11 @@ def test_a_tune_on_a_cpu_tries_offload_false_alone_and_says_why(tmp_path):
 
 def test_the_setups_estimates_are_traced_side_by_side_each_into_its_own_record(tmp_path, caplog):
     """Two real traces at once on the 2 cores: both start before either ends, and each
-    setup's record holds its own curve (a 100,000-class head adds about 0.2 GB at batch 1)."""
-    tune = tuner(tmp_path, "+task.space.model.num_classes=[10,100000]", "task.space.sharding=[full]",
-                 "task.space.train.activation_checkpointing=[false]", "task.space.offload=[false]",
-                 "task.search_up_to=16", "memory.limit_gb=2")
+    setup's record holds its own curve (a 2-layer ViT's MLPs 256 times wider hold about
+    0.2 GB more at batch 1)."""
+    tune = tuner(tmp_path, "model.num_layers=2", "+task.space.model.mlp_dim=[128,32768]",
+                 "task.space.sharding=[full]", "task.space.train.activation_checkpointing=[false]", "task.space.offload=[false]",
+                 "task.search_up_to=16", "memory.limit_gb=2", model="vit")
     tune.entries = [tune.prepare(s) for s in setups(tune.settings.space, tune.command, tune.nproc, 1, as_dict(tune.exp))]
     with caplog.at_level("INFO", logger="fsdp_exp"):
         tune.estimate_all(tune.entries)

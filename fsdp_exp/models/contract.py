@@ -151,6 +151,13 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
         setting = setting_of(spec.kwargs, classes, ("vocab", "class"))
         raise ConfigError(f"{setting}: smaller than the data's {needed} {'tokens' if language else 'classes'} "
                           f"({spec.name} returns {classes} logits per {'token' if language else 'sample'})")
+    # Classes both ways: logits past the data's classes are never a target, yet take their share
+    # of the softmax. (A vocabulary may be larger than the tokens a data set uses: GPT-2's 50257.)
+    if needed is not None and classes is not None and classes > needed and not language:
+        setting = setting_of(spec.kwargs, classes, ("class", "label"))
+        fix = f"set {setting.split('=')[0]}={needed}" if "=" in setting else f"make it return {needed}"
+        raise ConfigError(f"{setting}: more than the data's {needed} classes ({spec.name} returns {classes} "
+                          f"logits per sample); {fix}")
     longest = getattr(model, "max_seq_len", None)  # the contract's optional limit
     if language and longest is not None and inputs.shape[-1] > longest:
         setting = setting_of(spec.kwargs, longest, ("position", "block", "seq"))

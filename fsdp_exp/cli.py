@@ -61,7 +61,8 @@ def main() -> None:
         check_search_path(sys.argv[1:])
         shown = shown_config(sys.argv[1:])
         # CheckRun and the sweeper (conf/config.yaml) check each run before it starts;
-        # RunOutcomes ends the process with EXIT_RUN_FAILED when a run failed.
+        # RunOutcomes ends the process with EXIT_RUN_FAILED when a run failed (EXIT_NONE_FITS: a search
+        # found that nothing fits).
         hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(RunTask(side_by_side))()
         if shown:  # Hydra printed it without the checks a run makes: a refused one ends in its line
             check_run(compose_config(overrides_of(sys.argv[1:])))

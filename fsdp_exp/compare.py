@@ -21,8 +21,8 @@ from typing import Any
 from fsdp_exp.finished_runs import CompareError, Run, Skipped, find_run_dirs, is_run_dir, load_run, wandb_runs
 from fsdp_exp.keys import MISSING, lookup
 from fsdp_exp.metrics.plots import none_fits, plot_comparison, plot_throughput_vs_memory
+from fsdp_exp.metrics.summary import ANSWERED, Summary
 from fsdp_exp.metrics.wandb_sink import wandb_project
-from fsdp_exp.metrics.summary import Summary
 
 EXIT_BAD_INPUT = 2
 COLUMNS = ["setup", "task", "status", "max_batch_size", "fastest_batch_size", "near_fastest_batch_size",
@@ -170,7 +170,7 @@ def row(run: Run, setup: str) -> dict:
         "estimate_error": s.estimate_ratio - 1 if s.estimate_ratio else None,
         "world_size": s.world_size, "mfu": s.mfu,
         **{k: s.get(k) for k in ("final_loss", "eval_loss", "eval_accuracy")},
-        "note": failure_reason(s) if s.status != "ok" else None,
+        "note": failure_reason(s) if not s.answered else None,
         **task_figures(task, s, run),
         "run_dir": run.source, "error": s.error, "overrides": " ".join(run.overrides),
     }
@@ -191,11 +191,11 @@ def task_figures(task: str, s: Summary, run: Run) -> dict:
         note = verification_note(s) if verified not in (None, "completed") and (max_batch or verified == "none completed") \
             else none_fits(s) if max_batch == 0 else None
         return {"max_batch_size": max_batch, "batch_size": max_batch,
-                **({"note": note} if note and s.status == "ok" else {})}
+                **({"note": note} if note and s.answered else {})}
     if task == "tune":
         peak_key = "peak_under_limit_gb" if s.limit_gb is not None else "peak_mem_gb"
         return {"max_batch_size": s.max_batch_size, "batch_size": s.batch_size,
-                peak_key: s.peak_gb, **({"note": tune_note(s)} if s.status == "ok" else {})}
+                peak_key: s.peak_gb, **({"note": tune_note(s)} if s.answered else {})}
     if task == "estimate":
         return {"max_batch_size": s.largest_batch_fitting, "batch_size": s.batch_size,
                 "estimated_peak_mem_gb": s.peak_mem_gb, "peak_mem_gb": None,
@@ -401,7 +401,7 @@ def markdown(rows: list[dict], skipped: list[Skipped], common: list[str] | None 
     if common and len(rows) > 1:
         parts += [f"Every run: `{' '.join(common)}`", ""]
     parts += [markdown_table(rows)]
-    failed = [r for r in rows if r["status"] != "ok"]
+    failed = [r for r in rows if r["status"] not in ANSWERED]
     if failed:
         parts += ["", "## Failed runs", ""]
         parts += [f"- `{r['run_dir']}` ({r['setup']}): {r['status']}: {r['note']}" for r in failed]

@@ -113,6 +113,21 @@ def test_the_answer_line_when_none_fits():
                                       "7 probes, 91 s of probing, 40 s verifying")
 
 
+def test_none_fits_is_a_status_of_its_own_and_exit_code_3_unless_a_run_failed():
+    from fsdp_exp.driver.outcomes import EXIT_NONE_FITS, EXIT_RUN_FAILED, exit_code
+    from fsdp_exp.metrics.summary import Summary
+
+    complete = {"searched_from": 1, "data_share_per_rank": 1024, "samples_per_s": None, "peak_mem_gb": None,
+                "peak_mem_gb_per_rank": None, "run_beyond_probe_gb": None}
+    none = summary_figures(record(**complete, max_batch_size=0, smallest_batch_needs_gb=3.65, fastest_batch_size=None))
+    assert none["status"] == "none_fits" and "status" not in summary_figures(record(**complete))
+    found = Summary(status="ok").with_figures(none)  # as the driver makes the summary of the task's figures
+    assert found.status == "none_fits" and found.answered and not found.ok
+    ok, failed = Summary(status="ok"), Summary(status="oom")
+    assert (exit_code([ok]), exit_code([found]), exit_code([ok, found])) == (0, EXIT_NONE_FITS, EXIT_NONE_FITS) == (0, 3, 3)
+    assert exit_code([found, failed]) == EXIT_RUN_FAILED == 1  # a failure says more than an answer
+
+
 def test_an_answer_that_a_run_of_the_command_did_not_hold_says_where_it_stepped_down_from():
     stepped = record(max_batch_size=592, bounded_by="verification", verification={
         "steps": 50, "status": "stepped down", "ran_out_of_memory_at": [652, 620],

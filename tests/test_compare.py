@@ -226,13 +226,13 @@ def test_none_fits_is_a_row_with_what_batch_one_needs(tmp_path: Path) -> None:
     make_run(tmp_path / "runs" / "1", max_batch_summary(
         "ddp", 0, recommended_batch_size=0, bounded_by="oom", samples_per_s=None, fastest_batch_size=None,
         fastest_samples_per_s=None, near_fastest_batch_size=None, peak_under_limit_gb=None, peak_mem_gb=None,
-        smallest_batch_needs_gb=3.6512))
+        smallest_batch_needs_gb=3.6512, status="none_fits"))
     code, rows, md = compare(tmp_path / "runs", out=tmp_path / "out")
     assert code == 0
-    assert "| sharding=ddp | max_batch | ok | none fits (batch 1 needs 3.65 GB) | - | - | 0 |" in md
-    assert "Failed runs" not in md
+    assert "| sharding=ddp | max_batch | none_fits | none fits (batch 1 needs 3.65 GB) | - | - | 0 |" in md
+    assert "Failed runs" not in md  # an answer, not a failure
     ddp = rows[1]
-    assert (ddp["status"], ddp["max_batch_size"], ddp["note"]) == ("ok", "0", "none fits (batch 1 needs 3.65 GB)")
+    assert (ddp["status"], ddp["max_batch_size"], ddp["note"]) == ("none_fits", "0", "none fits (batch 1 needs 3.65 GB)")
     assert (tmp_path / "out" / "comparison.png").read_bytes().startswith(PNG_MAGIC)
     rows = [{"setup": "sharding=full", "task": "max_batch", "status": "ok", "max_batch_size": 212,
              "samples_per_s": 400.5},

@@ -93,11 +93,11 @@ def test_max_batch_probes_run_as_jobs_and_the_answer_is_printed(tmp_path: Path) 
 @pytest.mark.slow
 def test_max_batch_oom_probes_are_ooms(tmp_path: Path) -> None:
     """Under a limit below what batch 1 needs, the probe is an oom, and a second job measures
-    what batch 1 needs without the limit: none fits, which is a result."""
+    what batch 1 needs without the limit: none fits, which is a result (exit code 3)."""
     run_dir = tmp_path / "search"
     result = run_cli(*SLURM_LOCAL, "task=max_batch", "memory.limit_gb=0.3", *SMALL_VIT, f"hydra.run.dir={run_dir}",
                      cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 3, result.stderr[-3000:]
     assert "probe 1: batch 1: oom (rank " in result.stdout and "failed: OutOfMemory: " in result.stdout
     assert "max batch: none fits under memory.limit_gb=0.3: batch 1 needs" in result.stdout
     record = read_json(run_dir / "max_batch.json")

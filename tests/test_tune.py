@@ -224,6 +224,24 @@ def test_the_winner_run_again_sets_the_noise_band():
     assert (record["winner_confirmed"], failed["winner_confirmed"]) == (True, False)
 
 
+def test_a_tune_where_no_setup_fits_ends_with_status_none_fits_and_compare_shows_it(tmp_path):
+    from tests.test_compare import compare, make_run
+
+    fit_none = [Row("sharding=ddp", ["sharding=ddp"], "does not fit", "batch 1 needs 0.69 GB under the limit"),
+                Row("sharding=full", ["sharding=full"], "does not fit", "batch 1 needs 0.61 GB under the limit")]
+    record = tune_record(fit_none, prefix=[], world_size=2, limit_gb=0.5, budget="none", stopped=False, probes_run=4,
+                         probes_reused=0, tokens_per_sample=0, wall_s=1.0)
+    figures = summary_of(record)
+    assert figures["status"] == "none_fits" and figures["winner"] is None
+    assert "status" not in summary_of(tune_record(rows(), prefix=[], world_size=2, limit_gb=0.6, budget="none",
+                                                  stopped=False, probes_run=9, probes_reused=0, tokens_per_sample=0,
+                                                  wall_s=1.0))  # one setup fits: ok, as the driver says
+    make_run(tmp_path / "runs" / "0", {"status": "ok", **figures}, ["task=tune"])
+    code, shown, md = compare(tmp_path / "runs", out=tmp_path / "out")
+    assert code == 0 and shown[0]["status"] == "none_fits"
+    assert shown[0]["note"] == "no setup trained under the limit" and "Failed runs" not in md
+
+
 def test_the_answer_and_compare_give_the_winners_speed_as_its_command_line_ran(tmp_path):
     """The table ranks the setups by their probes, alike; the answer, the summary and compare
     give the winner at the speed its command line, run as printed, trained at."""

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fsdp_exp import distributed
 from fsdp_exp.config import Device, Experiment
+from fsdp_exp.driver.outcomes import exit_code
 from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.errors import ConfigError, one_line
@@ -122,7 +123,7 @@ def run_as_worker(argv: list[str], compose: Callable[[list[str]], DictConfig]) -
         OmegaConf.save(OmegaConf.create(argv), run_dir / ".hydra" / "overrides.yaml")
     dist.barrier()
     summary = run_experiment(plan, run_dir, argv, made.choices, writes_files=rank == 0)
-    return 0 if summary.ok else 1
+    return exit_code([summary])
 
 
 def plan_here(argv: list[str], compose: Callable[[list[str]], DictConfig],

@@ -80,7 +80,7 @@ def run_experiment(
     summary.wall_s = time.perf_counter() - start
     if writes_files:
         summary.write(run_dir)
-        if summary.ok:
+        if summary.answered:
             log.info("%s\n%s", run_dir / SUMMARY, summary_table(summary))
     return summary
 

@@ -17,12 +17,14 @@ from typing import Any, ClassVar
 from fsdp_exp.metrics.json_record import JsonRecord
 
 SUMMARY = "summary.json"  # a run directory's summary, written by its driver
+NONE_FITS = "none_fits"  # task=max_batch or tune: not even the smallest batch fits (exit code 3)
+ANSWERED = ("ok", NONE_FITS)
 
 
 @dataclass(kw_only=True, slots=True)
 class Summary(JsonRecord):
     # How the run ended (fsdp_exp.driver.run); `reason`: why its check refused it (a sweep's row)
-    status: str | None = None  # ok, failed, oom, interrupted, refused
+    status: str | None = None  # ok, none_fits (a search: not even its smallest batch fits), failed, oom, interrupted, refused
     error: str | None = None
     reason: str | None = None
     signal: str | None = None  # interrupted: SIGINT or SIGTERM
@@ -173,6 +175,11 @@ class Summary(JsonRecord):
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def answered(self) -> bool:
+        """The run ended with its answer: `ok`, or a search's `none_fits`."""
+        return self.status in ANSWERED
 
 
 NAMES = Summary.names()

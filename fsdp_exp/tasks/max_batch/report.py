@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fsdp_exp.metrics.summary import NONE_FITS
 from fsdp_exp.tasks.wandb_record import log_record
 from fsdp_exp.tasks.max_batch.answer import answer_line
 from fsdp_exp.tasks.max_batch.plot import plot_max_batch
@@ -44,6 +45,8 @@ def summary_figures(record: MaxBatchRecord) -> dict:
                "probes": record.probe_count, "verification": record.verification["status"]}
     if record.recommended_keeps_margin is False:  # as the answer's line says: none is recommended
         figures["recommended_batch_size"] = None
+    if record.max_batch_size == 0:  # an answer, but not a success a script should read as one
+        figures["status"] = NONE_FITS
     return figures
 
 

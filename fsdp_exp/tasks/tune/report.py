@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_exp.metrics.plots import plot_throughput_vs_memory
+from fsdp_exp.metrics.summary import NONE_FITS
 from fsdp_exp.tasks.wandb_record import log_record
 from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, ranked, table, ties, winner
 
@@ -184,7 +185,11 @@ def summary_of(record: dict) -> dict:
     keys = ("winner", "command", "batch_size", "max_batch_size", "grad_accum", "step_s", "samples_per_s",
             "probed_samples_per_s", "tokens_per_s", "peak_gb", "speed_noise", "confirmed", "winner_confirmed",
             "as_fast", "limit_gb", "world_size", "setups", "settled", "probes", "probes_reused", "stopped_by_budget")
-    return {"task": "tune", **{k: record.get(k) for k in keys}}
+    figures = {"task": "tune", **{k: record.get(k) for k in keys}}
+    rows = record.get("rows") or []
+    if rows and all(r.get("status") == "does not fit" for r in rows):  # no setup fits: the tune's answer
+        figures["status"] = NONE_FITS
+    return figures
 
 
 SETUP_COLUMNS = ("setup", "status", "how", "batch_size", "grad_accum", "samples_per_s", "predicted_samples_per_s",

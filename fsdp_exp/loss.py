@@ -94,6 +94,11 @@ class CrossEntropy(LossOption):
                               f"of logits of shape {self.expected(targets)}: return that from forward (a Hugging "
                               f"Face model's output: its .logits)")
         got = f"logits of shape {list(output.shape)}" if isinstance(output, torch.Tensor) else f"a {type(output).__name__}"
+        if isinstance(output, torch.Tensor) and output.dim() == len(expected) + 1 and self.class_dim != 1 \
+                and tuple(output.shape[:1]) + tuple(output.shape[2:]) == expected:
+            # classes on dimension 1, as a segmentation net returns them (batch, classes, H, W)
+            raise ConfigError(f"model: {model} returns {got} for targets of shape {list(expected)}: its classes are "
+                              f"on dimension 1 (a segmentation net's [batch, classes, *S]); set loss.class_dim=1")
         raise ConfigError(f"model: {model} returns {got} for targets of shape {list(expected)}; expected logits of "
                           f"shape {self.expected(targets)}{hint}")
 

@@ -145,6 +145,27 @@ SEGMENT = ["model=custom", "model._target_=seg.UNetish", "model.blocks=[seg.Bloc
            "data._target_=seg.Masks", "loss.class_dim=1", "train.batch_size=8", "wandb.mode=disabled"]
 
 
+def test_a_segmentation_nets_logits_without_loss_class_dim_name_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logits (batch, classes, H, W) for targets (batch, H, W): the line names loss.class_dim=1,
+    and no built-in model (the net is the user's own)."""
+    user_package(tmp_path, monkeypatch, "seg", SEGMENTATION)
+    with pytest.raises(ConfigError) as refusal:
+        precheck([o for o in SEGMENT if o != "loss.class_dim=1"])
+    assert str(refusal.value) == (
+        "model: seg.UNetish returns logits of shape [2, 3, 16, 16] for targets of shape [2, 16, 16]: its classes are "
+        "on dimension 1 (a segmentation net's [batch, classes, *S]); set loss.class_dim=1")
+
+
+def test_a_users_image_model_of_the_wrong_shape_is_not_told_of_the_built_in_models(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    user_package(tmp_path, monkeypatch, "seg", SEGMENTATION)
+    with pytest.raises(ConfigError) as refusal:
+        precheck(["model=custom", "model._target_=torch.nn.Flatten", "sharding.wrap=root", "data=custom",
+                  "data._target_=seg.Masks", "train.batch_size=8", "wandb.mode=disabled"])
+    assert "model=vit" not in str(refusal.value) and "logits of shape" in str(refusal.value), str(refusal.value)
+
+
 @pytest.mark.parametrize("classes, refused", [(3, None), (2, "smaller than"), (5, "more than")])
 def test_a_segmentation_models_classes_are_checked_both_ways_against_the_datas(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, classes: int, refused: str | None) -> None:

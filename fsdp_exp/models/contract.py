@@ -118,7 +118,7 @@ def check_model_reads_data(spec: ModelSpec, model: nn.Module | None, data: Train
     inputs, targets = item
     language = data.tokens_per_sample > 0
     key = f"data.seq_len={inputs.shape[-1]}" if language else "data"
-    kind = data_kind(inputs, targets, language, loss)
+    kind = data_kind(inputs, targets, language, loss, builtin=spec.target.startswith("fsdp_exp."))
     if model is None:
         return
     check_channels(spec, inputs, language)
@@ -284,18 +284,22 @@ def check_channels(spec: ModelSpec, inputs: torch.Tensor, language: bool) -> Non
                               f"({describe(inputs)}); set model.{key}={inputs.shape[0]}")
 
 
-def data_kind(inputs: torch.Tensor, targets: torch.Tensor, language: bool, loss: LossOption) -> str:
+def data_kind(inputs: torch.Tensor, targets: torch.Tensor, language: bool, loss: LossOption,
+              builtin: bool = True) -> str:
     """What the data gives, and which models read it with the run's loss: cross-entropy
-    trains classifiers (of images or other samples) and next-token language models."""
+    trains classifiers (of images or other samples) and next-token language models. The
+    built-in models are named only to a run of one (`builtin`): a user's own model is theirs
+    to fit to the data."""
     if not isinstance(loss, CrossEntropy):
         return f"this data's targets are of shape {list(targets.shape)}"
     if language:
-        return "this data gives token sequences: use a language model (model=gpt or model=hf)"
+        return ("this data gives token sequences: use a language model (model=gpt or model=hf)" if builtin
+                else "this data gives token sequences: a language model returns logits of shape [batch, tokens, vocab]")
     if targets.is_floating_point():
         return (f"this data's targets are {str(targets.dtype).removeprefix('torch.')} values of shape "
                 f"{list(targets.shape)}: loss=cross_entropy reads class logits (classifiers and next-token "
                 "language models); for a regression use loss=mse")
-    if inputs.dim() == 3:
+    if inputs.dim() == 3 and builtin:
         return ("this data gives images (model=vit, cnn or resnet reads them); a language model reads "
                 "data=synthetic_tokens, text, token_file or padded_tokens")
     return (f"this data gives samples of shape {list(inputs.shape)} and class targets: a classifier of them returns "

@@ -180,7 +180,7 @@ def test_dict_batches_with_the_users_loss_and_the_models_own_train_alike_sharded
     (["loss=mse"], "data.target_key=labels", ("image, tokens, target, id", "loss=model", "loss=custom")),
     (["loss=custom"], "loss._target_", ("my_loss",)),
     (["loss=custom", "loss._target_=pairs.no_loss"], "loss._target_=pairs.no_loss", ("Tensor[2]", "scalar")),
-    (["loss=custom", "loss._target_=pairs.missing"], "loss._target_=pairs.missing", ("cannot import",)),
+    (["loss=custom", "loss._target_=pairs.missing"], "loss._target_=pairs.missing", ("pairs has no 'missing'",)),
     (["loss=custom", "loss._target_=pairs.my_loss", "data.input_keys=[image]"], "data.input_keys=[image]",
      ("needs tokens", "image, tokens, target, id")),
     (["loss=custom", "loss._target_=pairs.my_loss", "data.input_keys=[image,text]"], "data.input_keys=[image, text]",

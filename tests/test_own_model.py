@@ -157,6 +157,23 @@ def test_a_segmentation_nets_logits_without_loss_class_dim_name_it(tmp_path: Pat
         "on dimension 1 (a segmentation net's [batch, classes, *S]); set loss.class_dim=1")
 
 
+@pytest.mark.parametrize("source, target, said", [
+    ("import nonexistent_dependency\n", "broken.Net",
+     "model._target_=broken.Net: importing broken failed: No module named 'nonexistent_dependency' "
+     "(a package it imports is not installed)"),
+    ("raise RuntimeError('no GPU driver here')\n", "broken.Net",
+     "model._target_=broken.Net: importing broken failed: RuntimeError: no GPU driver here"),
+    ("class Unet:\n    pass\n", "broken.UNet", "model._target_=broken.UNet: broken has no 'UNet'; did you mean Unet?"),
+])
+def test_a_target_that_does_not_import_is_one_line_with_its_whole_cause(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, target: str, said: str) -> None:
+    user_package(tmp_path, monkeypatch, "broken", source)
+    with pytest.raises(ConfigError) as refusal:
+        precheck(["model=custom", f"model._target_={target}", "wandb.mode=disabled"])
+    assert str(refusal.value) == said
+    sys.modules.pop("broken", None)
+
+
 def test_a_users_image_model_of_the_wrong_shape_is_not_told_of_the_built_in_models(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     user_package(tmp_path, monkeypatch, "seg", SEGMENTATION)

@@ -68,8 +68,9 @@ def main() -> None:
             check_run(compose_config(overrides_of(sys.argv[1:])))
     except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
         line = str(err) if isinstance(err, (ConfigError, BadInput)) else config_error_line(err)
-        line = model_key_line(line, sys.argv[1:])
-        print(f"fsdp_exp: {line}{swept_group_hint(line, sys.argv[1:])}", file=sys.stderr)
+        line = builder_key_line(line, sys.argv[1:])
+        print(f"fsdp_exp: {line}{swept_group_hint(line, sys.argv[1:])}{search_path_hint(line, sys.argv[1:])}",
+              file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (kill, SLURM)
         if not getattr(err, "run_reported", False):  # the run in flight has logged where it stopped
@@ -141,23 +142,41 @@ def overrides_of(argv: list[str]) -> list[str]:
     return overrides
 
 
-def model_key_line(line: str, argv: list[str]) -> str:
-    """`model.n_head=8` on a model option without that key: Hydra's answer is to add it with
-    `+model.n_head=8`, which is right only when the builder takes it. So the `+` is tried
-    here, and when the builder does not take the key, the line says what it does take."""
-    match = re.match(r"(model\.\w+): not in model; add a new key", line)
+def builder_key_line(line: str, argv: list[str]) -> str:
+    """`model.n_head=8` on a model option without that key (or `data.num_sample=10` on a data
+    set of the user's): Hydra's answer is to add it with `+model.n_head=8`, which is right
+    only when the builder takes it. So the `+` is tried here, and when the builder does not
+    take the key, the line says what it does take."""
+    match = re.match(r"((model|data)\.\w+): not in \2; add a new key", line)
     given = match and next((a for a in argv if a.partition("=")[0] == match.group(1)), None)
     if not given or any(a in ("-m", "--multirun") for a in argv):
         return line
     added = [f"+{a}" if a == given else a for a in overrides_of(argv)]
     try:
-        config.build(compose_config(added)).model.check_arguments()
+        option = getattr(config.build(compose_config(added)), match.group(2))
+        if hasattr(option, "check_arguments"):
+            option.check_arguments()
     except ConfigError as refused:
         if str(refused).startswith(f"{match.group(1)}: unknown key"):
             return str(refused)
     except (HydraException, OmegaConfBaseException):
         pass
     return line
+
+
+def search_path_hint(line: str, argv: list[str]) -> str:
+    """For `model=mynet` without `hydra.searchpath`: an option of the user's own lives in
+    their config folder, which Hydra reads only from its search path."""
+    match = re.match(r"(\w+)=(\S+): no such option", line)
+    if not match or any(a.lstrip("+").startswith("hydra.searchpath") for a in argv):
+        return ""
+    group, name = match.groups()
+    here = next((folder for folder in ("conf", "configs", "config")
+                 if (Path.cwd() / folder / group / f"{name}.yaml").is_file()), None)
+    if here:
+        return f"; ./{here}/{group}/{name}.yaml is here: add 'hydra.searchpath=[file://./{here}]'"
+    return (f"; an option of your own is read from your config folder: add 'hydra.searchpath=[file://./conf]' "
+            f"(the folder that holds {group}/{name}.yaml)")
 
 
 def swept_group_hint(line: str, argv: list[str]) -> str:

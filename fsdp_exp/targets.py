@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import os
 from typing import Any
 
@@ -46,6 +47,25 @@ def attribute(key: str, target: str, found: Any, module_name: str, names: list[s
             raise ConfigError(f"{key}={target}: {where} has no {name!r}{hint}")
         found, where = getattr(found, name), f"{where}.{name}"
     return found
+
+
+def check_keywords(group: str, target: str, builder: Any, given: Any, own: tuple[str, ...],
+                   also: str = "", passed: tuple[str, ...] = ()) -> None:
+    """Every key the option (`group`: model, data) passes its builder is one the builder
+    takes; else one line naming the key and the keys it could be (the option's own, `own`,
+    and the builder's, but those fsdp_exp passes itself, `passed`). `also`: what the line adds."""
+    try:
+        params = inspect.signature(builder).parameters
+    except (TypeError, ValueError):  # a builder without a signature to read
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    takes = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in passed]
+    for key in given:
+        if key not in takes:
+            allowed = ", ".join(sorted({*takes, *own}))
+            raise ConfigError(f"{group}.{key}: unknown key; {group} has: {allowed} "
+                              f"({target} takes {', '.join(takes) or 'no arguments'}{also})")
 
 
 def where_python_looks() -> str:

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from fsdp_exp.data import TrainData
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.targets import imported
+from fsdp_exp.targets import check_keywords, imported
 
 OWN_KEYS = ("_target_", "num_workers", "input_keys", "target_key")
 
@@ -47,6 +47,11 @@ class CustomData(TrainData):
     def builder(self) -> Any:
         return imported("data._target_", self.target)
 
+    def check_arguments(self) -> None:
+        """Every key the option passes is one the builder takes (`train` is fsdp_exp's to give)."""
+        check_keywords("data", self.target, self.builder(), self.kwargs, ("num_workers", "input_keys", "target_key"),
+                       passed=("train",))
+
     def __getstate__(self) -> dict:
         """Ranks build their own dataset: the driver's copy, made for the checks, stays."""
         return {k: v for k, v in self.__dict__.items() if k != "_built"}
@@ -61,6 +66,7 @@ class CustomData(TrainData):
 
     def _build(self, train: bool) -> Dataset:
         builder = self.builder()
+        self.check_arguments()
         kwargs = dict(self.kwargs)
         if not train:
             if "train" not in _parameters(builder):

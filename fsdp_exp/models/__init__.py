@@ -7,7 +7,6 @@ builder, so a user's model with arguments fsdp_exp cannot know needs no code her
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -15,7 +14,7 @@ from hydra.utils import get_class
 from torch import nn
 
 from fsdp_exp.errors import Choice, ConfigError, one_line
-from fsdp_exp.targets import imported
+from fsdp_exp.targets import check_keywords, imported
 
 
 
@@ -85,19 +84,8 @@ class ModelSpec:
 
     def check_arguments(self) -> None:
         """Every key the option passes is one the builder takes."""
-        try:
-            params = inspect.signature(self.builder()).parameters
-        except (TypeError, ValueError):  # a builder without a signature to read
-            return
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return
-        takes = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        for key in self.kwargs:
-            if key not in takes:
-                allowed = ", ".join(sorted([*takes, "blocks", "init_device"]))
-                raise ConfigError(f"model.{key}: unknown key; model has: {allowed} "
-                                  f"({self.target} takes {', '.join(takes) or 'no arguments'}; "
-                                  "model=custom starts another builder with none of this option's keys)")
+        check_keywords("model", self.target, self.builder(), self.kwargs, ("blocks", "init_device"),
+                       "; model=custom starts another builder with none of this option's keys")
 
     def build(self) -> tuple[nn.Module, tuple[type[nn.Module], ...]]:
         """The model, and the classes whose instances become their own FSDP unit."""

@@ -228,7 +228,10 @@ def tune_note(s: Summary) -> str:
 
 
 def failure_reason(summary: Summary) -> str:
-    """The first line of what a failed, out-of-memory or refused run recorded."""
+    """The first line of what a failed, out-of-memory or refused run recorded; for an
+    interrupted one, where it stopped (its figures are those of the steps it logged)."""
+    if summary.status == "interrupted":
+        return f"interrupted ({summary.signal or 'stopped'}) after step {summary.steps_done}: its figures so far"
     text = str(summary.error or summary.reason or "").strip()
     return text.splitlines()[0] if text else "no error recorded"
 

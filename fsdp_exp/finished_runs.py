@@ -14,7 +14,7 @@ from fsdp_exp.errors import one_line
 from fsdp_exp.metrics.summary import SUMMARY, Summary
 
 NOT_FINISHED = "no summary.json: the run did not finish (interrupted or still running)"
-INTERRUPTED = "interrupted: the run was stopped before it finished"
+INTERRUPTED = "interrupted before its first logged step: nothing to compare"
 
 
 class CompareError(Exception):
@@ -88,7 +88,7 @@ def load_run(run_dir: Path) -> Run | Skipped:
         return Skipped(str(run_dir), f"summary.json cannot be read ({err})")
     if not isinstance(summary, dict) or "status" not in summary:
         return Skipped(str(run_dir), "summary.json has no run status")
-    if summary["status"] == "interrupted":
+    if summary["status"] == "interrupted" and summary.get("samples_per_s") is None:  # stopped before a logged step
         return Skipped(str(run_dir), INTERRUPTED)
     overrides = summary["overrides"] if "overrides" in summary else read_yaml(run_dir / ".hydra" / "overrides.yaml")
     config = read_yaml(run_dir / ".hydra" / "config.yaml")

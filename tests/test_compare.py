@@ -125,7 +125,26 @@ def test_interrupted_and_unreadable_runs_are_skipped(tmp_path: Path, capsys: pyt
     err = capsys.readouterr().err
     assert f"skipped {tmp_path / 'runs' / 'b'}: interrupted" in err
     assert f"skipped {tmp_path / 'runs' / 'c'}: summary.json is not valid JSON" in err
-    assert "interrupted: the run was stopped before it finished" in md
+    assert "interrupted before its first logged step: nothing to compare" in md
+
+
+def test_an_interrupted_run_is_a_row_of_its_figures_so_far_marked_interrupted(tmp_path: Path) -> None:
+    from fsdp_exp.metrics.sinks import figures_so_far
+
+    logged = [{"step": 3, "loss": 2.0, "samples_per_s": 90.0, "steps_per_s": 1.5, "peak_mem_gb": 0.1, "warmup": True},
+              {"step": 10, "loss": 1.0, "samples_per_s": 160.0, "steps_per_s": 2.5, "peak_mem_gb": 0.12},
+              {"step": 20, "loss": 0.5, "samples_per_s": 200.0, "steps_per_s": 3.125, "peak_mem_gb": 0.11}]
+    so_far = figures_so_far(logged)  # 7 + 10 steps past the warm-up, in 2.8 + 3.2 s: 17 x 64 samples
+    assert so_far == {"final_loss": 0.5, "samples_per_s": pytest.approx(17 * 64 / 6.0), "peak_mem_gb": 0.12}
+    assert figures_so_far([{"step": 1, "warmup": True}]) == {}
+    make_run(tmp_path / "runs" / "0", train_summary("ddp", 800.0))
+    make_run(tmp_path / "runs" / "1", {"status": "interrupted", "signal": "SIGINT", "steps_done": 20, "world_size": 2,
+                                       "overrides": ["sharding=full"], "choices": {"sharding": "full", "task": "train"},
+                                       **so_far})
+    code, rows, md = compare(tmp_path / "runs", out=tmp_path / "out")
+    assert code == 0 and [r["status"] for r in rows] == ["ok", "interrupted"]
+    assert float(rows[1]["samples_per_s"]) == pytest.approx(17 * 64 / 6.0) and rows[1]["note"] == "interrupted (SIGINT) after step 20: its figures so far"
+    assert "interrupted (SIGINT) after step 20: its figures so far" in md
 
 
 def test_a_failed_run_is_a_row_that_says_so(tmp_path: Path) -> None:

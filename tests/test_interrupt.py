@@ -72,6 +72,8 @@ def assert_stopped(command: subprocess.Popen, run_dir: Path, signalled_at: int, 
     assert steps[:signalled_at] == list(range(1, signalled_at + 1)), "the steps logged before the signal are kept"
     summary = read_json(run_dir / "summary.json")
     assert (summary["status"], summary["signal"], summary["steps_done"]) == ("interrupted", name, steps[-1])
+    # the figures so far, which compare shows marked interrupted
+    assert summary["final_loss"] == read_jsonl(run_dir / "metrics.jsonl")[-1]["loss"] and summary["samples_per_s"] > 0
     assert f"after step {steps[-1]} of 100000;" in said[0]
     assert said[0] in (run_dir / "fsdp_exp.log").read_text(), "the run's log says it too"
     for pid in ranks:

@@ -25,7 +25,7 @@ from fsdp_exp.metrics.environment import (
     rank_environment,
     read_device_record,
 )
-from fsdp_exp.metrics.sinks import METRICS, JsonLines
+from fsdp_exp.metrics.sinks import METRICS, JsonLines, figures_so_far
 from fsdp_exp.metrics.summary import SUMMARY, Summary, summary_table
 from fsdp_exp.run_context import RunContext
 
@@ -72,7 +72,8 @@ def run_experiment(
             f" after step {step} of {exp.train.steps}" if step is not None else " before its first logged step"
         if writes_files:
             Summary(status="interrupted", signal=signal_name, steps_done=step, world_size=nproc,
-                    wall_s=time.perf_counter() - start).with_figures(record()).write(run_dir)
+                    wall_s=time.perf_counter() - start).with_figures(record()).with_figures(
+                figures_so_far(JsonLines.read(run_dir / METRICS))).write(run_dir)
             log.warning("interrupted (%s)%s; summary in %s", signal_name, at, run_dir / SUMMARY)
         err.run_reported = True  # the command adds no line of its own (fsdp_exp.cli)
         raise

@@ -49,6 +49,26 @@ class JsonLines:
         return records
 
 
+def figures_so_far(records: list[dict]) -> dict:
+    """What the logged steps of a run that did not finish say: the last loss, the speed over
+    the windows past the warm-up (or over all, when every one was warm-up), the largest peak."""
+    steps = [r for r in records if "step" in r and r.get("samples_per_s")]
+    if not steps:
+        return {}
+    timed = [r for r in steps if not r.get("warmup")] or steps
+    before = {id(r): (steps[i - 1]["step"] if i else 0) for i, r in enumerate(steps)}
+    spans = [(r["step"] - before[id(r)], r) for r in timed]
+    time_s = sum(n / r["steps_per_s"] for n, r in spans if r.get("steps_per_s"))
+    figures = {"final_loss": steps[-1].get("loss")}
+    if time_s:
+        figures["samples_per_s"] = sum(n * r["samples_per_s"] / r["steps_per_s"] for n, r in spans
+                                       if r.get("steps_per_s")) / time_s
+    peaks = [r["peak_mem_gb"] for r in steps if r.get("peak_mem_gb") is not None]
+    if peaks:
+        figures["peak_mem_gb"] = max(peaks)
+    return figures
+
+
 def record_line(record: dict, total_steps: int) -> str:
     return f"step {record['step']:>{len(str(total_steps))}}/{total_steps}  {record_figures(record)}"
 

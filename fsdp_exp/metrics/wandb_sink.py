@@ -96,6 +96,7 @@ class Wandb:
     def __init__(self, mode: str, project: str, entity: str | None, group: str | None,
                  tags: list[str], config: dict, run_dir: Path, job_type: str, run_id: str | None = None):
         self.run: Any = None
+        self.mode = str(mode)
         if mode == "disabled":
             return
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
@@ -112,6 +113,17 @@ class Wandb:
         except Exception as err:  # noqa: BLE001 - any wandb failure must not stop training
             warnings.warn(  # no stacklevel: the caller is wandb setup, not user code
                 f"wandb ({mode}) failed, training goes on without it: {one_line(err, named=True)}")
+
+    def where(self) -> str:
+        """Where the run logs, in words: online at its page, offline in its folder (and how to
+        upload it), or nowhere."""
+        if self.run is None:
+            return "disabled (wandb.mode=online or offline turns it on)" if self.mode == "disabled" else \
+                "not logging: its start failed (the warning above says why)"
+        if self.mode == "offline":
+            folder = Path(self.run.dir).parent  # the offline run's folder; its files/ is run.dir
+            return f"offline, in {folder} (wandb sync {folder} uploads it)"
+        return f"online, at {self.run.url}" if getattr(self.run, "url", None) else "online"
 
     def log(self, record: dict) -> None:
         if self.run is not None:

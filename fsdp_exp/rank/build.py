@@ -160,7 +160,9 @@ def start_wandb(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContex
     run (about 25 MB on rank 0, which the estimate holds too) are the runtime's, not the run's peak."""
     if not ranks.is_main:
         return None
-    return cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)
+    sink = cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)
+    log.info("wandb: %s", sink.where())
+    return sink
 
 
 def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext,

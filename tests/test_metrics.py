@@ -403,6 +403,8 @@ def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:
     summary_and_config = (b"final_loss", b"environment", b"model.num_layers=2")  # the tag too
     for key in metric_keys + summary_and_config + (b"project_from_env",):
         assert key in data, key
+    folder = log_file.parent  # the console said where, and how to upload it
+    assert f"wandb: offline, in {folder} (wandb sync {folder} uploads it)" in result.stdout + result.stderr
 
 
 WANDB_THREADS = """

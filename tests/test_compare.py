@@ -137,6 +137,9 @@ def test_an_interrupted_run_is_a_row_of_its_figures_so_far_marked_interrupted(tm
     so_far = figures_so_far(logged)  # 7 + 10 steps past the warm-up, in 2.8 + 3.2 s: 17 x 64 samples
     assert so_far == {"final_loss": 0.5, "samples_per_s": pytest.approx(17 * 64 / 6.0), "peak_mem_gb": 0.12}
     assert figures_so_far([{"step": 1, "warmup": True}]) == {}
+    # logged every 10 steps past a warm-up of 3 (its window not logged): the first spans steps 4-10
+    unlogged_warmup = figures_so_far(logged[1:], warmup_steps=3)
+    assert unlogged_warmup["samples_per_s"] == pytest.approx(17 * 64 / 6.0)
     make_run(tmp_path / "runs" / "0", train_summary("ddp", 800.0))
     make_run(tmp_path / "runs" / "1", {"status": "interrupted", "signal": "SIGINT", "steps_done": 20, "world_size": 2,
                                        "overrides": ["sharding=full"], "choices": {"sharding": "full", "task": "train"},

@@ -49,15 +49,17 @@ class JsonLines:
         return records
 
 
-def figures_so_far(records: list[dict]) -> dict:
+def figures_so_far(records: list[dict], warmup_steps: int = 0) -> dict:
     """What the logged steps of a run that did not finish say: the last loss, the speed over
-    the windows past the warm-up (or over all, when every one was warm-up), the largest peak."""
+    the windows past the warm-up (or over all, when every one was warm-up), the largest peak.
+    A window never straddles the warm-up (`warmup_steps`): the first past it starts there."""
     steps = [r for r in records if "step" in r and r.get("samples_per_s")]
     if not steps:
         return {}
     timed = [r for r in steps if not r.get("warmup")] or steps
     before = {id(r): (steps[i - 1]["step"] if i else 0) for i, r in enumerate(steps)}
-    spans = [(r["step"] - before[id(r)], r) for r in timed]
+    spans = [(r["step"] - (before[id(r)] if r.get("warmup") else max(before[id(r)], warmup_steps)), r)
+             for r in timed]
     time_s = sum(n / r["steps_per_s"] for n, r in spans if r.get("steps_per_s"))
     figures = {"final_loss": steps[-1].get("loss")}
     if time_s:

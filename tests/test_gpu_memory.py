@@ -120,7 +120,7 @@ def test_fsdp2_allocates_on_three_streams_and_ddp_on_one() -> None:
 
 
 def test_under_a_cap_a_steps_allocations_replay_with_the_cache_released_before_it_runs_out() -> None:
-    counts = LiveBytes(offloaded=())
+    counts = LiveBytes(offloaded=(), keep_events=True)  # as a trace under a cap keeps them
     with torch.cpu.stream(torch.cpu.Stream()):  # as FSDP2's all-gather copy-in stream
         counts.allocate("a", "Activation", 3 * MIB)  # a 20 MiB segment of that stream
     counts.release("a", "Activation", 3 * MIB)  # cached, wholly free, for that stream only

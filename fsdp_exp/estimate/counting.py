@@ -27,16 +27,16 @@ class LiveBytes:
     reduce-scatter on streams of its own (`torch.cpu.Stream`s in the trace, as
     `torch.cuda.Stream`s on a GPU), and the tracker sees the current one. cuBLAS's
     workspaces (`workspaces`, bytes each) are held from the first matmul on, on the compute
-    stream. `events` keeps what went to the replay, in order, to replay again under a cap
-    (`allocator.reserved_under`)."""
+    stream. With `keep_events`, `events` keeps what went to the replay, in order, to replay
+    again under a cap (`allocator.reserved_under`)."""
 
-    def __init__(self, offloaded: tuple[str, ...], workspaces: tuple[int, ...] = ()):
+    def __init__(self, offloaded: tuple[str, ...], workspaces: tuple[int, ...] = (), keep_events: bool = False):
         self.offloaded = offloaded
         self.now: dict[str, dict[str, int]] = {"stored": {}, "blocks": {}}
         self.peaks = {"cpu": TracedPeak(), "blocks": TracedPeak(), "segments": TracedPeak()}
         self.device = CachingAllocator()
         self.streams: dict[object, int] = {torch.cpu.current_stream(): 0}
-        self.events: list[Event] = []
+        self.events: list[Event] | None = [] if keep_events else None
         for n, nbytes in enumerate(workspaces):
             self._on_device(("cuBLAS workspace", n), nbytes, 0)
         self.phase = ""
@@ -55,13 +55,15 @@ class LiveBytes:
 
     def _on_device(self, key: object, nbytes: int, stream: int) -> None:
         self.device.malloc(key, nbytes, stream)
-        self.events.append((key, nbytes, stream))
+        if self.events is not None:
+            self.events.append((key, nbytes, stream))
 
     def release(self, key: object, category: str, nbytes: int) -> None:
         self.change(category, nbytes, -1)
         if key in self.device.live:
             self.device.free(key)
-            self.events.append((key, -1, 0))
+            if self.events is not None:
+                self.events.append((key, -1, 0))
 
     def change(self, category: str, nbytes: int, sign: int) -> None:
         for kind, size in (("stored", nbytes), ("blocks", cuda_block(nbytes))):

@@ -180,7 +180,7 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             # DDP's reducer all-reduces its buckets, which the trace adds as what they hold
             reduced = 2 * buckets * (world_size - 1) // world_size
             for batch_size in batch_sizes:
-                counts = phases.counts = LiveBytes(offloaded, workspaces)
+                counts = phases.counts = LiveBytes(offloaded, workspaces, keep_events=cap_bytes is not None)
                 batches = fake_batches(item, batch_size // traced.train.grad_accum)
                 mem = phases.tracker = tracker(model, optimizer, counts)
                 # the first size's FLOPs, as a run counts its first step's (the others scale with the batch)
@@ -220,6 +220,7 @@ def cap_the_replay(step: StepTrace, counts: LiveBytes, cap_bytes: int) -> None:
     releases its cached segments before it grows, so the peak can be lower than uncapped; past
     it, `past_the_cap` (a run runs out of memory there) and the uncapped peak, to say by how
     much. What the trace does not see is in segments of its own, beside the replay."""
+    assert counts.events is not None, "made with keep_events"
     under = reserved_under(counts.events, cap_bytes - untraced_segments(step))
     step.past_the_cap = under is None
     if under is not None:

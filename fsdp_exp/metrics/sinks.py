@@ -56,15 +56,16 @@ def figures_so_far(records: list[dict], warmup_steps: int = 0) -> dict:
     steps = [r for r in records if "step" in r and r.get("samples_per_s")]
     if not steps:
         return {}
-    timed = [r for r in steps if not r.get("warmup")] or steps
-    before = {id(r): (steps[i - 1]["step"] if i else 0) for i, r in enumerate(steps)}
-    spans = [(r["step"] - (before[id(r)] if r.get("warmup") else max(before[id(r)], warmup_steps)), r)
-             for r in timed]
-    time_s = sum(n / r["steps_per_s"] for n, r in spans if r.get("steps_per_s"))
+    spans, last = [], 0  # (the steps of each record's window, the record)
+    for r in steps:
+        spans.append((r["step"] - (last if r.get("warmup") else max(last, warmup_steps)), r))
+        last = r["step"]
+    timed = [(n, r) for n, r in spans if not r.get("warmup") and r.get("steps_per_s")] or \
+        [(n, r) for n, r in spans if r.get("steps_per_s")]
     figures = {"final_loss": steps[-1].get("loss")}
-    if time_s:
-        figures["samples_per_s"] = sum(n * r["samples_per_s"] / r["steps_per_s"] for n, r in spans
-                                       if r.get("steps_per_s")) / time_s
+    if timed:  # samples over seconds, each window's from its steps at its speed
+        figures["samples_per_s"] = sum(n * r["samples_per_s"] / r["steps_per_s"] for n, r in timed) / \
+            sum(n / r["steps_per_s"] for n, r in timed)
     peaks = [r["peak_mem_gb"] for r in steps if r.get("peak_mem_gb") is not None]
     if peaks:
         figures["peak_mem_gb"] = max(peaks)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from machine import header
 
-from fsdp_exp.estimate.settle import settled_summary
+from fsdp_exp.metrics.summary import Summary
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["device=cpu", "launcher.nproc_per_node=2", "wandb.mode=disabled", "memory.limit_gb=10",
@@ -102,12 +102,16 @@ def gpt2_dir(tmp: Path) -> Path:
 
 
 def run(overrides: list[str], out: Path, pythonpath: Path) -> dict:
+    """task=estimate of the setup (kept for it), then the run, which checks against it at once."""
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "fsdp_exp", *COMMON, *overrides, f"hydra.run.dir={out}"],
-                            cwd=REPO, capture_output=True, text=True, env=env_with(pythonpath))
-    if result.returncode:
-        sys.exit(f"failed: {' '.join(overrides)} (log: {out}/fsdp_exp.log)\n{result.stdout[-1500:]}{result.stderr[-1500:]}")
-    summary = settled_summary(out, timeout_s=900)  # a run does not wait for its own estimate
+    for words, where in ((["task=estimate"], out.with_name(out.name + "_estimate")), ([], out)):
+        result = subprocess.run([sys.executable, "-m", "fsdp_exp", *COMMON, *overrides, *words,
+                                 f"hydra.run.dir={where}"], cwd=REPO, capture_output=True, text=True,
+                                env=env_with(pythonpath))
+        if result.returncode:
+            sys.exit(f"failed: {' '.join([*overrides, *words])} (log: {where}/fsdp_exp.log)\n"
+                     f"{result.stdout[-1500:]}{result.stderr[-1500:]}")
+    summary = Summary.read(out)
     return summary.as_dict() | {"command_s": time.perf_counter() - start,
                       "estimate": json.loads((out / "estimate.json").read_text())}
 

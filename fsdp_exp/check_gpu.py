@@ -29,9 +29,9 @@ import torch
 
 from fsdp_exp.check_gpu_checks import TORCHRUN, CheckSetup, RunResult, checks, runs, setup_for
 from fsdp_exp.errors import one_line
-from fsdp_exp.estimate.settle import settled_summary
 from fsdp_exp.metrics.environment import package_version
 from fsdp_exp.metrics.sinks import METRICS, JsonLines
+from fsdp_exp.metrics.summary import Summary
 
 RUN_TIMEOUT_S = 900
 EXIT_FAILED, EXIT_NO_GPU = 1, 2
@@ -54,6 +54,7 @@ def run_fsdp_exp(overrides: list[str], out: Path, timeout_s: float = RUN_TIMEOUT
     with all its ranks."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(RANK_VARIABLES)}
     env["WANDB_MODE"] = "disabled"
+    env["FSDP_EXP_CACHE"] = str(out.parent / "cache")  # the runs' own estimates: this session's traces (estimate_* first)
     shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: a kept directory's old run must go
     out.parent.mkdir(parents=True, exist_ok=True)
     with subprocess.Popen(command(overrides, out), cwd=out.parent, env=env, stdout=subprocess.PIPE,
@@ -72,7 +73,7 @@ def run_fsdp_exp(overrides: list[str], out: Path, timeout_s: float = RUN_TIMEOUT
 def read_run(out: Path, stderr: str = "") -> RunResult:
     """A finished run as its files show it: the summary, the loss at each step (the last
     record of a step counts, as after a resume), and the full weights when exported."""
-    summary = settled_summary(out)  # with the run's own estimate, which it does not wait for
+    summary = Summary.read(out)
     records = [r for r in JsonLines.read(out / METRICS) if "loss" in r]
     weights = None
     if (out / "model.safetensors").is_file():
@@ -103,14 +104,23 @@ def check_all(setup: CheckSetup, workdir: Path, run=run_fsdp_exp, out=print, pla
     printing its row as it ends, and adding it to `rows`; whether all passed. A run two
     checks read (the GPT run: MFU and the device) runs once."""
     plan, done, all_passed = plan if plan is not None else runs(setup, workdir), {}, True
+    to_check = checks_run if checks_run is not None else checks(setup)
+
+    def run_once(name: str) -> None:
+        if name not in done:
+            overrides = plan[name](done) if callable(plan[name]) else plan[name]
+            done[name] = (run(overrides, workdir / name) if overrides is not None else
+                          RunResult(workdir / name, None, {}, [], "not run: the run it follows did not finish"))
+
+    # task=estimate first (seconds each): a run of the same setup then has its own estimate at
+    # once (fsdp_exp.estimate.earlier), where its trace beside it could end after it
+    for name in dict.fromkeys(n for check in to_check for n in check.runs if n.startswith("estimate")):
+        run_once(name)
     out(TABLE_HEAD)
-    for check in checks_run if checks_run is not None else checks(setup):
+    for check in to_check:
         start = time.perf_counter()
         for name in check.runs:
-            if name not in done:
-                overrides = plan[name](done) if callable(plan[name]) else plan[name]
-                done[name] = (run(overrides, workdir / name) if overrides is not None else
-                              RunResult(workdir / name, None, {}, [], "not run: the run it follows did not finish"))
+            run_once(name)
         try:
             passed, detail = check.judge(*(done[name] for name in check.runs))
         except Exception as err:  # noqa: BLE001 - a summary the judge did not expect is a failed check, not a crash

@@ -36,6 +36,7 @@ from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launcher.core import stop_on_signals, stop_signal
+from fsdp_exp.launcher.rank_server import stop_rank_server
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.metrics.startup import process_started
 
@@ -104,6 +105,7 @@ def end_process(code: int) -> NoReturn:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
+    stop_rank_server()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe (| head) or stream
             stream.flush()

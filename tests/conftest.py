@@ -64,6 +64,16 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240, extra_env: dict | None 
     )
 
 
+def estimated_first(*args: str, cwd: Path, where: Path, extra_env: dict | None = None) -> Path:
+    """task=estimate of the setups ARGS run (`-m`: each of the sweep's), kept for them
+    (fsdp_exp.estimate.earlier): their runs, shorter than a trace, check against it at once.
+    Where it wrote."""
+    folder = "sweep" if "-m" in args else "run"
+    result = run_cli(*args, "task=estimate", f"hydra.{folder}.dir={where}", cwd=cwd, timeout=400, extra_env=extra_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return where
+
+
 def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
                  missing: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`python -m fsdp_exp ARGS` run by its own `main()` in this process, for a command the
@@ -160,6 +170,28 @@ def wait_for_step(runs: list[subprocess.Popen], dirs: list[Path], at_step: int, 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture(autouse=True)
+def own_estimate_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's estimates kept apart (fsdp_exp.estimate.earlier): no test reuses another's,
+    nor the user's ~/.cache."""
+    folder = tmp_path_factory.mktemp("fsdp_exp_cache")
+    monkeypatch.setenv("FSDP_EXP_CACHE", str(folder))
+    return folder
+
+
+def run_and_list_left(*args: str, cwd: Path, timeout: float = 240) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`python -m fsdp_exp ARGS` (as run_cli) under a process that adopts whatever it leaves
+    running (Linux's child subreaper): its result, and the command lines of the processes
+    still alive when it exited (then stopped)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "left_running.py"), sys.executable, "-m", "fsdp_exp",
+                           *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    output, _, last = done.stdout.rstrip("\n").rpartition("\n")
+    assert last.startswith("{"), done.stderr[-2000:]
+    listed = json.loads(last)
+    return subprocess.CompletedProcess(done.args, listed["returncode"], output, done.stderr), listed["left"]
 
 
 # A user's package, as tests write it: a residual block whose instances are FSDP units, and

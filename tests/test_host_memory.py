@@ -15,9 +15,8 @@ from fsdp_exp.cli import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.estimate.breakdown import GB, estimate_batch
 from fsdp_exp.estimate.host import PREFETCH, HostSetup, host_memory
-from fsdp_exp.estimate.settle import settled_summary
 from fsdp_exp.estimate.trace import trace
-from tests.conftest import REPO, read_json, refused_here, run_cli
+from tests.conftest import REPO, estimated_first, read_json, refused_here, run_cli
 from tests.test_estimate import DEPTH, FP32, INT64, LAYER, STACK, WIDTH
 
 SAMPLE = WIDTH * FP32 + INT64  # a sample of Vectors and its class index
@@ -135,7 +134,9 @@ def proportional_bytes(pid: int) -> int:
 def node_peak_gb(args: list[str], run_dir: Path) -> float:
     """The run's node memory at its peak, summed over every process it starts but its own
     estimate's (the tracing process and what it starts are not the run's), sampled every
-    20 ms from the start; once the command ends, its estimate is in place."""
+    20 ms from the start. Its estimate made first (task=estimate), as the run ends before a
+    trace beside it would."""
+    estimated_first(*args, cwd=REPO, where=run_dir.with_name(run_dir.name + "_estimate"))
     command = [sys.executable, "-m", "fsdp_exp", *args, f"hydra.run.dir={run_dir}"]
     run = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     peak = 0
@@ -145,7 +146,6 @@ def node_peak_gb(args: list[str], run_dir: Path) -> float:
         time.sleep(0.02)
     run.kill()
     assert run.wait() == 0
-    settled_summary(run_dir)
     return peak / GB
 
 
@@ -171,13 +171,14 @@ def test_rank_0s_whole_model_under_meta_is_its_peak_on_cpu(tmp_path: Path) -> No
     whole model beside its shards outgrows a step (rank 1 peaks lower), and the estimate
     names that phase and is within 5% of rank 0's peak."""
     out = tmp_path / "run"
-    result = run_cli("model=custom", "model._target_=tests.test_host_memory.wide", "model.blocks=[torch.nn.Linear]",
-                     "data=custom", "data._target_=tests.test_host_memory.WideVectors", "device=cpu",
-                     "optimizer._target_=torch.optim.SGD", "model.init_device=meta", "train.batch_size=2",
-                     "train.steps=2", "memory.limit_gb=4", "wandb.mode=disabled", f"hydra.run.dir={out}",
-                     cwd=REPO, timeout=400, estimate=True)
+    setup = ["model=custom", "model._target_=tests.test_host_memory.wide", "model.blocks=[torch.nn.Linear]",
+             "data=custom", "data._target_=tests.test_host_memory.WideVectors", "device=cpu",
+             "optimizer._target_=torch.optim.SGD", "model.init_device=meta", "train.batch_size=2",
+             "train.steps=2", "memory.limit_gb=4", "wandb.mode=disabled"]
+    estimated_first(*setup, cwd=REPO, where=tmp_path / "estimate")
+    result = run_cli(*setup, f"hydra.run.dir={out}", cwd=REPO, timeout=400, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = settled_summary(out).as_dict()
+    summary = read_json(out / "summary.json")
     record = read_json(out / "estimate.json")
     rank0, rank1 = summary["peak_under_limit_gb_per_rank"]
     assert rank0 > rank1 + 0.1, (rank0, rank1)

@@ -4,6 +4,7 @@ summary.json, the log, wandb and compare's table."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import signal
@@ -21,12 +22,12 @@ from torch.utils.data import Dataset
 from fsdp_exp.cli import compose_checked
 from fsdp_exp.compare import main as compare
 from fsdp_exp.driver.plan import prepare
-from fsdp_exp.estimate.beside import WAIT_S, EstimateBeside, at_idle_priority
+from fsdp_exp.estimate.beside import EstimateBeside, at_idle_priority, checked
+from fsdp_exp.estimate.earlier import setup_key
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
-from fsdp_exp.estimate.settle import checked, settle, settled_summary
 from fsdp_exp.files import write_json
-from fsdp_exp.metrics.summary import PENDING, Summary
-from tests.conftest import REPO, SMALL_VIT, read_json, run_cli
+from fsdp_exp.metrics.summary import NOT_READY, Summary
+from tests.conftest import REPO, SMALL_VIT, estimated_first, read_json, run_and_list_left, run_cli, user_package
 from tests.test_estimate import STACK
 
 RUN = [*SMALL_VIT, "device=cpu", "train.steps=3", "train.log_every=1", "metrics.warmup_steps=1"]
@@ -39,17 +40,15 @@ def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(
     task=estimate's figures for its setup (the same figures `task=estimate` prints), each
     under the name of the figure the run measured, beside it, with its ratio; the second
     traced nothing. compare shows the estimate and its error for the first, nothing for the
-    second."""
+    second. The setup is estimated first (task=estimate): a run this short ends before a trace
+    beside it would, and reuses that estimate."""
+    alone = estimated_first(*RUN, "wandb.mode=offline", cwd=tmp_path, where=tmp_path / "estimate")
+    record = read_json(alone / ESTIMATE_FILE)
     sweep = tmp_path / "sweep"
     result = run_cli("-m", "memory.estimate=true,false", *RUN, "wandb.mode=offline", f"hydra.sweep.dir={sweep}",
                      cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    checked_run, plain = settled_summary(sweep / "0").as_dict(), read_json(sweep / "1" / "summary.json")
-
-    alone = tmp_path / "estimate"
-    estimated = run_cli("task=estimate", *RUN, f"hydra.run.dir={alone}", cwd=tmp_path)
-    assert estimated.returncode == 0, estimated.stderr[-3000:]
-    record = read_json(alone / ESTIMATE_FILE)
+    checked_run, plain = read_json(sweep / "0" / "summary.json"), read_json(sweep / "1" / "summary.json")
     # the same trace: the tensors to the byte; the data set's share and the build's (what making
     # them grew the process by) are measured, to a few MB
     beside = read_json(sweep / "0" / ESTIMATE_FILE)
@@ -65,19 +64,15 @@ def test_a_run_records_its_own_estimate_beside_its_peak_and_compare_shows_both(
     # on CPU the headline is what the allocations held: the resident peak also holds glibc's kept blocks
     assert checked_run["estimate_ratio"] == checked_run["estimate_ratio_peak_in_use"]
     assert abs(checked_run["estimate_ratio"] - 1) <= 0.1, checked_run
-    assert 0 <= checked_run["estimate_wait_s"] <= WAIT_S + 0.5 and "estimate_failed" not in checked_run
-    assert checked_run["estimate_trace_held"] is True  # rank 0 held the trace through the timed steps
+    assert 0 <= checked_run["estimate_wait_s"] <= 0.5 and "estimate_failed" not in checked_run  # there at once
+    assert checked_run["estimate_reused_from"] and "estimate_trace_held" not in checked_run  # no trace was started
 
     log = (sweep / "0" / "rank0.log").read_text()
     (wandb_log,) = (sweep / "0" / "wandb").glob("offline-run-*/run-*.wandb")
-    if "task=estimate against this run" in log:  # traced within the run: in its log line and wandb too
-        error = f"{checked_run['estimate_ratio'] - 1:+.1%}"
-        assert f"in use at phase ends {checked_run['estimated_peak_in_use_gb']:.3f} GB (measured " \
-               f"{checked_run['peak_in_use_gb']:.3f} GB, {error})" in log, log[-2000:]
-        assert b"estimated_peak_in_use_gb" in wandb_log.read_bytes() and b"estimate_ratio" in wandb_log.read_bytes()
-    else:
-        assert "the estimate of this run is still tracing" in log, log[-2000:]
-        assert "still tracing when the run ended" in (sweep / "0" / "fsdp_exp.log").read_text()  # the summary table
+    error = f"{checked_run['estimate_ratio'] - 1:+.1%}"  # in rank 0's log line and wandb too
+    assert f"in use at phase ends {checked_run['estimated_peak_in_use_gb']:.3f} GB (measured " \
+           f"{checked_run['peak_in_use_gb']:.3f} GB, {error})" in log, log[-2000:]
+    assert b"estimated_peak_in_use_gb" in wandb_log.read_bytes() and b"estimate_ratio" in wandb_log.read_bytes()
 
     assert not (sweep / "1" / ESTIMATE_FILE).exists()
     assert not {k for k in plain if k.startswith("estimate")}, plain
@@ -96,11 +91,11 @@ def test_under_a_cpu_limit_rank_0s_wandb_run_is_in_the_estimate_and_grows_nothin
     """wandb on (offline, as without an API key): rank 0 holds its wandb run from before its
     runtime is marked, which memory.limit_gb counts, and the estimate holds it too; logging
     starts nothing that grows rank 0 beyond what the other rank grows while training."""
-    out = tmp_path / "run"
-    result = run_cli(*RUN, "train.steps=6", "wandb.mode=offline", "memory.limit_gb=2", f"hydra.run.dir={out}",
-                     cwd=tmp_path, timeout=300, estimate=True)
+    out, setup = tmp_path / "run", [*RUN, "train.steps=6", "wandb.mode=offline", "memory.limit_gb=2"]
+    estimated_first(*setup, cwd=tmp_path, where=tmp_path / "estimate")
+    result = run_cli(*setup, f"hydra.run.dir={out}", cwd=tmp_path, timeout=300, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = settled_summary(out).as_dict()
+    summary = read_json(out / "summary.json")
     assert abs(summary["estimate_ratio_peak_under_limit"] - 1) <= 0.03, summary  # without wandb's run: 0.95
     grown = [peak - held for peak, held in zip(summary["peak_under_limit_gb_per_rank"],
                                                summary["held_before_limit_gb_per_rank"], strict=True)]
@@ -111,32 +106,47 @@ def test_under_a_cpu_limit_rank_0s_wandb_run_is_in_the_estimate_and_grows_nothin
 def test_a_model_the_estimate_cannot_trace_still_trains_and_says_why(tmp_path: Path) -> None:
     stack = [o.replace("tests.test_estimate.linear_stack", "tests.test_estimate.ReadsItsInput") for o in STACK]
     out = tmp_path / "run"
-    result = run_cli(*stack, "train.steps=2", f"hydra.run.dir={out}", cwd=REPO, estimate=True)
+    result = run_cli(*stack, "train.steps=30", f"hydra.run.dir={out}", cwd=REPO, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = settled_summary(out).as_dict()
+    summary = read_json(out / "summary.json")
     assert summary["status"] == "ok" and summary["peak_mem_gb"] > 0
     assert summary["estimate_failed"].startswith("task=estimate could not trace this setup"), summary
     assert "estimated_peak_mem_gb" not in summary
     assert "no estimate" not in result.stderr and "Traceback" not in result.stdout + result.stderr
 
 
-def test_a_run_ends_without_waiting_and_its_trace_settles_the_summary_later(tmp_path: Path) -> None:
-    """The driver does not wait for the trace: still tracing, the summary says `estimate:
-    pending`; the tracing process, once it has written estimate.json, adds the check to the
-    summary the driver wrote. A summary the driver wrote with the check, or one that has
-    nothing pending, is left as it is."""
-    exp = prepare(compose_checked(STACK), 0).exp
-    beside = EstimateBeside(exp, 2, tmp_path)
+def test_a_trace_not_done_when_the_run_ends_is_stopped_and_the_summary_says_not_ready(tmp_path: Path) -> None:
+    """The driver does not wait for the trace: still tracing at the run's end, it is stopped
+    (nothing it started outlives the command), nothing half-written is left, and the figures
+    say `estimate: not ready`."""
+    beside = EstimateBeside(prepare(compose_checked(STACK), 0).exp, 2, tmp_path)
     figures = beside.add_to({"peak_mem_gb": 0.01, "peak_in_use_gb": 0.01})
-    assert figures["estimate"] == PENDING  # a trace takes seconds: it cannot be done yet
-    write_json(tmp_path / "summary.json", {"status": "ok", **figures})
-    assert beside.process.wait(timeout=120) == 0, (tmp_path / "estimate.log").read_text()
-    record, summary = read_json(tmp_path / ESTIMATE_FILE), read_json(tmp_path / "summary.json")
-    assert "estimate" not in summary and summary["estimated_peak_mem_gb"] == record["peak_mem_gb"] > 0
-    assert summary["estimate_ratio"] == pytest.approx(record["peak_in_use_gb"] / 0.01)
-    assert beside.add_to({"peak_mem_gb": 0.01})["estimated_peak_mem_gb"] == record["peak_mem_gb"]  # there now
-    assert beside.add_to({"peak_mem_gb": 0.01, "estimate_ratio": 1.0}) == {"peak_mem_gb": 0.01, "estimate_ratio": 1.0}
-    assert not settle(tmp_path)  # nothing pending any more
+    assert figures["estimate"] == NOT_READY  # a trace takes seconds: it cannot be done yet
+    assert beside.process.returncode == -signal.SIGKILL
+    assert not (tmp_path / ESTIMATE_FILE).exists() and not list(tmp_path.glob(".estimate*"))
+
+
+def test_a_setup_traced_once_has_its_estimate_at_once_in_its_later_runs(tmp_path: Path) -> None:
+    """A trace that ends keeps its estimate for the setup: the next run of the same setup
+    (train.steps and the seed do not count) starts no trace and checks against it at once,
+    saying where it was kept; another batch size is another setup."""
+    exp = prepare(compose_checked(STACK), 0).exp
+    for folder in ("first", "second", "third"):
+        (tmp_path / folder).mkdir()
+    first = EstimateBeside(exp, 2, tmp_path / "first")
+    assert first.process.wait(timeout=120) == 0, (tmp_path / "first" / "estimate.log").read_text()
+    record = read_json(tmp_path / "first" / ESTIMATE_FILE)
+    again = prepare(compose_checked([*STACK, "train.steps=7", "seed=3"]), 0).exp
+    second = EstimateBeside(again, 2, tmp_path / "second")
+    assert second.process is None and read_json(second.path)["peak_mem_gb"] == record["peak_mem_gb"] > 0
+    figures = second.add_to({"peak_mem_gb": 0.01, "peak_in_use_gb": 0.01})
+    assert figures["estimated_peak_mem_gb"] == record["peak_mem_gb"]
+    assert figures["estimate_ratio"] == pytest.approx(record["peak_in_use_gb"] / 0.01)
+    assert Path(figures["estimate_reused_from"]).is_file()
+    assert second.add_to({"peak_mem_gb": 0.01, "estimate_ratio": 1.0}) == {"peak_mem_gb": 0.01, "estimate_ratio": 1.0}
+    other = EstimateBeside(prepare(compose_checked([*STACK, "train.batch_size=3"]), 0).exp, 2, tmp_path / "third")
+    assert other.process is not None
+    other.stop()
 
 
 def test_stopping_the_run_stops_its_trace(tmp_path: Path) -> None:
@@ -215,12 +225,12 @@ def test_under_a_cpu_limit_the_estimate_is_within_5_percent_for_fsdp_and_ddp(tmp
     limit counts (8 x 8 MB here), DDP's does not (left out, FSDP's estimate was 15% low); and
     for this small model making the data set (its temporaries) outgrows a step (left out,
     DDP's estimate was 13% low)."""
-    sweep = tmp_path / "sweep"
-    result = run_cli("-m", "sharding=full,ddp", *RUN, "memory.limit_gb=4", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
-                     timeout=400, estimate=True)
+    sweep, setups = tmp_path / "sweep", ["-m", "sharding=full,ddp", *RUN, "memory.limit_gb=4"]
+    estimated_first(*setups, cwd=tmp_path, where=tmp_path / "estimates")
+    result = run_cli(*setups, f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=400, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
     for run in ("0", "1"):
-        summary = settled_summary(sweep / run).as_dict()
+        summary = read_json(sweep / run / "summary.json")
         assert abs(summary["estimate_ratio_peak_under_limit"] - 1) <= 0.05, (
             summary["choices"], summary["estimated_peak_under_limit_gb"], summary["peak_under_limit_gb"])
 
@@ -281,10 +291,11 @@ def test_a_checkpoint_save_that_outgrows_the_step_is_named_and_counted(tmp_path:
     the run's peak. The estimate names the phase, the table says what avoids it
     (checkpoint=dcp), and the two runs' measured peaks differ by about the copy."""
     sweep = tmp_path / "sweep"
-    result = run_cli("-m", "checkpoint=dcp_async_pinned,dcp", *WIDE_RUN, "++checkpoint.every=1",
-                     f"hydra.sweep.dir={sweep}", cwd=REPO, timeout=400, estimate=True)
+    setups = ["-m", "checkpoint=dcp_async_pinned,dcp", *WIDE_RUN, "++checkpoint.every=1"]
+    estimated_first(*setups, cwd=REPO, where=tmp_path / "estimates")
+    result = run_cli(*setups, f"hydra.sweep.dir={sweep}", cwd=REPO, timeout=400, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    pinned, sync = (settled_summary(sweep / run).as_dict() for run in ("0", "1"))
+    pinned, sync = (read_json(sweep / run / "summary.json") for run in ("0", "1"))
     staged, plain = (read_json(sweep / run / ESTIMATE_FILE) for run in ("0", "1"))
     assert staged["phase"] == "checkpoint save" and plain["phase"] != "checkpoint save", (staged["phase"], plain["phase"])
     phases = staged["batches"][0]["phases_gb"]
@@ -343,13 +354,75 @@ def test_rank_0_holds_the_trace_still_through_the_timed_steps_and_lets_it_go_on_
         trace.wait()
 
 
-def test_a_runs_timed_steps_run_without_its_trace_which_ends_after_them(tmp_path: Path) -> None:
-    """The default path, the estimate on: rank 0 held the trace from the first timed step,
-    let it go on after the last, and the trace then settled the summary."""
+def hashed(folder: Path) -> dict[str, str]:
+    """Every file under `folder`, by path, with a hash of its bytes."""
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_a_run_shorter_than_its_trace_leaves_nothing_running_and_its_files_final(tmp_path: Path) -> None:
+    """The default path, the estimate on, a run shorter than its trace: rank 0 held the trace
+    from the first timed step, and at the run's end it was stopped. No process the command
+    started is alive when it exits, no file it wrote changes after, and the summary and the
+    console say the estimate was not ready, with what to do. After task=estimate of the
+    setup, the same run has its estimate at once and starts no trace."""
     out = tmp_path / "run"
-    result = run_cli(*RUN, "train.steps=4", "wandb.mode=disabled", f"hydra.run.dir={out}", cwd=tmp_path,
-                     estimate=True)
+    result, left = run_and_list_left(*RUN, "train.steps=4", f"hydra.run.dir={out}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert read_json(out / "summary.json")["estimate_trace_held"] is True
-    summary = settled_summary(out, timeout_s=180).as_dict()
-    assert summary["estimated_peak_mem_gb"] > 0 and abs(summary["estimate_ratio"] - 1) <= 0.15, summary
+    assert left == []
+    at_exit = hashed(out)
+    summary = read_json(out / "summary.json")
+    assert summary["estimate_trace_held"] is True
+    if summary.get("estimate") == NOT_READY:  # a 2-core machine: the trace had the start-up only
+        assert not (out / ESTIMATE_FILE).exists()
+        assert any(line.split()[:2] == ["task=estimate's", "not"] and "task=estimate with the same settings" in line
+                   for line in (result.stderr + result.stdout).splitlines()), result.stdout[-2000:]
+    else:  # the trace ended within the start-up and the warm-up
+        assert summary["estimated_peak_mem_gb"] > 0, summary
+    time.sleep(3)
+    assert hashed(out) == at_exit
+
+    estimated_first(*RUN, "train.steps=4", cwd=tmp_path, where=tmp_path / "estimate")
+    again = tmp_path / "again"
+    result, left = run_and_list_left(*RUN, "train.steps=4", f"hydra.run.dir={again}", cwd=tmp_path)
+    assert result.returncode == 0 and left == [], result.stderr[-3000:]
+    summary = read_json(again / "summary.json")
+    assert summary["estimated_peak_mem_gb"] == read_json(tmp_path / "estimate" / ESTIMATE_FILE)["peak_mem_gb"] > 0
+    assert abs(summary["estimate_ratio"] - 1) <= 0.15 and summary["estimate_reused_from"], summary
+    assert "estimate_trace_held" not in summary and not (again / "estimate.log").exists()  # no trace started
+
+
+@pytest.mark.slow
+def test_the_default_command_leaves_nothing_running_and_nothing_changes_30_s_after(tmp_path: Path) -> None:
+    """`python -m fsdp_exp` as typed (the default ViT, its estimate on, wandb offline): nothing
+    it started is alive when it exits, and its run directory is the same 30 s later."""
+    out = tmp_path / "run"
+    result, left = run_and_list_left(f"hydra.run.dir={out}", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert left == []
+    at_exit = hashed(out)
+    assert read_json(out / "summary.json")["status"] == "ok" and any(f.startswith("wandb/") for f in at_exit)
+    time.sleep(30)
+    assert hashed(out) == at_exit
+
+
+def test_a_kept_estimate_is_one_setups_an_edited_model_or_another_setting_is_traced_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key of a kept estimate (fsdp_exp.estimate.earlier) moves with every setting the
+    estimate reads and with the source of the user's model, not with those it does not read."""
+    user_package(tmp_path, monkeypatch, "kept_net", "from tests.test_estimate import linear_stack as net\n")
+    setup = [o.replace("tests.test_estimate.linear_stack", "kept_net.net") for o in STACK]
+
+    def key(*overrides: str) -> str:
+        exp = prepare(compose_checked([*setup, *overrides]), 0).exp
+        return setup_key(exp, 2, None, on_gpu=False)
+
+    first = key()
+    assert key("train.steps=9", "seed=4", "metrics.warmup_steps=2", "memory.estimate=false", "wandb.project=x") == first
+    moved = [key("train.batch_size=3"), key("memory.limit_gb=2"), key("sharding=ddp"), key("precision=bf16"),
+             key("train.activation_checkpointing=true"), key("wandb.mode=offline")]
+    assert len({first, *moved}) == 1 + len(moved)
+    exp = prepare(compose_checked(setup), 0).exp
+    assert setup_key(exp, 4, None, on_gpu=False) != first and setup_key(exp, 2, 1, on_gpu=False) != first
+    (tmp_path / "kept_net.py").write_text("from tests.test_estimate import linear_stack as net  # edited\n")
+    assert key() != first

@@ -6,13 +6,15 @@ SCHED_IDLE): it gets only the CPU time the ranks leave. Idle priority does not k
 the caches and memory bandwidth the ranks use, so where the ranks run on this machine, rank 0
 stops it through the timed steps (fsdp_exp.rank.trace_held): what the run measures is the
 run's own, and the trace has the ranks' start-up, the warm-up steps and the run's end. It
-writes estimate.json in the run directory. Rank 0, once the last step is
-measured, looks for it for at most WAIT_S and records the estimate beside what it measured
-(`checked`): in summary.json, its log line and wandb. When the trace is not done by then
-(a CPU run leaves it little idle CPU) or rank 0 cannot see the driver's files, the driver
-adds it if it is there, else the summary says `estimate: pending` and the command ends
-without waiting: the tracing process, when it ends, writes estimate.json and adds the
-estimate to summary.json itself (not to wandb, whose run has ended).
+writes estimate.json in the run directory and keeps it for the setup's later runs
+(fsdp_exp.estimate.earlier): a setup traced before, by a run or by task=estimate, starts no
+trace, and its estimate.json is there from the start.
+
+Rank 0, once the last step is measured, looks for estimate.json for at most WAIT_S and
+records the estimate beside what it measured (`checked`): in summary.json, its log line and
+wandb. Where rank 0 cannot see the driver's files, the driver adds it. A trace not done
+when the run ends is stopped with it: the summary says `estimate: not ready`, the command
+ends within about a second, and nothing it started goes on writing.
 
 What it costs: nothing of the timed steps; the trace's CPU time (the record's `trace_s` also
 counts the time it was held or waited for the CPU), taken from what the start-up and the
@@ -33,61 +35,101 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_exp.errors import one_line
+from fsdp_exp.estimate.earlier import earlier, keep, setup_key
 from fsdp_exp.estimate.predict import estimate
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
-from fsdp_exp.estimate.settle import RECORD_FILE, checked
-from fsdp_exp.metrics.summary import PENDING, Summary
+from fsdp_exp.metrics.summary import ESTIMATED, NOT_READY, Summary, estimate_ratio, estimated
 
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
 
 SETUP_FILE = ".estimate_setup.pickle"  # the setup, from the driver to the tracing process
 WAIT_S = 0.8  # rank 0's look for the record at the run's end: under a second
-POLL_S = 0.2
+LAST_LOOK_S = 0.2  # the driver's, after the ranks ended: a trace that is about to write
+POLL_S = 0.1
 
 
 class EstimateBeside:
-    """The estimate of the run being launched, traced in a process of its own (see the module)."""
+    """The estimate of the run being launched: one made earlier for this setup, or traced in
+    a process of its own (see the module)."""
 
     def __init__(self, exp: Experiment, nproc: int, run_dir: Path, ranks_per_node: int | None = None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / ESTIMATE_FILE
         self.path.unlink(missing_ok=True)  # an earlier attempt's, in a reused run directory
-        self.process = start_tracing(self.run_dir, (exp, nproc, ranks_per_node))
+        key = setup_key(exp, nproc, ranks_per_node, exp.device == "cuda")
+        kept = earlier(key)
+        self.process: subprocess.Popen | None = None
+        if kept is not None:
+            kept.write_to(self.path)
+        else:
+            self.process = start_tracing(self.run_dir, (exp, nproc, ranks_per_node, key))
 
     def add_to(self, summary: dict) -> dict:
         """`summary` (the ranks' figures) with the estimate checked against it, unless rank 0
-        did so; if it is still tracing, `estimate: pending` (the tracing process adds it when
-        it ends)."""
+        did so. A trace still running is given LAST_LOOK_S, then stopped: `estimate: not ready`."""
+        if self.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(LAST_LOOK_S)
+        self.stop()
         if "estimate_ratio" in summary or "estimate_failed" in summary:
             return summary
         record = EstimateRecord.read_from(self.path)
-        return summary | ({"estimate": PENDING} if record is None else checked(Summary.of(summary), record))
+        return summary | ({"estimate": NOT_READY} if record is None else checked(Summary.of(summary), record))
 
     def go_on(self) -> None:
         """The trace goes on, should rank 0 have held it (fsdp_exp.rank.trace_held) and ended
         without letting it go."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGCONT)
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
-        """The run was stopped: so is its trace (the process and the one tracing)."""
+        """The trace stopped, if it still runs (the process, and what it started), and what it
+        left half-written removed: nothing it started outlives the command."""
+        if self.process is None:
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         (self.run_dir / SETUP_FILE).unlink(missing_ok=True)  # if it was stopped before it read it
+        for left in self.run_dir.glob(f".{ESTIMATE_FILE}*.tmp"):
+            left.unlink(missing_ok=True)
+        trace_log = self.run_dir / "estimate.log"
+        if trace_log.exists() and not trace_log.stat().st_size:
+            trace_log.unlink()
+
+
+def checked(summary: Summary, record: EstimateRecord) -> dict:
+    """The estimate beside what the run measured: each figure of the record that the run
+    measured too (`ESTIMATED`: the record names them as the run does) as
+    `estimated_<figure>`, and estimated over measured as `estimate_ratio_<figure>`; the
+    first of those is `estimate_ratio`: on CPU what the allocations held where the step's
+    phases end (the resident peak also holds what glibc keeps of freed blocks), on a GPU
+    the allocator's peak. Or why there is none."""
+    if record.error is not None:
+        return {"estimate_failed": record.error}
+    found: dict = {}
+    for _, measured in ESTIMATED:
+        if record.get(measured) is None or summary.get(measured) is None:
+            continue
+        found[estimated(measured)] = record.get(measured)
+        if summary.get(measured):
+            found[estimate_ratio(measured)] = record.get(measured) / summary.get(measured)
+            found.setdefault("estimate_ratio", found[estimate_ratio(measured)])
+    if found and record.reused_from:
+        found["estimate_reused_from"] = record.reused_from
+    return found
 
 
 def start_tracing(run_dir: Path, work: tuple) -> subprocess.Popen:
-    """`python -m fsdp_exp.estimate.beside <run_dir> <driver pid> <start time>`, which reads
-    the setup from SETUP_FILE (and removes it), in a session of its own (a terminal's Ctrl-C
-    goes to the run; the run stops it), with this process's import path (a user's model and
-    data)."""
+    """`python -m fsdp_exp.estimate.beside <run_dir>`, which reads the setup from SETUP_FILE
+    (and removes it), in a session of its own (a terminal's Ctrl-C goes to the run; the run
+    stops it), with this process's import path (a user's model and data)."""
     (run_dir / SETUP_FILE).write_bytes(pickle.dumps(work))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
     with open(run_dir / "estimate.log", "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "fsdp_exp.estimate.beside", str(run_dir), str(os.getpid()),
-                                 repr(time.time())],
+        return subprocess.Popen([sys.executable, "-m", "fsdp_exp.estimate.beside", str(run_dir)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True)
 
 
@@ -110,22 +152,18 @@ def wait_for_estimate(path: Path, wait_s: float = WAIT_S) -> tuple[EstimateRecor
 
 
 def main() -> None:
-    """The tracing process: the estimate, then (fsdp_exp.estimate.settle) the run's summary
-    once the driver wrote it."""
+    """The tracing process: the estimate, written beside the run and kept for its setup."""
     run_dir = Path(sys.argv[1])
     at_idle_priority()
     setup = run_dir / SETUP_FILE
-    exp, nproc, ranks_per_node = pickle.loads(setup.read_bytes())
+    exp, nproc, ranks_per_node, key = pickle.loads(setup.read_bytes())
     setup.unlink()
     try:
         record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node)
     except Exception as err:  # noqa: BLE001 - recorded in one line; the run goes on
         record = EstimateRecord(error=one_line(err, limit=300))
-    # What is left is to wait for the run's summary: done by a light process in this one's
-    # place, which puts the record in place as it starts, once this one's memory is gone.
-    record.write_to(run_dir / RECORD_FILE)
-    sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "fsdp_exp.estimate.settle", *sys.argv[1:4]])
+    keep(key, record)
+    record.write_to(run_dir / ESTIMATE_FILE)
 
 
 if __name__ == "__main__":

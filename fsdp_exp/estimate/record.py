@@ -76,6 +76,7 @@ class EstimateRecord(JsonRecord):
     by_seq_len: list[dict[str, Any]] | None = None
 
     error: str | None = None  # why the setup could not be traced, in place of the figures
+    reused_from: str | None = None  # kept from an earlier trace of this setup: where (fsdp_exp.estimate.earlier)
 
     more: dict[str, Any] = field(default_factory=dict)  # any other key, as it was written
 

@@ -14,8 +14,12 @@ imports them (torchvision's take 1.1 s).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import signal
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -41,6 +45,30 @@ def start_rank_server() -> None:
     multiprocessing.set_forkserver_preload(list(RANK_MODULES))
     multiprocessing.forkserver.ensure_running()
     started = True
+
+
+def stop_rank_server() -> None:
+    """The server stopped, should this process have started it, and waited for: by itself it
+    ends only once it reads that the command has exited, about a second after with torch
+    loaded, so the command would leave it running. On Linux (its children read from /proc);
+    elsewhere it ends by itself."""
+    if not started:
+        return
+    for pid in children():
+        with contextlib.suppress(OSError):
+            if b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)  # it has no state to keep: the ranks it forked have ended
+                os.waitpid(pid, 0)
+
+
+def children() -> list[int]:
+    """This process's child processes (Linux: each process's parent, from /proc), else none."""
+    found: list[int] = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                found.append(int(stat.parent.name))
+    return found
 
 
 def in_a_fork(check: Callable[..., T], *args: Any) -> T:

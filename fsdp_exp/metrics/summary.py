@@ -92,9 +92,10 @@ class Summary(JsonRecord):
     device_used_gb: float | None = None
     device_used_gb_per_rank: list[float] | None = None
 
-    # The run's own estimate beside what it measured (fsdp_exp.estimate.settle)
-    estimate: str | None = None  # pending: added to this file when its trace ends
+    # The run's own estimate beside what it measured (fsdp_exp.estimate.beside)
+    estimate: str | None = None  # "not ready": its trace had not ended when the run did, and was stopped
     estimate_failed: str | None = None
+    estimate_reused_from: str | None = None  # kept from an earlier trace of this setup (fsdp_exp.estimate.earlier)
     estimate_wait_s: float | None = None
     estimate_ratio: float | None = None
     estimated_peak_in_use_gb: float | None = None
@@ -206,8 +207,9 @@ def estimate_ratio(measured: str) -> str:
 
 assert all(estimated(m) in NAMES and estimate_ratio(m) in NAMES for _, m in ESTIMATED)
 
-PENDING = "pending"
-ESTIMATE_LATER = "estimate.json and this summary get it when it ends"
+NOT_READY = "not ready"
+ESTIMATE_LATER = ("its trace needs longer than this run and was stopped with it; task=estimate with the same "
+                  "settings traces it once, and the later runs of this setup show it at once")
 
 
 def estimate_line(summary: Summary) -> str | None:
@@ -217,8 +219,8 @@ def estimate_line(summary: Summary) -> str | None:
     which no estimate of tensors predicts (peak_in_use_gb is what it predicts)."""
     if summary.estimate_failed is not None:
         return f"none: {summary.estimate_failed}"
-    if summary.estimate == PENDING:
-        return f"still tracing when the run ended: {ESTIMATE_LATER}"
+    if summary.estimate == NOT_READY:
+        return f"not ready: {ESTIMATE_LATER}"
     resident = summary.device == "cpu" or summary.runtime_gb is not None
     shown = []
     for name, measured in ESTIMATED:

@@ -19,6 +19,7 @@ from fsdp_exp.errors import ConfigError, at_least
 from fsdp_exp.estimate.breakdown import PARTS
 from fsdp_exp.estimate.gpu import Gpu, gpu_named
 from fsdp_exp.estimate.how_fast import add_speeds, read_calibration, roofline
+from fsdp_exp.estimate.earlier import keep, setup_key
 from fsdp_exp.estimate.predict import estimate, fits
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
 from fsdp_exp.launcher.core import RunFailed
@@ -99,6 +100,8 @@ class Estimate(Task):
                  f"batch {sizes[0]}" if len(sizes) == 1 else f"{len(sizes)} batch sizes, {sizes[0]} to {sizes[-1]}")
         record = estimate(exp, nproc, sizes, self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu(),
                           ranks_per_node=per_node)
+        if sizes == [exp.train.batch_size] and self.baseline_gb is None and self.gpu is None:
+            keep(setup_key(exp, nproc, per_node, self.on_gpu(exp)), record)  # a training run of it shows it at once
         record.setup = setup_line(context)
         tokens(record, exp)
         self.how_fast(record, exp, calibrated)

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_exp.checkpoint.resume import resolve_resume
-from fsdp_exp.estimate.beside import EstimateBeside, wait_for_estimate
-from fsdp_exp.estimate.settle import checked
+from fsdp_exp.estimate.beside import EstimateBeside, checked, wait_for_estimate
 from fsdp_exp.metrics.summary import ESTIMATE_LATER, Summary, estimate_line
 from fsdp_exp.rank.train import train_rank
 from fsdp_exp.tasks import Task
@@ -46,31 +45,28 @@ class Train(Task):
         self.find_resume(exp, context, run_dir)
         beside = EstimateBeside(exp, nproc, run_dir, launcher.ranks_per_node(nproc)) if exp.memory.estimate else None
         if beside is not None and launcher.runs_here:  # rank 0 sees the file and holds the trace; else the driver adds it
-            context.estimate_file, context.estimate_pid = str(beside.path), beside.process.pid
+            context.estimate_file = str(beside.path)
+            context.estimate_pid = beside.process.pid if beside.process is not None else None
         context.startup["launched"] = time.time()
         try:
             rank = partial(train_rank, context=context, against_estimate=estimate_checked)
             figures = launcher.launch(rank, exp, run_dir, nproc)
-        except KeyboardInterrupt:
-            if beside is not None:
-                beside.stop()
-            raise
         except BaseException:
             if beside is not None:
-                beside.go_on()  # rank 0 may have failed while it held the trace
+                beside.stop()  # the run failed or was stopped: so is its trace
             raise
         if beside is None:
             return figures
-        beside.go_on()
+        beside.go_on()  # should rank 0 have ended while it held the trace
         return beside.add_to(figures)
 
 
 def estimate_checked(summary: Summary, path: Path) -> dict:
     """Rank 0: the driver's estimate of this run beside what it measured, if it is traced
-    by now (fsdp_exp.estimate.beside); nothing if not (it is added to summary.json later)."""
+    by now (fsdp_exp.estimate.beside); if not, how long it looked (the driver stops the trace)."""
     record, waited = wait_for_estimate(path)
     if record is None:
-        log.info("the estimate of this run is still tracing: %s", ESTIMATE_LATER)
+        log.info("the estimate of this run is not ready: %s", ESTIMATE_LATER)
         return {"estimate_wait_s": waited}
     found = checked(summary, record) | {"estimate_wait_s": waited}
     log.info("task=estimate against this run: %s", estimate_line(Summary.of({**summary.as_dict(), **found})))

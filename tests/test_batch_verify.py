@@ -115,6 +115,7 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
     assert read_json(out / "summary.json")["verification"] == "stepped down"
 
 
+@pytest.mark.slow  # 25 s; the length's rule itself is the next test's, in the fast suite
 def test_the_verification_runs_until_the_peak_settles_whatever_train_steps_is(tmp_path: Path) -> None:
     """SettlingNet's memory grows for 30 steps, past its 5-step probes, then holds. With
     train.steps=5000, the answer is run only until its peak settles (no new high over 10

@@ -5,6 +5,7 @@ far kept, and no rank left running. Real commands, real signals."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,6 +42,9 @@ def live_in_group(pgid: int) -> list[int]:
     return live
 
 
+command_took: list[float] = []  # seconds from each signal stop_at_step sent to the command's end
+
+
 def stop_at_step(command: subprocess.Popen, run_dir: Path, signum: int, group: bool, at_step: int = 2
                  ) -> tuple[int, str, str, list[int]]:
     """Once `run_dir` has logged `at_step`, send `signum` to the command (or to its process
@@ -48,9 +52,11 @@ def stop_at_step(command: subprocess.Popen, run_dir: Path, signum: int, group: b
     step = wait_for_step([command], [run_dir], at_step)
     assert step is not None, command.communicate(timeout=60)
     ranks = [rank_pid(run_dir / f"rank{r}.log") for r in (0, 1)]
+    sent = time.monotonic()
     (os.killpg if group else os.kill)(command.pid, signum)
     try:
         out, err = command.communicate(timeout=120)
+        command_took.append(time.monotonic() - sent)
     except subprocess.TimeoutExpired:
         os.killpg(command.pid, signal.SIGKILL)  # leave nothing training behind the failed test
         out, err = command.communicate()
@@ -88,12 +94,56 @@ def assert_stopped(command: subprocess.Popen, run_dir: Path, signalled_at: int, 
 def stop_a_local_run(tmp_path: Path, sig: signal.Signals, group: bool) -> None:
     run_dir = tmp_path / "run"
     command = start(tmp_path, *ENDLESS, f"hydra.run.dir={run_dir}")
+    started = time.monotonic()
     step, out, err, ranks = stop_at_step(command, run_dir, sig, group=group)
     assert_stopped(command, run_dir, step, out, err, ranks, sig.name)
+    assert command_took[-1] <= 1.0, f"the command ended {command_took[-1]:.2f} s after {sig.name}"
+    assert time.monotonic() - started > command_took[-1]
 
 
 def test_ctrl_c_on_a_local_run_stops_it_with_a_summary(tmp_path: Path) -> None:
     stop_a_local_run(tmp_path, signal.SIGINT, group=True)
+
+
+def ranks_gone_after(pids: list[int], since: float, timeout: float = 30) -> float:
+    """Seconds from `since` (time.monotonic) until none of `pids` runs (a zombie has ended)."""
+    while time.monotonic() - since < timeout:
+        running = []
+        for pid in pids:
+            try:
+                running.append(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")
+            except OSError:
+                running.append(False)
+        if not any(running):
+            break
+        time.sleep(0.005)
+    return time.monotonic() - since
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_ranks_and_the_command_within_a_second_every_time(tmp_path: Path) -> None:
+    """20 tries, Ctrl-C (SIGINT to the process group, as a terminal sends it) at steps 1 to 5
+    in turn, every other try with wandb logging offline (its default): each time both ranks
+    and the command are gone within a second, with the summary and the exit code."""
+    took = []
+    for attempt in range(20):
+        run_dir = tmp_path / f"run{attempt}"
+        command = start(tmp_path, *ENDLESS, *(["wandb.mode=offline"] if attempt % 2 else []),
+                        f"hydra.run.dir={run_dir}")
+        step = wait_for_step([command], [run_dir], 1 + attempt % 5)
+        assert step is not None, command.communicate(timeout=60)
+        ranks = [rank_pid(run_dir / f"rank{r}.log") for r in (0, 1)]
+        sent = time.monotonic()
+        os.killpg(command.pid, signal.SIGINT)
+        ranks_s = ranks_gone_after(ranks, sent)
+        try:
+            command.communicate(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(command.pid, signal.SIGKILL)
+        took.append((round(ranks_s, 2), round(time.monotonic() - sent, 2)))
+        assert command.returncode == 130 and read_json(run_dir / "summary.json")["status"] == "interrupted"
+    assert all(ranks_s <= 1.0 and command_s <= 1.0 for ranks_s, command_s in took), took
 
 
 @pytest.mark.slow

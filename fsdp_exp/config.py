@@ -16,7 +16,7 @@ user's own `_target_`, fsdp_exp.data.custom) and the optimizer (a `_target_`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,7 +35,9 @@ from fsdp_exp.groups import (
     TaskOption,
 )
 from fsdp_exp.memory import MemorySettings
-from fsdp_exp.metrics.wandb_sink import WandbSettings
+from fsdp_exp.logger import SETTINGS as TRACKER_SETTINGS
+from fsdp_exp.logger import Loggers
+from fsdp_exp.metrics.wandb_sink import WandbMode, WandbSettings
 from fsdp_exp.models import NO_BUILDER, ModelSpec
 from fsdp_exp.precision import Precision
 from fsdp_exp.schedule import LrSchedule
@@ -108,6 +110,7 @@ class Experiment:
     optimizer: Any = MISSING  # open: a `_target_` with `_partial_: true`, given the parameters on each rank
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
+    logger: Any = field(default_factory=dict)  # the trackers, conf/logger (fsdp_exp.logger.Loggers once built)
 
     def __post_init__(self) -> None:
         # From the composed config, the model and the user's own data (`_target_`, fsdp_exp.data.custom)
@@ -116,6 +119,10 @@ class Experiment:
             self.model = ModelSpec.from_config(self.model)
         if isinstance(self.data, Mapping):
             self.data = CustomData.from_config(self.data)
+        if isinstance(self.logger, Mapping):
+            self.logger = Loggers.from_config(self.logger)
+            if not self.logger.wandb:  # wandb not among the trackers: no run, as wandb.mode=disabled
+                self.wandb = replace(self.wandb, mode=WandbMode.disabled)
 
 
 def build(cfg: DictConfig) -> Experiment:
@@ -167,6 +174,12 @@ def unknown_key(key: str, schema: Any, typed: str | None = None) -> ConfigError:
         return ConfigError(f"{typed}: task=max_batch's settings are task.*: write task=max_batch {moved}=...")
     if isinstance(schema, type) and schema in GROUP_BASES:
         return extends_no_schema(schema.group, key)
+    tracker = key.split(".")
+    if len(tracker) == 3 and tracker[:2] == ["logger", "wandb"]:
+        return ConfigError(f"{key}: wandb's settings are the wandb group's (wandb.mode, wandb.project, ...)")
+    if len(tracker) == 3 and tracker[0] == "logger" and tracker[1] in TRACKER_SETTINGS:  # open nodes, typed when built
+        allowed = [f.name for f in fields(TRACKER_SETTINGS[tracker[1]])]
+        return ConfigError(f"{key}: not a setting of logger={tracker[1]}; it takes {', '.join(allowed) or 'none'}")
     if not is_dataclass(schema):  # a free-form node, such as optimizer
         return ConfigError(f"{key}: not in {parent}; add a new key with +{key}=...")
     allowed = sorted(f.name for f in fields(schema) if not f.name.startswith("_"))

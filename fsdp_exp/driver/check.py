@@ -18,6 +18,7 @@ import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -28,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config
+from fsdp_exp.driver.conf_dir import CONF_DIR
 from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.errors import ConfigError
 
@@ -199,6 +201,11 @@ def config_error_line(err: Exception) -> str:
         group, _, name = (err.missing_cfg_file or "").rpartition("/")
         options = [o for o in err.options if not o.startswith("schema_")]  # schemas, not options
         return f"{group}={name}: no such option; choose one of: {', '.join(options)}"
+    if isinstance(err, MissingConfigException) and "/" in (err.missing_cfg_file or ""):  # one of a list (logger=[a,b])
+        group, _, name = err.missing_cfg_file.rpartition("/")
+        options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+        if options:
+            return f"{group}={name}: no such option; choose one or more of: {', '.join(options)}"
     in_option = re.search(r"^In '([^']+)': ConfigKeyError.*?Key '[^']+' not in '(\w+)'\s+full_key: (\S+)", str(err), re.S)
     if in_option:  # a key that an option's file sets (Hydra's message chains no cause)
         return str(config.unknown_key_in_option(in_option.group(1), in_option.group(3), in_option.group(2)))

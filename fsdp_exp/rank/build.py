@@ -40,7 +40,7 @@ from fsdp_exp.metrics.flops import (
     step_flops_figures,
 )
 from fsdp_exp.metrics.sinks import METRICS, JsonLines, Progress
-from fsdp_exp.metrics.wandb_sink import Wandb
+from fsdp_exp.logger import Guarded
 from fsdp_exp.metrics.peaks import MemoryMonitor, Runtime
 from fsdp_exp.rank import worker
 from fsdp_exp.rank.trainer import AfterFit, Hooks, OptimizerStep, Trainer, TrainerSettings
@@ -63,7 +63,7 @@ class Built:
     """One rank's live objects for a run."""
 
     trainer: Trainer
-    wandb: Wandb | None
+    trackers: list  # rank 0's (logger): wandb's run, TensorBoard's writer, ...
     jsonl: JsonLines | None
     progress: Progress | None
     figures: dict  # what is known before training: FSDP units, FLOPs per step
@@ -155,25 +155,33 @@ def buffers_from_rank0(model: nn.Module, plain: nn.Module | None) -> None:
                 dist.broadcast(buffer, src=0)
 
 
-def start_wandb(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext) -> Wandb | None:
-    """Rank 0's wandb run. Started before the rank marks its runtime: wandb's modules and
-    run (about 25 MB on rank 0, which the estimate holds too) are the runtime's, not the run's peak."""
+def start_trackers(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext) -> list:
+    """Rank 0's trackers (`logger`: wandb's run, TensorBoard's writer, MLflow's run, the CSV
+    files), each said on the console with where it logs. Started before the rank marks its
+    runtime: their modules and wandb's run (about 25 MB on rank 0, which the estimate holds
+    too) are the runtime's, not the run's peak."""
     if not ranks.is_main:
-        return None
-    sink = cfg.wandb.sink({**as_dict(cfg), "environment": context.environment}, run_dir)
-    log.info("wandb: %s", sink.where())
-    return sink
+        return []
+    config = {**as_dict(cfg), "environment": context.environment}
+    trackers: list = []
+    if cfg.logger.wandb:
+        trackers.append(cfg.wandb.sink(config, run_dir))
+    trackers += cfg.logger.start(config, run_dir, cfg.wandb.project or "fsdp_exp", cfg.wandb.job_type or "train",
+                                 cfg.wandb.tags)
+    for tracker in trackers:
+        log.info("%s: %s", tracker.name if isinstance(tracker, Guarded) else "wandb", tracker.where())
+    return trackers
 
 
 def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext,
                      checkpoint_dir: Path | None = None, resume: Path | None = None, probe: bool = False,
-                     wandb: Wandb | None = None, runtime: Runtime = Runtime(),
+                     trackers: Sequence = (), runtime: Runtime = Runtime(),
                      after_fit: Sequence[AfterFit] = ()) -> Built:
     """Every object of the run on this rank, saving its checkpoints into `checkpoint_dir`;
     with `resume`, restored from that checkpoint. `context`: the run's, which gets the
     mark of the build's end. `probe`: a probe of task=max_batch, which draws no progress
-    bar of its own. `wandb`: rank 0's wandb run, started before the runtime was marked
-    (`start_wandb`). `runtime`: what this rank held before it built its model, which its
+    bar of its own. `trackers`: rank 0's (wandb's run, ...), started before the runtime
+    was marked (`start_trackers`). `runtime`: what this rank held before it built its model, which its
     peak_mem_gb leaves out (`mark_runtime`). `after_fit`: what adds to the trainer's figures
     once it trained, after what the build knew and the start-up marks (fsdp_exp.rank.report)."""
     model, fsdp_units = build_model_for_training(cfg, ranks)
@@ -227,7 +235,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
 
         # A probe draws no bar of its own: the search reports each probe in one line.
         progress = Progress(train.steps, done=start_step, live=False if probe else None)
-        sinks = [jsonl, progress, wandb]
+        sinks = [jsonl, progress, *trackers]
         hooks.append(progress)
 
     first = CountedFirstMicroBatch(model, train.grad_accum, ranks.is_main, figures, cfg.model.name,
@@ -244,7 +252,7 @@ def build_experiment(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunC
                                          *([held] if held else []), *after_fit,
                                          *([settled] if settled else [])]))
     context.startup["built"] = time.time()
-    return Built(trainer, wandb, jsonl, progress, figures)
+    return Built(trainer, list(trackers), jsonl, progress, figures)
 
 
 def log_flops(figures: dict) -> None:

@@ -1,7 +1,7 @@
 """One rank of a training run (task=train, and each probe of task=max_batch), as four steps:
 join (its process group, its figures of the machine), build (its memory limit and the
 experiment on it), fit (train, and the figures added after it, fsdp_exp.rank.report) and
-report (the figures to wandb, the files closed, the model exported)."""
+report (the figures to the trackers, the files closed, the model exported)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from fsdp_exp.metrics.startup import process_started
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 from fsdp_exp.rank import worker
-from fsdp_exp.rank.build import Built, build_experiment, start_wandb
+from fsdp_exp.rank.build import Built, build_experiment, start_trackers
 from fsdp_exp.rank.report import after_fit
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def build(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext, pro
     # rank (forked from the rank server, which imported it already, or fresh): its import
     # is runtime under every launcher, not part of the run's own peak.
     cfg.model.builder()
-    wandb = start_wandb(cfg, ranks, run_dir, context)
+    trackers = start_trackers(cfg, ranks, run_dir, context)
     runtime = mark_runtime(ranks.device)
     apply_limit(cfg.memory.limit_gb, ranks.device)
     if ranks.is_main:
@@ -92,17 +92,17 @@ def build(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext, pro
     if restarts and ranks.is_main:
         log.warning("restart %d of the ranks, from %s", restarts, resume or "step 0 (no checkpoint yet)")
     reports = after_fit(ranks, runtime, cfg.memory.limit_gb, context.estimate_file, against_estimate)
-    return build_experiment(cfg, ranks, run_dir, context, ckpt_dir, resume, probe, wandb, runtime, reports)
+    return build_experiment(cfg, ranks, run_dir, context, ckpt_dir, resume, probe, trackers, runtime, reports)
 
 
 def report(cfg: Experiment, exp: Built, summary: Summary, run_dir: Path) -> dict:
-    """The run's figures, to wandb; its files closed, and the whole model exported when asked.
+    """The run's figures, to its trackers (wandb, ...); its files closed, and the whole model exported when asked.
     The figures go back to the driver as summary.json names them (fsdp_exp.metrics.summary)."""
     figures = summary.as_dict()
     if cfg.checkpoint.export_full:
         export_full_model(exp.trainer.model, run_dir / "model.safetensors")
-    if exp.wandb is not None:
-        exp.wandb.finish(figures)
+    for tracker in exp.trackers:
+        tracker.finish(figures)
     if exp.jsonl is not None:
         exp.jsonl.close()
     return figures

@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_exp.errors import ConfigError, one_line
+from fsdp_exp.logger.csv_sink import Csv
+from fsdp_exp.logger.mlflow_sink import Mlflow
 from fsdp_exp.logger.settings import SETTINGS, CsvSettings, MlflowSettings, TensorBoardSettings
+from fsdp_exp.logger.tensorboard_sink import TensorBoard
 
 NAMES = ("wandb", "tensorboard", "mlflow", "csv")
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow")}  # name: (module, extra)
@@ -72,18 +75,12 @@ class Loggers:
         for name in self.names:
             if name == "wandb":
                 continue
-            try:
+            try:  # each imports its library (torch's SummaryWriter, mlflow) as it starts
                 if name == "tensorboard":
-                    from fsdp_exp.logger.tensorboard_sink import TensorBoard
-
                     tracker: Any = TensorBoard(self.tensorboard, config, run_dir)
                 elif name == "mlflow":
-                    from fsdp_exp.logger.mlflow_sink import Mlflow
-
                     tracker = Mlflow(self.mlflow, config, run_dir, project, job_type, tags)
                 else:
-                    from fsdp_exp.logger.csv_sink import Csv
-
                     tracker = Csv(run_dir)
             except Exception as err:  # noqa: BLE001 - a tracker's failure must not stop training
                 warnings.warn(f"logger={name} failed to start, training goes on without it: "

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.earlier import earlier, keep, setup_key
-from fsdp_exp.estimate.predict import estimate
+from fsdp_exp.estimate.predict import CannotTrace, estimate
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
 from fsdp_exp.metrics.summary import ESTIMATED, NOT_READY, Summary, estimate_ratio, estimated
 
@@ -160,9 +160,12 @@ def main() -> None:
     setup.unlink()
     try:
         record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node)
+        keep(key, record)
+    except CannotTrace as err:  # the setup's own: kept, so its later runs say it at once
+        record = EstimateRecord(error=one_line(err, limit=300))
+        keep(key, record)
     except Exception as err:  # noqa: BLE001 - recorded in one line; the run goes on
         record = EstimateRecord(error=one_line(err, limit=300))
-    keep(key, record)
     record.write_to(run_dir / ESTIMATE_FILE)
 
 

@@ -104,11 +104,9 @@ def earlier(key: str) -> EstimateRecord | None:
 
 
 def keep(key: str, record: EstimateRecord) -> None:
-    """`record` kept under `key` for the runs of its setup (not one that failed: a setup the
-    trace cannot follow is said again, in the run that tries it). A cache that cannot be
-    written is skipped: the estimate is the run's."""
-    if record.error is not None:
-        return
+    """`record` kept under `key` for the runs of its setup (a record of why the setup cannot
+    be traced too: the caller keeps only a failure of the trace itself). A cache that cannot
+    be written is skipped: the estimate is the run's."""
     path = cache_dir() / "estimates" / f"{key}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -192,20 +192,25 @@ def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_
                 raise KeyboardInterrupt  # stopped, not a setup that cannot be traced
             if time.monotonic() > deadline:
                 break
-        if parent.poll(0):
+        said = parent.poll(0)
+        if said:
             ok, result = parent.recv()
         else:
             ok, result = False, f"it ran past {TIME_LIMIT_S} s"
     except EOFError:
         process.join(5)
-        ok, result = False, f"the tracing process ended with exit code {process.exitcode}"
+        said, ok, result = False, False, f"the tracing process ended with exit code {process.exitcode}"
     finally:
         if process.is_alive():
             process.kill()
         process.join()
     if not ok:
-        raise RunFailed(f"task=estimate could not trace this setup: {result}")
+        raise (CannotTrace if said else RunFailed)(f"task=estimate could not trace this setup: {result}")
     return result
+
+
+class CannotTrace(RunFailed):
+    """The trace itself failed on this setup (not its process, nor its time): so will it again."""
 
 
 def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,

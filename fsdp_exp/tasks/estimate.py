@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 from fsdp_exp.config import Device
 from fsdp_exp.data.tokens import TokenData
-from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.errors import ConfigError, at_least, one_line
 from fsdp_exp.estimate.breakdown import PARTS
 from fsdp_exp.estimate.gpu import Gpu, gpu_named
 from fsdp_exp.estimate.how_fast import add_speeds, read_calibration, roofline
 from fsdp_exp.estimate.earlier import keep, setup_key
-from fsdp_exp.estimate.predict import estimate, fits
+from fsdp_exp.estimate.predict import CannotTrace, estimate, fits
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
 from fsdp_exp.launcher.core import RunFailed
 from fsdp_exp.memory import device_memory_gb
@@ -98,10 +98,17 @@ class Estimate(Task):
         log.info("tracing one rank of %d on fake tensors: its build, sharding and a training step at %s "
                  "(seconds to a minute, by the model)", nproc,
                  f"batch {sizes[0]}" if len(sizes) == 1 else f"{len(sizes)} batch sizes, {sizes[0]} to {sizes[-1]}")
-        record = estimate(exp, nproc, sizes, self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu(),
-                          ranks_per_node=per_node)
-        if sizes == [exp.train.batch_size] and self.baseline_gb is None and self.gpu is None:
-            keep(setup_key(exp, nproc, per_node, self.on_gpu(exp)), record)  # a training run of it shows it at once
+        kept = setup_key(exp, nproc, per_node, self.on_gpu(exp)) \
+            if sizes == [exp.train.batch_size] and self.baseline_gb is None and self.gpu is None else None
+        try:
+            record = estimate(exp, nproc, sizes, self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu(),
+                              ranks_per_node=per_node)
+        except CannotTrace as err:  # a training run of the setup says so at once
+            if kept is not None:
+                keep(kept, EstimateRecord(error=one_line(err, limit=300)))
+            raise
+        if kept is not None:
+            keep(kept, record)  # a training run of the setup checks against it at once
         record.setup = setup_line(context)
         tokens(record, exp)
         self.how_fast(record, exp, calibrated)

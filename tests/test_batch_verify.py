@@ -149,6 +149,7 @@ def test_the_verifications_length_is_task_verify_steps_or_bounded_never_train_st
     assert SearchSettings(verify_steps=0).verify_length().steps == 0
 
 
+@pytest.mark.slow  # 14 s
 def test_on_cpu_each_probe_and_the_verification_log_to_wandb_as_the_run_would(tmp_path: Path) -> None:
     """With wandb on, rank 0 holds wandb's run under the CPU limit (about 40 MB here), so a
     probe logs offline too, a record every step, while it trains on. What rank 0 alone holds

@@ -395,7 +395,7 @@ def test_every_check_passes_on_two_cpu_ranks(tmp_path: Path) -> None:
     assert len(rows) == len(checks(setup_for("cpu", 0))) and all(" | pass | " in row for row in rows), rows
 
 
-@pytest.mark.parametrize("memory_gb", [pytest.param(80, marks=pytest.mark.slow), 8, 5])
+@pytest.mark.parametrize("memory_gb", [pytest.param(80, marks=pytest.mark.slow), 8, pytest.param(5, marks=pytest.mark.slow)])
 def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a card or MIG slice of any size, every run's limit is one the plan accepts, the
     run meant to fit leaves room under it, and the MFU run fits the card, by task=estimate's

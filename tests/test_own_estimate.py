@@ -368,8 +368,8 @@ def test_a_run_shorter_than_its_trace_leaves_nothing_running_and_its_files_final
     """The default path, the estimate on, a run shorter than its trace: rank 0 held the trace
     from the first timed step, and at the run's end it was stopped. No process the command
     started is alive when it exits, no file it wrote changes after, and the summary and the
-    console say the estimate was not ready, with what to do. After task=estimate of the
-    setup, the same run has its estimate at once and starts no trace."""
+    console say the estimate was not ready, with what to do. (A setup estimated first has its
+    estimate at once: the next test, and the slow tests' `estimated_first`.)"""
     out = tmp_path / "run"
     result, left = run_and_list_left(*RUN, "train.steps=4", f"hydra.run.dir={out}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -385,15 +385,6 @@ def test_a_run_shorter_than_its_trace_leaves_nothing_running_and_its_files_final
         assert summary["estimated_peak_mem_gb"] > 0, summary
     time.sleep(1)  # the slow test below waits 30 s
     assert hashed(out) == at_exit
-
-    estimated_first(*RUN, "train.steps=4", cwd=tmp_path, where=tmp_path / "estimate")
-    again = tmp_path / "again"
-    result, left = run_and_list_left(*RUN, "train.steps=4", f"hydra.run.dir={again}", cwd=tmp_path)
-    assert result.returncode == 0 and left == [], result.stderr[-3000:]
-    summary = read_json(again / "summary.json")
-    assert summary["estimated_peak_mem_gb"] == read_json(tmp_path / "estimate" / ESTIMATE_FILE)["peak_mem_gb"] > 0
-    assert abs(summary["estimate_ratio"] - 1) <= 0.15 and summary["estimate_reused_from"], summary
-    assert "estimate_trace_held" not in summary and not (again / "estimate.log").exists()  # no trace started
 
 
 @pytest.mark.slow
@@ -430,3 +421,21 @@ def test_a_kept_estimate_is_one_setups_an_edited_model_or_another_setting_is_tra
     assert setup_key(exp, 4, None, on_gpu=False) != first and setup_key(exp, 2, 1, on_gpu=False) != first
     (tmp_path / "kept_net.py").write_text("from tests.test_estimate import linear_stack as net  # edited\n")
     assert key() != first
+
+
+def test_task_estimate_of_a_runs_setup_is_kept_for_its_runs(tmp_path: Path) -> None:
+    """task=estimate at the run's own batch (no task.batch_sizes, no task.gpu) keeps its
+    record for the setup: a training run of it starts no trace and reads that record. With
+    other batch sizes, a GPU named or a baseline given it keeps nothing."""
+    def kept(*overrides: str) -> str | None:
+        plan = prepare(compose_checked([*STACK, "task=estimate", *overrides]), 0)
+        return plan.exp.task.kept_as(plan.exp, plan.nproc, 2)
+
+    assert kept() is not None and kept("task.batch_sizes=[32]") == kept()  # 32: train.batch_size
+    assert kept("task.batch_sizes=[2,4]") is None and kept("task.gpu=L4") is None and kept("task.baseline_gb=1") is None
+    result = run_cli("task=estimate", *STACK, f"hydra.run.dir={tmp_path / 'one'}", cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run := tmp_path / "run").mkdir()
+    beside = EstimateBeside(prepare(compose_checked([*STACK, "train.steps=9"]), 0).exp, 2, run, ranks_per_node=2)
+    assert beside.process is None
+    assert read_json(beside.path)["peak_mem_gb"] == read_json(tmp_path / "one" / ESTIMATE_FILE)["peak_mem_gb"] > 0

@@ -98,8 +98,7 @@ class Estimate(Task):
         log.info("tracing one rank of %d on fake tensors: its build, sharding and a training step at %s "
                  "(seconds to a minute, by the model)", nproc,
                  f"batch {sizes[0]}" if len(sizes) == 1 else f"{len(sizes)} batch sizes, {sizes[0]} to {sizes[-1]}")
-        kept = setup_key(exp, nproc, per_node, self.on_gpu(exp)) \
-            if sizes == [exp.train.batch_size] and self.baseline_gb is None and self.gpu is None else None
+        kept = self.kept_as(exp, nproc, per_node)
         try:
             record = estimate(exp, nproc, sizes, self.on_gpu(exp), self.baseline_gb, gpu=self.named_gpu(),
                               ranks_per_node=per_node)
@@ -121,6 +120,14 @@ class Estimate(Task):
             plot_tokens(record.by_seq_len, room_words(record) or None, Path(run_dir) / "estimate_seq_lens.png")
         log.info("%s -> %s", answer_line(record), run_dir / ESTIMATE_FILE)
         return {"task": "estimate", **{k: record.get(k) for k in (*SUMMARY_KEYS, *GPU_KEYS, *TOKEN_KEYS)}}
+
+    def kept_as(self, exp: Experiment, nproc: int, per_node: int) -> str | None:
+        """The key the record is kept under for the setup's training runs
+        (fsdp_exp.estimate.earlier): an estimate of what such a run traces, at its own batch, for
+        its own device, without task.gpu or task.baseline_gb; None for any other."""
+        if self.sizes(exp) != [exp.train.batch_size] or self.baseline_gb is not None or self.gpu is not None:
+            return None
+        return setup_key(exp, nproc, per_node, self.on_gpu(exp))
 
     def how_fast(self, record: EstimateRecord, exp: Experiment, rates: Rates | None) -> None:
         """Predicted samples/s: by task.calibration's `rates`, or with task.gpu alone, a roofline."""

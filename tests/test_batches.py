@@ -144,11 +144,17 @@ def trained_alike_sharded_and_not(setup: list[str], package: dict, tmp_path: Pat
     return runs
 
 
-def test_dict_batches_with_the_users_loss_and_the_models_own_train_alike_sharded_and_not(package: dict,
-                                                                                          tmp_path: Path) -> None:
+def test_dict_batches_with_the_users_loss_train_alike_sharded_and_not(package: dict, tmp_path: Path) -> None:
     """loss=custom on dict batches: 2 ranks under sharding=full match one unsharded process,
-    step by step; the same model returning its own loss (loss=model, the batch's `target`
-    given to its forward) trains the same; task=eval reports the user's loss."""
+    step by step."""
+    trained_alike_sharded_and_not(CUSTOM, package, tmp_path)
+
+
+@pytest.mark.slow  # the fast suite has the parity above
+def test_dict_batches_with_the_models_own_loss_train_the_same_and_eval_reports_the_users_loss(
+        package: dict, tmp_path: Path) -> None:
+    """The same model returning its own loss (loss=model, the batch's `target` given to its
+    forward) trains as loss=custom does, sharded; task=eval reports the user's loss."""
     runs = trained_alike_sharded_and_not(CUSTOM, package, tmp_path)
     sharded, sharded_weights = losses_and_weights(runs["full"])
 

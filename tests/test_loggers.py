@@ -96,3 +96,16 @@ def test_an_unknown_tracker_is_refused_naming_the_ones_there_are(tmp_path: Path)
     result = refused_here(*SMALL_VIT, "logger=[wandb,neptune]", cwd=tmp_path)
     assert result.returncode == 2
     names(result.stderr.strip().splitlines()[-1], "logger=neptune", "csv", "mlflow", "tensorboard", "wandb")
+
+
+@pytest.mark.slow
+def test_a_tracker_that_cannot_reach_its_server_is_one_warning_and_the_run_trains(tmp_path: Path) -> None:
+    """MLflow at a port nothing listens on: one warning naming logger=mlflow, within seconds
+    (fewer retries than MLflow's own), and the run trains and writes its summary."""
+    out = tmp_path / "run"
+    result = run_cli(*SMALL_VIT, "logger=[mlflow,csv]", "logger.mlflow.tracking_uri=http://127.0.0.1:9",
+                     "train.steps=2", f"hydra.run.dir={out}", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_json(out / "summary.json")["status"] == "ok" and (out / "summary.csv").is_file()
+    warned = [line for line in (result.stdout + result.stderr).splitlines() if "logger=mlflow failed" in line]
+    assert len(warned) == 1, (result.stdout + result.stderr)[-3000:]

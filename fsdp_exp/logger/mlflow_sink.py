@@ -24,10 +24,14 @@ END_STATUS = {"ok": "FINISHED", "none_fits": "FINISHED", "interrupted": "KILLED"
 
 
 def tracking_uri(settings: MlflowSettings) -> str:
-    """logger.mlflow.tracking_uri, or ./mlruns; a file store allowed (MLFLOW_ALLOW_FILE_STORE)."""
+    """logger.mlflow.tracking_uri, or ./mlruns; a file store allowed (MLFLOW_ALLOW_FILE_STORE),
+    a server given fewer retries and a shorter timeout than MLflow's (unless set)."""
     uri = settings.tracking_uri or (Path.cwd() / "mlruns").as_uri()
     if uri.startswith("file:") or "://" not in uri:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    if uri.startswith(("http://", "https://")):  # a server that does not answer: a warning in seconds, not minutes
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     return uri
 
 

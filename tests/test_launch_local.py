@@ -35,6 +35,21 @@ def test_a_failing_rank_stops_the_run_within_seconds(tmp_path: Path) -> None:
     assert "rank1.log" in message and "\n" not in message
 
 
+STUCK = """
+import threading
+from fsdp_exp.rank.worker import exit_if_stuck
+exit_if_stuck(0.5)
+threading.Event().wait()  # as a failed rank whose teardown blocks for good (gloo's destructor)
+"""
+
+
+def test_a_failed_rank_whose_teardown_blocks_ends_itself() -> None:
+    """exit_if_stuck: a process that never returns ends with exit code 1 once the time is up."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", STUCK], timeout=60)
+    assert done.returncode == 1 and time.perf_counter() - start < 30
+
+
 def test_a_rank_ended_by_a_fatal_signal_is_named_and_its_log_keeps_its_python_stack(tmp_path: Path) -> None:
     with pytest.raises(RunFailed) as err:
         LocalLauncher().launch(rank_tasks.rank1_aborts, {}, tmp_path / "local", nproc=2)

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -151,6 +152,23 @@ class RankJob:
         return run_rank(task or self.task, self.cfg, self.run_dir, self.time_limit_s)
 
 
+# A failed rank of launcher=local or torchrun that has not exited this long after its error was
+# recorded ends itself (`exit_if_stuck`).
+FAILED_RANK_EXIT_S = 10
+
+
+def exit_if_stuck(after_s: float) -> None:
+    """End this process with exit code 1 `after_s` from now, should it still be running: a
+    failed rank's teardown can block for good. When every rank fails inside a collective (each
+    ran out of memory in DDP's backward), gloo's destructor waits for its worker threads, which
+    wait for the other rank, which waits the same way (seen in the slow suite: both ranks of a
+    DDP probe stuck for minutes, their errors recorded). Its error and traceback are written
+    by then; a daemon thread, so a rank that exits in time takes it with it."""
+    timer = threading.Timer(after_s, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
+
+
 @record
 def run_rank(task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: str, time_limit_s: int | None = None,
              threads: int | None = None) -> Any:
@@ -176,6 +194,8 @@ def run_rank(task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: 
         line = one_line(err, named=True, whole=True)
         with contextlib.suppress(OSError):  # the error itself is what must get out
             rank_error_path(Path(run_dir), rank).write_text(json.dumps({"error": line, "time": time.time()}))
+        if multiprocessing.parent_process() is not None:
+            exit_if_stuck(FAILED_RANK_EXIT_S)
         raise
     finally:
         signal.alarm(0)

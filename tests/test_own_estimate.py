@@ -418,6 +418,7 @@ def test_a_kept_estimate_is_one_setups_an_edited_model_or_another_setting_is_tra
     assert len({first, *moved}) == 1 + len(moved)
     exp = prepare(compose_checked(setup), 0).exp
     assert setup_key(exp, 4, None, on_gpu=False) != first and setup_key(exp, 2, 1, on_gpu=False) != first
+    assert setup_key(exp, 2, None, on_gpu=True) != first  # a GPU run never reads a CPU run's estimate
     (tmp_path / "kept_net.py").write_text("from tests.test_estimate import linear_stack as net  # edited\n")
     assert key() != first
 

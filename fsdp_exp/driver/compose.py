@@ -20,8 +20,6 @@ from fsdp_exp.driver.conf_dir import CONF_DIR
 from fsdp_exp.errors import ConfigError
 
 
-
-
 def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
     """The config for these overrides, with the hydra node, composed with Hydra's compose
     API; its errors as one-line ConfigErrors (an external torchrun's ranks and the tests)."""

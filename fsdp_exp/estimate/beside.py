@@ -158,14 +158,13 @@ def main() -> None:
     setup = run_dir / SETUP_FILE
     exp, nproc, ranks_per_node, key = pickle.loads(setup.read_bytes())
     setup.unlink()
+    failed: Exception | None = None
     try:
         record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node)
-        keep(key, record)
-    except CannotTrace as err:  # the setup's own: kept, so its later runs say it at once
-        record = EstimateRecord(error=one_line(err, limit=300))
-        keep(key, record)
     except Exception as err:  # noqa: BLE001 - recorded in one line; the run goes on
-        record = EstimateRecord(error=one_line(err, limit=300))
+        record, failed = EstimateRecord(error=one_line(err, limit=300)), err
+    if failed is None or isinstance(failed, CannotTrace):  # the setup's own failure is kept too, not its process's
+        keep(key, record)
     record.write_to(run_dir / ESTIMATE_FILE)
 
 

@@ -18,7 +18,7 @@ import importlib.util
 import os
 import platform
 import sys
-from dataclasses import fields, is_dataclass
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
 
 LEFT_OUT = {"task", "seed", "metrics", "profile"}  # settings the estimate does not read
-LEFT_OUT_OF = {"train": {"steps", "log_every"}, "memory": {"estimate"}}
-WANDB_KEPT = {"mode"}  # an offline or online wandb run holds memory on rank 0; its names do not
+# and of these settings: a wandb run (offline or online) holds memory on rank 0, its names do not
+LEFT_OUT_OF = {"train": {"steps", "log_every"}, "memory": {"estimate"},
+               "wandb": {"project", "entity", "group", "tags", "id", "job_type"}}
 
 
 def cache_dir() -> Path:
@@ -50,8 +51,6 @@ def setup_key(exp: Experiment, world_size: int, ranks_per_node: int | None, on_g
             continue
         if f.name in LEFT_OUT_OF:
             value = {t.name: getattr(value, t.name) for t in fields(value) if t.name not in LEFT_OUT_OF[f.name]}
-        elif f.name == "wandb":
-            value = {w.name: getattr(value, w.name) for w in fields(value) if w.name in WANDB_KEPT}
         described.append(f"{f.name}={value!r}")
     described += [f"world_size={world_size}", f"ranks_per_node={ranks_per_node}", f"on_gpu={on_gpu}",
                   f"machine={platform.node()} {platform.machine()}", f"torch={torch.__version__}",
@@ -85,12 +84,8 @@ def _spec(module: str) -> Any:
 
 
 def _targets(exp: Experiment) -> list[str]:
-    targets = [getattr(exp.model, "target", None), getattr(exp.data, "target", None)]
-    optimizer = exp.optimizer
-    if isinstance(optimizer, dict) or hasattr(optimizer, "get"):
-        targets.append(optimizer.get("_target_"))
-    elif is_dataclass(optimizer):
-        targets.append(getattr(optimizer, "target", None))
+    """The model's, the user's data's (built-in data has none) and the optimizer's `_target_`."""
+    targets = [exp.model.target, getattr(exp.data, "target", None), exp.optimizer.get("_target_")]
     return [t for t in targets if isinstance(t, str)]
 
 

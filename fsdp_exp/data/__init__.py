@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from fsdp_exp.batch import BatchKeys, describe
 from fsdp_exp.errors import ConfigError, at_least
@@ -105,6 +105,24 @@ class GeneratedData(TrainData):
         return self.num_samples // world_size
 
 
+class EpochAfterEpoch(Sampler[int]):
+    """This rank's sample indices, epoch after epoch without end, from where `batches` is
+    when iteration starts: each epoch the rank's share of its shuffled order, cut to whole
+    batches. One DataLoader reads them for the whole run, so its workers (and their prefetch)
+    carry over an epoch's start instead of starting again there."""
+
+    def __init__(self, batches: "Batches") -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, skip = self.batches.epoch, self.batches.position * self.batches.batch_size
+        sampler = self.batches.sampler
+        while True:
+            sampler.set_epoch(epoch)
+            yield from list(sampler)[skip:self.batches.per_epoch * self.batches.batch_size]
+            epoch, skip = epoch + 1, 0
+
+
 @dataclass
 class Batches:
     """Endless batches that know where they are: `state_dict()` says how far into which
@@ -123,31 +141,34 @@ class Batches:
     epoch: int = 0
     position: int = 0  # batches handed out in this epoch
 
+    @property
+    def per_epoch(self) -> int:
+        """Whole batches in this rank's share of an epoch."""
+        return len(self.sampler) // self.batch_size
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            self.sampler.set_epoch(self.epoch)
-            indices = list(self.sampler)[self.position * self.batch_size:]
-            loader = DataLoader(
-                self.dataset,
-                batch_size=self.batch_size,
-                sampler=indices,
-                drop_last=True,
-                num_workers=self.num_workers,
-                pin_memory=self.pin_memory,
-                # Its own generator: starting an epoch must not draw from the global RNG,
-                # or a resumed run's dropout would differ from an uninterrupted one.
-                generator=torch.Generator(),
-                # Workers forked from the rank, sharing its data set's pages, as Linux's
-                # DataLoader does: a rank started by spawn or a forkserver (every launcher
-                # here) would otherwise start each worker that way too, a fresh interpreter
-                # with its own copy of the data set (0.28 GB a worker for the default ViT).
-                multiprocessing_context=WORKERS_START if self.num_workers else None,
-            )
-            for batch in loader:
-                self.position += 1
-                yield batch
-            self.epoch += 1
-            self.position = 0
+        if self.position >= self.per_epoch:  # saved at a larger world size, at an epoch's end
+            self.epoch, self.position = self.epoch + 1, 0
+        loader = DataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            sampler=EpochAfterEpoch(self),
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            # Its own generator: starting to read must not draw from the global RNG, or a
+            # resumed run's dropout would differ from an uninterrupted one.
+            generator=torch.Generator(),
+            # Workers forked from the rank, sharing its data set's pages, as Linux's
+            # DataLoader does: a rank started by spawn or a forkserver (every launcher
+            # here) would otherwise start each worker that way too, a fresh interpreter
+            # with its own copy of the data set (0.28 GB a worker for the default ViT).
+            multiprocessing_context=WORKERS_START if self.num_workers else None,
+        )
+        for batch in loader:
+            self.position += 1
+            if self.position == self.per_epoch:
+                self.epoch, self.position = self.epoch + 1, 0
+            yield batch
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "samples": self.position * self.batch_size * self.world_size}

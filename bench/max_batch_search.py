@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from machine import header
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.tasks.max_batch.answer import noise_band_gb
 from fsdp_exp.tasks.max_batch.policy import BatchSearch

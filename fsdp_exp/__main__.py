@@ -1,11 +1,6 @@
-import os
-import sys
+"""`python -m fsdp_exp`: fsdp_exp.commands.experiment, started as `fsdp-exp` starts it."""
+
+from fsdp_exp.commands import experiment
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ and not {"-h", "--help", "--hydra-help", "--info", "--cfg", "-c"} & set(sys.argv[1:]):
-        from fsdp_exp.launcher.rank_server import start_rank_server
-
-        start_rank_server()
-    from fsdp_exp.cli import command
-
-    command()
+    experiment()

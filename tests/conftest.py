@@ -23,7 +23,7 @@ def precheck(argv: list[str]) -> dict:
     API and checked as fsdp_exp.driver.check checks it for `python -m fsdp_exp`; the plan
     of each run launched (a RunPlan, or Refused for a run of a sweep). A refusal of the
     command as the ConfigError whose line it prints."""
-    from fsdp_exp.cli import compose_config
+    from fsdp_exp.commands.experiment import compose_config
     from fsdp_exp.driver.check import BadInput, check_run, check_sweep, combinations, parse_overrides, run_key
     from fsdp_exp.errors import ConfigError
 
@@ -90,7 +90,7 @@ def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
 
     from hydra.core.global_hydra import GlobalHydra
 
-    from fsdp_exp.cli import main
+    from fsdp_exp.commands.experiment import main
 
     saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}

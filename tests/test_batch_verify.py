@@ -207,7 +207,7 @@ def test_a_probes_peak_has_settled_when_two_checks_a_window_apart_agree_within_t
 
 
 def test_a_probe_saves_a_checkpoint_where_the_run_does_and_trains_on_beside_it() -> None:
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
     from fsdp_exp.driver.plan import prepare
     from fsdp_exp.tasks.max_batch.probe import command_config, probe_config
 
@@ -288,7 +288,7 @@ def test_one_run_of_the_command_verifies_and_what_it_held_beyond_its_probe_bring
     probe, 404 no longer has the band to spare, the probes go on below it, and their answer,
     400, is covered by the run at 404 (a run at a smaller size holds less): no second run.
     Where the run at the boundary ran out of memory instead, the next run steps down."""
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
     from fsdp_exp.driver.plan import prepare
     from fsdp_exp.tasks.max_batch.answer import answer_line
     from fsdp_exp.tasks.max_batch.probe import Probe

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from fsdp_exp.checkpoint.files import latest, open_checkpoint
 from fsdp_exp.checkpoint.resume import resolve_resume
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from tests.conftest import SMALL_VIT, precheck, read_json, read_jsonl, refused_here, run_cli, signal_at_step
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from omegaconf import OmegaConf
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.driver.compose import CONF_DIR, compose_config
 from tests.conftest import names, precheck, refused_here, run_cli
 from fsdp_exp.errors import ConfigError
@@ -232,7 +232,7 @@ def test_weights_of_another_model_are_refused_before_eval(tmp_path: Path) -> Non
 def test_a_language_model_brings_token_data_unless_the_command_line_names_other_data(model: str) -> None:
     """`model=gpt` alone (as the README's estimate command types it) reads token data; a
     data option on the command line, before or after the model, still wins."""
-    from fsdp_exp.cli import compose_config
+    from fsdp_exp.commands.experiment import compose_config
 
     assert compose_config([f"model={model}"]).hydra.runtime.choices.data == "synthetic_tokens"
     assert compose_config(["data=text", f"model={model}"]).hydra.runtime.choices.data == "text"

@@ -13,7 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from fsdp_exp.cli import CONF_DIR, RunTask, compose_config
+from fsdp_exp.commands.experiment import CONF_DIR, RunTask, compose_config
 from fsdp_exp.driver.check import CheckRun, check_sweep, combinations, parse_overrides, run_key
 from fsdp_exp.driver.sweep import SideBySide
 from hydra_plugins.fsdp_exp_sweeper.fsdp_exp_sweeper import ComposedOnce
@@ -210,13 +210,14 @@ import atexit
 import sys
 import threading
 import time
-from fsdp_exp.launcher.rank_server import start_rank_server
-import fsdp_exp.cli as cli
+from fsdp_exp.commands import experiment
+import fsdp_exp.commands.experiment as cli
 
 main_ended = threading.Event()
 
 
 def main():
+    atexit.register(imported)  # the command ends the process at once, after atexit's hooks
     try:
         run_main()
     finally:
@@ -228,13 +229,11 @@ def imported():
 
 
 if __name__ == "__main__":  # as python -m fsdp_exp does it
-    start_rank_server()
     sys.argv = ["fsdp_exp", *sys.argv[1:]]
     run_main, cli.main = cli.main, main
-    atexit.register(imported)  # command() ends the process at once, after atexit's hooks
     late = lambda: (main_ended.wait(), time.sleep(0.3), print("a thread still running: waited for"))  # noqa: E731
     threading.Thread(target=late).start()
-    cli.command()
+    experiment()
 """
 
 
@@ -243,7 +242,7 @@ def test_the_model_is_checked_against_the_data_in_a_fork_of_the_rank_server(tmp_
     """The command never imports the model's modules (torchvision's take 1.1 s): its check
     of the model against the data runs forked from the rank server, which has them; a
     model that cannot read the data is refused from there in one line, before any run
-    directory exists. The command then ends at once (command()), yet waits for a thread
+    directory exists. The command then ends at once (fsdp_exp.commands.EndAtOnce), yet waits for a thread
     still running and runs atexit's hooks first, as a normal exit does."""
     (tmp_path / "driver.py").write_text(DRIVER)
     out = tmp_path / "run"

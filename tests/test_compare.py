@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_exp.compare import main
+from fsdp_exp.commands.compare import main
 from fsdp_exp.metrics.plots import plot_comparison
 from fsdp_exp.tasks.max_batch.plot import plot_max_batch
 from fsdp_exp.tasks.max_batch.record import MaxBatchRecord
@@ -488,7 +488,7 @@ def test_the_bar_chart_stays_readable_at_60_runs(tmp_path: Path) -> None:
     width, height = png_size(tmp_path / "out" / "comparison.png")
     assert width <= 14 * 120 and height <= 11 * 120, (width, height)
 
-    from fsdp_exp.compare import Run, comparison_rows
+    from fsdp_exp.commands.compare import Run, comparison_rows
     from fsdp_exp.metrics.plots import MAX_BARS
     from fsdp_exp.metrics.summary import Summary
 
@@ -553,7 +553,7 @@ def test_one_memory_axis_and_labels_told_apart_when_cut() -> None:
     """Runs with and without a limit are placed by the peak each measured, not half of them
     by the limit's count (which holds the runtime); runs whose setups are cut to the same
     label are numbered as their rows."""
-    from fsdp_exp.compare import memory_label, memory_points
+    from fsdp_exp.commands.compare import memory_label, memory_points
     from fsdp_exp.metrics.plots import bar_labels
 
     limited = {"setup": "a", "status": "ok", "samples_per_s": 10.0, "peak_mem_gb": 0.16, "peak_under_limit_gb": 0.8}
@@ -572,7 +572,7 @@ def test_one_memory_axis_and_labels_told_apart_when_cut() -> None:
 def test_runs_that_differ_in_many_settings_are_named_by_where_each_is_unusual() -> None:
     """A folder of a user's runs: past 4 differing settings, a run's name leaves out the
     values most runs share; a sweep of a few settings keeps every one of them."""
-    from fsdp_exp.compare import Run, setup_names
+    from fsdp_exp.commands.compare import Run, setup_names
     from fsdp_exp.metrics.summary import Summary
 
     base = [f"train.key_{k}=1" for k in range(6)]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.cli import compose_config
+from fsdp_exp.commands.experiment import compose_config
 from fsdp_exp.driver.check import combinations, parse_overrides
 from tests.conftest import REPO, precheck, run_cli
 from fsdp_exp.errors import ConfigError

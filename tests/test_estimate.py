@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.estimate.breakdown import GB, attention_workspace, estimate_batch

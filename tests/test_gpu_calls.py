@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_exp import distributed
-from fsdp_exp.check_gpu import gpus_here
+from fsdp_exp.commands.check_gpu import gpus_here
 from fsdp_exp.checkpoint.dcp import staging_for
 from fsdp_exp.checkpoint.state import _rng_state, _set_rng_state
 from fsdp_exp.memory import apply_limit

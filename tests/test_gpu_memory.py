@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.estimate.allocator import CachingAllocator, PastTheCap, replay, reserved_under, segment_size

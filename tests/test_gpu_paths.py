@@ -16,7 +16,7 @@ import torch
 
 from fsdp_exp import distributed
 from fsdp_exp import profile
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
@@ -318,7 +318,7 @@ def test_under_torchrun_more_ranks_a_node_than_its_gpus_are_refused_before_the_r
     both ranks inherit the one CUDA_VISIBLE_DEVICES, both would take cuda:0, and NCCL refuses
     a second rank on a device. Rank 0's plan refuses it in one line (every rank then exits 2);
     one rank a node on two nodes is fine."""
-    from fsdp_exp.cli import compose_config
+    from fsdp_exp.commands.experiment import compose_config
     from fsdp_exp.driver.external_torchrun import plan_here
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the one door: the GPUs this node shows
@@ -361,7 +361,7 @@ def test_a_limit_is_checked_against_the_smallest_gpu_the_ranks_take(monkeypatch:
     sizes = {0: 80 * GB, 1: 24 * GB}
     monkeypatch.setattr(torch.cuda, "get_device_properties",  # the one door: each GPU's memory
                         lambda device: SimpleNamespace(total_memory=sizes[torch.device(device).index or 0]))
-    from fsdp_exp.cli import compose_config
+    from fsdp_exp.commands.experiment import compose_config
 
     cfg = compose_config(["device=cuda", "memory.limit_gb=30", "launcher.nproc_per_node=2", "wandb.mode=disabled"])
     with pytest.raises(ConfigError) as err:

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from fsdp_exp import memory
-from fsdp_exp.check_gpu_checks import RunResult, checks, runs, setup_for
-from fsdp_exp.cli import compose_config
+from fsdp_exp.commands.gpu_checks import RunResult, checks, runs, setup_for
+from fsdp_exp.commands.experiment import compose_config
 from fsdp_exp.driver.plan import prepare
-from fsdp_exp.gpu_session import against_matmul, matmul_tflops, session, session_checks, session_runs, tuned
+from fsdp_exp.commands.gpu_session import against_matmul, matmul_tflops, session, session_checks, session_runs, tuned
 from fsdp_exp.metrics.summary import Summary
 from tests.conftest import REPO, run_cli
 from tests.test_check_gpu import fsdp_exp_args, passing_runs, result
@@ -47,7 +47,7 @@ def test_the_matmul_is_timed_through_the_one_door_to_the_gpus_queue(monkeypatch:
 
 @pytest.mark.parametrize("setup", [GPU, setup_for("cpu", gpus=0)], ids=["cuda", "cpu"])
 def test_every_session_run_composes_and_passes_the_plan(setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp_exp.check_gpu import command
+    from fsdp_exp.commands.check_gpu import command
 
     monkeypatch.setattr(memory, "device_memory_gb", lambda device: 80.0)
     for name, overrides in session_runs(setup, tmp_path).items():

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_exp.checkpoint.export import load_weights
-from fsdp_exp.cli import compose_checked, compose_config
+from fsdp_exp.commands.experiment import compose_checked, compose_config
 from tests.conftest import names, precheck, read_json, read_jsonl, refused_here
 from fsdp_exp.config import ConfigError
 from fsdp_exp.data.tokens import SyntheticTokens

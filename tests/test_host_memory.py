@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.estimate.breakdown import GB, estimate_batch
 from fsdp_exp.estimate.host import PREFETCH, HostSetup, host_memory

@@ -42,7 +42,7 @@ def test_an_installed_wheel_runs_from_any_directory_with_user_configs(tmp_path: 
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-        assert "fsdp-exp = fsdp_exp.cli:command" in archive.read(entry_points).decode()
+        assert "fsdp-exp = fsdp_exp.commands:experiment" in archive.read(entry_points).decode()
     assert "hydra_plugins/fsdp_exp_sweeper/fsdp_exp_sweeper.py" in names  # the sweeper of -m
     shipped = {n.removeprefix("fsdp_exp/conf/") for n in names if n.startswith("fsdp_exp/conf/")}
     assert shipped == {p.relative_to(REPO / "conf").as_posix() for p in (REPO / "conf").rglob("*.yaml")}
@@ -61,9 +61,9 @@ def test_an_installed_wheel_runs_from_any_directory_with_user_configs(tmp_path: 
     empty = tmp_path / "elsewhere"
     empty.mkdir()
 
-    where = subprocess.run([sys.executable, "-c", "import fsdp_exp.cli as c; print(c.__file__); print(c.CONF_DIR)"],
+    where = subprocess.run([sys.executable, "-c", "import fsdp_exp.commands.experiment as c; print(c.__file__); print(c.CONF_DIR)"],
                            cwd=empty, env={**os.environ, **env}, capture_output=True, text=True, check=True)
-    assert where.stdout.split() == [str(site / "fsdp_exp" / "cli.py"), str(site / "fsdp_exp" / "conf")]
+    assert where.stdout.split() == [str(site / "fsdp_exp" / "commands" / "experiment.py"), str(site / "fsdp_exp" / "conf")]
 
     # One -m sweep through the installed sweeper, with the user's options: it checks both runs
     # (one refused), then trains the other.

@@ -144,14 +144,17 @@ def test_ranks_start_from_the_rank_server_or_fresh_and_never_inherit_a_launch(tm
 WORKER = """
 import os, sys
 from pathlib import Path
-from fsdp_exp.cli import compose_config, end_process
+from fsdp_exp.commands import EndAtOnce
+ending = EndAtOnce()  # as `python -m fsdp_exp` ends
+from fsdp_exp.commands.experiment import compose_config
 from fsdp_exp.driver.external_torchrun import run_as_worker
 
 def counted(argv):
     Path(sys.argv[1], "composed_by_rank" + os.environ["RANK"]).touch()
     return compose_config(argv)
 
-end_process(run_as_worker(sys.argv[2:], counted))  # as `python -m fsdp_exp` ends
+ending.code = run_as_worker(sys.argv[2:], counted)
+sys.exit(ending.code)
 """
 
 

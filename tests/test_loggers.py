@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.driver.plan import prepare
 from tests.conftest import SMALL_VIT, names, read_json, read_jsonl, refused_here, run_cli
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from tests.conftest import REPO, SMALL_VIT, precheck, rank_pid, read_json, refused_here, run_cli
 from fsdp_exp.config import Device
 from fsdp_exp.driver.plan import prepare
@@ -521,7 +521,7 @@ def test_a_resolution_above_each_ranks_share_of_the_data_is_one_line_before_any_
 ])
 def test_a_probes_warmup_covers_the_step_that_compiles(compile: bool, steps_per_probe: int, warmup: int,
                                                       steps: int) -> None:
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
     from fsdp_exp.driver.plan import prepare
     from fsdp_exp.tasks.max_batch.probe import probe_config
 

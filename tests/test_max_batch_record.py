@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.tasks.max_batch.probe import Probe
 from fsdp_exp.tasks.max_batch.record import RECORD, MaxBatchRecord

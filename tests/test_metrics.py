@@ -259,7 +259,7 @@ def test_a_compiled_run_whose_warmup_ends_before_compiling_is_warned(one_rank_gr
                                                                      warmup_steps: int, warned: bool) -> None:
     """Step 1 runs eagerly while its FLOPs are counted, so step 2 compiles: a warm-up of one
     step leaves the compiler in the summary's throughput. Building compiles nothing yet."""
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
     from fsdp_exp.driver.plan import prepare
     from fsdp_exp.rank.build import build_experiment
     from fsdp_exp.run_context import RunContext
@@ -460,7 +460,7 @@ WANDB_ENV = ("WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_API_KEY")
 def test_wandb_settings_the_config_leaves_open_come_from_the_environment(
         overrides: list[str], env: dict, expected: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver resolves them once (prepare), and every rank gets the result."""
-    from fsdp_exp.cli import compose_config
+    from fsdp_exp.commands.experiment import compose_config
     from fsdp_exp.driver.plan import prepare
 
     monkeypatch.setenv("NETRC", str(tmp_path / "no.netrc"))

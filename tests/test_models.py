@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torchvision.models.vision_transformer import EncoderBlock
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.models import build_model, own_blocks
 
 

@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from fsdp_exp import config, options
-from fsdp_exp.cli import CONF_DIR, compose_config
+from fsdp_exp.commands.experiment import CONF_DIR, compose_config
 from fsdp_exp.driver.plan import prepare
 
 OPTIONS = sorted((group.name, option.stem) for group in __import__("pathlib").Path(CONF_DIR).iterdir()

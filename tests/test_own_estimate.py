@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from fsdp_exp.cli import compose_checked
-from fsdp_exp.compare import main as compare
+from fsdp_exp.commands.experiment import compose_checked
+from fsdp_exp.commands.compare import main as compare
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.estimate.beside import EstimateBeside, at_idle_priority, checked
 from fsdp_exp.estimate.earlier import setup_key

@@ -51,7 +51,7 @@ def test_the_example_project_trains_as_its_readme_shows(project: Path) -> None:
     ["sharding=none"],
 ])
 def test_the_users_model_composes_with_every_option(project: Path, options: list[str]) -> None:
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
 
     plan = prepare(compose_checked(["model=mynet", "data=squares", SEARCHPATH, *options]), 0)
     assert plan.exp.model.target == "mypkg.model.Net" and plan.exp.model.kwargs == {
@@ -61,7 +61,7 @@ def test_the_users_model_composes_with_every_option(project: Path, options: list
 def test_a_config_folder_inside_the_users_package_joins_with_pkg(project: Path) -> None:
     shutil.move(project / "conf", project / "mypkg" / "conf")
     (project / "mypkg" / "conf" / "__init__.py").touch()
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
 
     cfg = compose_checked(["model=mynet", "data=squares", "hydra.searchpath=[pkg://mypkg.conf]"])
     assert cfg.model._target_ == "mypkg.model.Net" and cfg.data._target_ == "mypkg.data.squares"
@@ -69,7 +69,7 @@ def test_a_config_folder_inside_the_users_package_joins_with_pkg(project: Path) 
 
 def test_a_model_from_the_command_line_gets_only_its_own_arguments(project: Path) -> None:
     """model=custom: the builder and its arguments on the command line, none of the ViT's."""
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
 
     cfg = compose_checked(["model=custom", "model._target_=mypkg.model.Net", "+model.width=32",
                            "+model.num_classes=4", "model.blocks=[mypkg.model.Block]", "data=squares", SEARCHPATH])
@@ -221,7 +221,7 @@ def test_an_option_of_ones_own_without_the_search_path_names_it(project: Path, t
 
 
 def test_the_users_data_holds_out_samples_for_eval(project: Path) -> None:
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
 
     exp = prepare(compose_checked(["model=mynet", "data=squares", SEARCHPATH]), 0).exp
     train, held_out = exp.data.dataset(), exp.data.eval_dataset()

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fsdp_exp.cli import compose_config
+from fsdp_exp.commands.experiment import compose_config
 from fsdp_exp.config import ConfigError
 from fsdp_exp.data.padded import IGNORED, PaddedTokens
 from fsdp_exp.data.tokens import shipped_corpus
@@ -153,7 +153,7 @@ def test_the_estimate_traces_a_hugging_face_model_on_padded_documents_through_it
     """task=estimate's trace of model=hf on data=padded_tokens, loss=model: the step on fake
     tensors, and what task=eval of its weights holds (the loss summed over the counted tokens,
     never read on the host)."""
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
     from fsdp_exp.estimate.trace import trace
 
     plan = prepare(compose_checked(["model=hf", "data=padded_tokens", "data.seq_len=32", "device=cpu",

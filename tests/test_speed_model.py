@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.estimate.gpu import gpu_named
 from fsdp_exp.errors import ConfigError

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.cli import compose_checked
+from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.config import as_dict
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
@@ -132,7 +132,7 @@ def test_a_global_batch_splits_into_micro_batches_under_the_largest_that_fits():
 
 
 def test_a_global_batch_the_ranks_do_not_divide_is_refused_in_one_line():
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
 
     with pytest.raises(ConfigError, match=r"^task.global_batch=33: must be a multiple of the 2 ranks"):
         compose_checked(["task=tune", "model=cnn", "memory.limit_gb=0.6", "task.global_batch=33"])
@@ -341,7 +341,7 @@ def test_the_chart_stars_the_winner_and_draws_the_limit(tmp_path):
 
 
 def tuner(tmp_path: Path, *overrides: str, model: str = "cnn"):
-    from fsdp_exp.cli import compose_checked
+    from fsdp_exp.commands.experiment import compose_checked
     from fsdp_exp.driver.plan import prepare
     from fsdp_exp.run_context import RunContext
     from fsdp_exp.tasks.tune.tuner import Tuner

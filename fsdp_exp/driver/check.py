@@ -7,7 +7,7 @@ callback hands the plan over when the job starts (`on_job_start` is given the ta
 function). A -m sweep is checked by its sweeper (hydra_plugins/fsdp_exp_sweeper), which
 composes every combination, checks it before it hands any to the launcher, and hands the
 plans to the task function it was given. Bad input ends the command with one line and
-exit 2 (fsdp_exp.cli), and nothing is written.
+exit 2 (fsdp_exp.commands.experiment), and nothing is written.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from fsdp_exp.errors import ConfigError
 T = TypeVar("T")
 
 class BadInput(BaseException):
-    """A run's ConfigError on its way out of Hydra to the command line (fsdp_exp.cli), which
+    """A run's ConfigError on its way out of Hydra to the command line (fsdp_exp.commands.experiment), which
     prints it as one line and exits 2. A BaseException, because Hydra's callbacks turn an
     Exception into a warning and carry on."""
 
@@ -66,7 +66,7 @@ class CheckedSweep:
 
 @runtime_checkable
 class TakesPlans(Protocol):
-    """A task function that runs the plans the check made (fsdp_exp.cli's `RunTask`); a run
+    """A task function that runs the plans the check made (fsdp_exp.commands.experiment's `RunTask`); a run
     whose plan it was not handed (a launcher plugin's, in another process) it checks itself."""
 
     def take_plans(self, plans: Plans, swept: set[str]) -> None: ...

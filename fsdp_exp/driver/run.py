@@ -75,7 +75,7 @@ def run_experiment(
                     wall_s=time.perf_counter() - start).with_figures(record()).with_figures(
                 figures_so_far(JsonLines.read(run_dir / METRICS), exp.metrics.warmup_steps)).write(run_dir)
             log.warning("interrupted (%s)%s; summary in %s", signal_name, at, run_dir / SUMMARY)
-        err.run_reported = True  # the command adds no line of its own (fsdp_exp.cli)
+        err.run_reported = True  # the command adds no line of its own (fsdp_exp.commands.experiment)
         raise
     summary.with_figures(record())
     summary.wall_s = time.perf_counter() - start

@@ -1,6 +1,6 @@
 """hydra/sweeper=fsdp_exp: a -m sweep whose every run is composed and checked before the
 first starts (fsdp_exp.driver.check), then handed to Hydra's launcher as one batch; the
-plans the check made go to the task function (fsdp_exp.cli's `RunTask`), which runs them.
+plans the check made go to the task function (fsdp_exp.commands.experiment's `RunTask`), which runs them.
 
 Hydra finds sweepers in the hydra_plugins namespace package (and loads this module
 outside sys.modules, so its annotations are not postponed); this one is the default of

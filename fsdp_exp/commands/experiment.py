@@ -10,17 +10,13 @@ external torchrun) acts as one worker instead.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 import re
 import sys
-import threading
 import time
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import NoReturn
 
 import hydra
 from hydra.errors import HydraException
@@ -36,7 +32,6 @@ from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launcher.core import stop_on_signals, stop_signal
-from fsdp_exp.launcher.rank_server import stop_rank_server
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.metrics.startup import process_started
 
@@ -81,35 +76,17 @@ def main() -> None:
         side_by_side.close()  # runs still in flight (Ctrl-C) stop their jobs before the command ends
 
 
-def command() -> NoReturn:
-    """`python -m fsdp_exp` and `fsdp-exp`: main(), then the process ends without Python
-    freeing every module it imported, which takes a second or more once torch is loaded.
-    What a normal exit does first still happens: threads still running are waited for,
-    atexit's hooks run (logging's files flushed and closed, wandb's and Ray's shutdown),
-    and the console's streams are flushed. An exception main() does not turn into an exit
-    code ends the process as usual, with its traceback."""
+def command() -> int:
+    """`python -m fsdp_exp` and `fsdp-exp` (fsdp_exp.commands.experiment): main(), as the
+    process's exit code. A message SystemExit carries is printed; an exception main() does
+    not turn into an exit code is raised, with its traceback."""
     try:
         main()
-        code = 0
+        return 0
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)
-    end_process(code)
-
-
-def end_process(code: int) -> NoReturn:
-    """The end of `command()`: threads joined, atexit's hooks run, streams flushed, then
-    `os._exit(code)`, without the interpreter's own teardown of torch's modules."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    stop_rank_server()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe (| head) or stream
-            stream.flush()
-    os._exit(code)
+        return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
 
 
 # Hydra's flags that take a value, and those that do not: what is left are the overrides
@@ -255,6 +232,3 @@ def compose_checked(overrides: list[str], config_name: str = "config") -> DictCo
     check_run(cfg)
     return cfg
 
-
-if __name__ == "__main__":
-    command()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import pickle
+import tomllib
 import subprocess
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from fsdp_exp.driver.check import CheckRun, check_sweep, combinations, parse_ove
 from fsdp_exp.driver.sweep import SideBySide
 from hydra_plugins.fsdp_exp_sweeper.fsdp_exp_sweeper import ComposedOnce
 from fsdp_exp.errors import ConfigError
-from tests.conftest import SMALL_VIT, names, read_json, read_jsonl, refused_here, run_cli
+from tests.conftest import REPO, SMALL_VIT, names, read_json, read_jsonl, refused_here, run_cli
 
 
 @pytest.mark.slow  # 50 steps of the default ViT: 33 s of the fast suite's 15 minutes
@@ -268,3 +270,13 @@ def test_a_key_of_a_swept_group_says_how_to_set_it(tmp_path: Path) -> None:
     assert result.stderr.strip() == (
         "fsdp_exp: checkpoint.every: unknown key; checkpoint has: export_full (a -m sweep over checkpoint is first "
         "composed with checkpoint's default; write ++checkpoint.every=1 to set it in every run of the sweep)")
+
+
+def test_the_installed_command_starts_as_python_m_fsdp_exp_does() -> None:
+    """`fsdp-exp` (pyproject's script) is the very function `python -m fsdp_exp` calls, which
+    starts the rank server before torch is imported: the installed command skipped it, and
+    each probe's ranks imported torch again."""
+    import fsdp_exp.__main__ as python_m
+
+    module, _, name = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["fsdp-exp"].partition(":")
+    assert getattr(importlib.import_module(module), name) is python_m.experiment

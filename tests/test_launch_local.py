@@ -23,9 +23,12 @@ from tests.conftest import REPO, SMALL_VIT, names, read_json, read_jsonl, run_cl
 def test_local_launcher_returns_rank0_result(tmp_path: Path) -> None:
     result = LocalLauncher().launch(rank_tasks.report_rank, {"x": 1}, tmp_path, nproc=2)
     assert result == {"rank": 0, "world_size": 2, "x": 1}
+    assert not (tmp_path / "launcher.log").exists(), "torch elastic said nothing worth a file"
 
 
-def test_a_failing_rank_stops_the_run_within_seconds(tmp_path: Path) -> None:
+def test_a_failing_rank_stops_the_run_within_seconds(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """... and torch elastic's own record of it (exit code, pid, traceback) is kept in the
+    run's launcher.log, not shown on the console beside the run's one line."""
     start = time.perf_counter()
     with pytest.raises(RunFailed) as err:
         LocalLauncher().launch(rank_tasks.rank1_raises_while_rank0_waits, {}, tmp_path, nproc=2)
@@ -33,6 +36,9 @@ def test_a_failing_rank_stops_the_run_within_seconds(tmp_path: Path) -> None:
     message = str(err.value)
     assert message.startswith("rank 1 failed: ValueError: boom on rank 1")
     assert "rank1.log" in message and "\n" not in message
+    elastic = (tmp_path / "launcher.log").read_text()
+    assert "[torch.distributed.elastic." in elastic and "failed (exitcode: 1) local_rank: " in elastic
+    assert "torch/distributed/elastic" not in capfd.readouterr().err
 
 
 STUCK = """

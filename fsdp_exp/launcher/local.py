@@ -110,10 +110,10 @@ def elastic_run(task: Callable[[Experiment, Path], Any], cfg: Experiment, run_di
     options = dict(rdzv_backend="c10d", monitor_interval=0.1, **options)
     if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:  # torch >= 2.12
         options["shutdown_timeout"] = RANKS_STOP_S
-    quiet_elastic()
     alarm_s = math.ceil(time_limit_s) if time_limit_s else None
     try:
-        with fresh_store_per_restart(options["max_restarts"]), drivers_signal_handlers():
+        with fresh_store_per_restart(options["max_restarts"]), drivers_signal_handlers(), \
+                elastic_lines_to(Path(run_dir) / LAUNCHER_LOG):
             return elastic_launch(LaunchConfig(**options), run_rank)(
                 task, cfg, str(run_dir), alarm_s, rank_threads(options["nproc_per_node"]))
     except ChildFailedError as err:
@@ -175,10 +175,28 @@ def fresh_store_per_restart(max_restarts: int) -> Iterator[None]:
         yield
 
 
-def quiet_elastic() -> None:
-    """The elastic agent logs every start and stop; the run reports failures and stops itself.
-    Each of torch elastic's modules sets its own logger's level (WARNING, or LOGLEVEL), so
-    their parents' level alone would let through, e.g., "Received 2 death signal" on Ctrl-C."""
-    quiet = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
-    for name in [*quiet, *(n for n in logging.root.manager.loggerDict if n.startswith(quiet))]:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+# torch elastic's loggers; each of its modules' own sets its level (WARNING, or LOGLEVEL)
+ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+LAUNCHER_LOG = "launcher.log"
+
+
+@contextlib.contextmanager
+def elastic_lines_to(path: Path) -> Iterator[None]:
+    """torch elastic's own lines, while the ranks run, go to `path` (the run's launcher.log),
+    not the console: its warnings ("Received 2 death signal" on Ctrl-C) and each failed
+    rank's record (exit code, pid, the traceback the rank's log has too). The console gets the
+    run's one line of why it failed, which names the rank's log. No line, no file."""
+    handler = logging.FileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s", "%H:%M:%S"))
+    loggers = [logging.getLogger(name) for name in ELASTIC_LOGGERS]
+    propagated = [logger.propagate for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in zip(loggers, propagated):
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+        handler.close()

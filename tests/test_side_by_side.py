@@ -103,3 +103,31 @@ def test_ctrl_c_stops_every_run_in_flight(tmp_path: Path) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # no rank outlives the command
+
+
+def test_side_by_side_runs_at_most_max_parallel_at_once_and_close_stops_them(tmp_path: Path) -> None:
+    """SideBySide's own mechanism, without a cluster: each run a thread, a new one waiting for
+    a free slot; close() tells the runs in flight to stop and waits for them."""
+    import threading
+
+    from fsdp_exp.driver.sweep import SideBySide
+
+    side, lock, running, most = SideBySide(), threading.Lock(), [0], [0]
+
+    def work(i: int) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return i
+
+    futures = [side.start(f"run {i}", tmp_path / str(i), 2, lambda i=i: work(i)) for i in range(5)]
+    side.wait_all()
+    assert [f.result() for f in futures] == list(range(5)) and most[0] == 2
+
+    waiting = side.start("held", tmp_path / "held", 2, lambda: side.stop.wait(30) and "stopped")
+    start = time.perf_counter()
+    side.close()
+    assert waiting.result(timeout=0) == "stopped" and time.perf_counter() - start < 5

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
 
-from fsdp_exp.launcher.core import POLL_S, Alongside, alongside
+from fsdp_exp.launcher.core import Alongside, alongside
 
 log = logging.getLogger("fsdp_exp")
 
@@ -52,10 +51,15 @@ class OwnRun(logging.Filter):
 
 
 class SideBySide:
-    """The runs of this command that run beside each other, in flight or ended."""
+    """The runs of this command that run beside each other, in flight or ended: each in a
+    thread of its own, at most `max_parallel` at once (a semaphore's slots), its summary a
+    `concurrent.futures.Future`. The threads are daemons, so that a run whose job does not
+    stop cannot hold the command's exit: after Ctrl-C each has JOIN_S to stop its job
+    (`close`). (A ThreadPoolExecutor's workers are joined at exit without a limit.)"""
 
     def __init__(self) -> None:
         self.runs: list[tuple[threading.Thread, Future]] = []
+        self.slots: threading.BoundedSemaphore | None = None  # made by the first run, with its max_parallel
         self.stop = threading.Event()  # set by Ctrl-C: every run stops its job
         self.run_name = RunName()  # does nothing to the lines of a run on its own
         log.addFilter(self.run_name)
@@ -69,8 +73,8 @@ class SideBySide:
 
     def start(self, name: str, run_dir: Path, max_parallel: int, work: Callable[[], dict]) -> Future:
         """`work()` (the run's driver side, which returns its summary) in a thread of its own,
-        once fewer than `max_parallel` runs are in flight; the future of its summary."""
-        self.wait(lambda: self.in_flight() < max_parallel)
+        once a slot is free (fewer than `max_parallel` runs in flight); the future of its summary."""
+        slots = self.take_slot(max_parallel)
         run = Alongside(name, self.stop)
         future: Future = Future()
 
@@ -84,6 +88,7 @@ class SideBySide:
             finally:
                 log.removeHandler(handler)
                 handler.close()
+                slots.release()
 
         thread = threading.Thread(target=body, name=f"fsdp_exp-{name}", daemon=True)
         self.runs.append((thread, future))
@@ -91,11 +96,24 @@ class SideBySide:
         thread.start()
         return future
 
-    def wait(self, ready: Callable[[], bool]) -> None:
-        """Until `ready()`; Ctrl-C stops every run in flight first."""
+    def take_slot(self, max_parallel: int) -> threading.BoundedSemaphore:
+        """A slot for one more run, waited for; Ctrl-C meanwhile stops every run in flight first."""
+        if self.slots is None:
+            self.slots = threading.BoundedSemaphore(max_parallel)
+        self.until(self.slots.acquire)
+        return self.slots
+
+    def wait_for_slot(self, max_parallel: int) -> None:
+        """Until a run could start (the one thread that starts runs then takes it in `start`)."""
+        self.take_slot(max_parallel).release()
+
+    def wait_all(self) -> None:
+        """Until every run started has ended; Ctrl-C meanwhile stops them first."""
+        self.until(lambda: wait([future for _, future in self.runs]))
+
+    def until(self, waiting: Callable[[], object]) -> None:
         try:
-            while not ready():
-                time.sleep(POLL_S)
+            waiting()
         except BaseException:
             self.close()
             raise
@@ -105,8 +123,7 @@ class SideBySide:
         them to end their jobs; the driver's lines are no longer named by run."""
         if self.in_flight():
             self.stop.set()
-        for thread, _ in self.runs:
-            thread.join(JOIN_S)
+        wait([future for _, future in self.runs], timeout=JOIN_S)
         log.removeFilter(self.run_name)
 
 

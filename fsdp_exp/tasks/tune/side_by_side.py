@@ -38,7 +38,7 @@ class SetupsSideBySide:
         `at_once` at a time in `runs`."""
         for entry in entries:
             if runs is not None:
-                runs.wait(lambda: runs.in_flight() < at_once)
+                runs.wait_for_slot(at_once)
             if self.budget_spent():
                 break
             if runs is None:
@@ -50,7 +50,7 @@ class SetupsSideBySide:
 
     def wait(self, runs: SideBySide) -> None:
         """Until every setup in flight has ended; an error in one is raised here, after the others ended."""
-        runs.wait(lambda: runs.in_flight() == 0)
+        runs.wait_all()
         for _, future in runs.runs:
             future.result()
         runs.runs.clear()

@@ -202,7 +202,7 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
         runs = self.runs()
         for entry in sorted(self.unsettled(), key=lambda e: -(self.bound(e) or 0.0)):
             if runs is not None:
-                runs.wait(lambda: runs.in_flight() < self.parallel)
+                runs.wait_for_slot(self.parallel)
             if self.stopped:
                 break
             if not self.can_still_win(entry):

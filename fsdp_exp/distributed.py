@@ -43,9 +43,6 @@ def backend_for(device_type: str, offload: bool) -> str:
     return "cpu:gloo,cuda:nccl" if offload else "nccl"
 
 
-FLIGHT_RECORDER = "TORCH_FR_BUFFER_SIZE"  # how many collectives torch's flight recorder keeps
-
-
 def init(device_type: str, offload: bool = False, timeout_s: float = 600, store: dist.Store | None = None) -> Ranks:
     """Join the process group that torchrun or the elastic launcher described in the env,
     with `backend_for(device_type, offload)`; `store`: the env's rendezvous store, when the
@@ -60,10 +57,6 @@ def init(device_type: str, offload: bool = False, timeout_s: float = 600, store:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # torch's flight recorder keeps the last 2,000 collectives of every group, for
-        # debugging a hang: on CPU its ring grows what a rank holds by about 2 MB over them,
-        # which no estimate counts. Off unless the user asks for it.
-        os.environ.setdefault(FLIGHT_RECORDER, "0")
     if not dist.is_initialized():
         device_id = device if device_type == "cuda" else None
         met = {"store": store, "rank": rank, "world_size": world_size} if store is not None else {}

@@ -7,21 +7,44 @@ under the limit, so an allocation past it fails for real. Either failure is an O
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
-import resource
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from fsdp_exp.errors import ConfigError
+from fsdp_exp import linux
+from fsdp_exp.linux import cap_data_segment, map_large_blocks, proc_status
 
 GB = 2**30
 
 # CPU under a limit: (anonymous resident, data segment) bytes when the limit was set.
 _cpu_baseline: tuple[int, int] | None = None
+
+
+# What fsdp_exp changes in a CPU rank's environment so that what the rank holds is what a CPU
+# memory.limit_gb counts and an estimate predicts, each only where the user has not set it, and
+# only for a run a limit or an estimate measures (`set_for_measuring`; docs/measurements.md):
+MEASURING_ENVIRONMENT = {
+    # wandb's error reporting starts two OpenTelemetry export threads at the first log, mid-run,
+    # whose stacks add 16 MB to rank 0's data segment, which no other rank and no estimate has
+    "WANDB_ERROR_REPORTING": "false",
+    # torch's flight recorder keeps the last 2,000 collectives of every group, for debugging a
+    # hang: on CPU its ring grows what a rank holds by about 2 MB over them, which no estimate counts
+    "TORCH_FR_BUFFER_SIZE": "0",
+}
+
+
+def set_for_measuring(device_type: str, limit_gb: float | None, estimated: bool) -> bool:
+    """MEASURING_ENVIRONMENT, where unset, in this process (before its process group and its
+    wandb run start), when a CPU rank's memory is measured: under a limit, against an
+    estimate (`estimated`: the run's own, a probe's search, the trace itself). Whether it was."""
+    if device_type != "cpu" or (limit_gb is None and not estimated):
+        return False
+    for key, value in MEASURING_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    return True
 
 
 class OutOfMemory(RuntimeError):
@@ -93,6 +116,9 @@ def check_limit(limit_gb: float | None, device_type: str, ranks_per_device: int,
         total, index = min((size, i) for i, size in enumerate(sizes))
         where = "this GPU has" if len(sizes) == 1 else f"cuda:{index}, the smallest of the {len(sizes)} its ranks take, has"
     else:
+        if not linux.PROC:
+            raise ConfigError(f"memory.limit_gb={limit_gb}: a CPU limit needs Linux (it counts by /proc/self/status); "
+                              "here leave it unset, or set it on a GPU")
         total = device_memory_gb(device_type)
         where = f"{ranks_per_device} ranks share this machine's"
     if limit_gb * ranks_per_device > total:
@@ -110,15 +136,15 @@ def apply_limit(limit_gb: float | None, device: torch.device) -> None:
     map_large_blocks()
     # Anonymous memory only: resident library code depends on what the page cache holds,
     # so counting it would move the limit from one run to the next.
-    data, resident = _status_bytes("VmData:"), _status_bytes("RssAnon:")
+    status = proc_status()
+    data, resident = status["VmData:"] * 1024, status["RssAnon:"] * 1024
     headroom = int(limit_gb * GB) - resident
     if headroom <= 0:
         raise OutOfMemory(
             f"memory.limit_gb={limit_gb}: this rank already holds {resident / GB:.2f} GB "
             "(torch and the process group) before building the model"
         )
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (data + headroom, hard))
+    cap_data_segment(data + headroom)
     global _cpu_baseline
     _cpu_baseline = (resident, data)
 
@@ -136,7 +162,8 @@ def peak_under_limit_gb() -> float | None:
     if _cpu_baseline is None:
         return None
     resident, data = _cpu_baseline
-    peak_data = _status_bytes("VmPeak:") - (_status_bytes("VmSize:") - _status_bytes("VmData:"))
+    status = proc_status()
+    peak_data = (status["VmPeak:"] - (status["VmSize:"] - status["VmData:"])) * 1024
     return (resident + peak_data - data) / GB
 
 
@@ -171,28 +198,3 @@ def held_before_limit_gb() -> float | None:
     process group, the data). It varies a little from run to run, and the room left for
     training, so the boundary, moves with it."""
     return None if _cpu_baseline is None else _cpu_baseline[0] / GB
-
-
-def map_large_blocks() -> None:
-    """Make CPU peak memory a function of the work, not of the allocator's history.
-
-    glibc's malloc raises its mmap threshold by itself each time a large block is freed, so
-    later tensors come from a heap that keeps freed memory: resident memory, and where an
-    allocation fails, then drift by tens of MB from run to run. A fixed threshold maps every
-    block over 64 KiB from the kernel and returns it on free, which makes peak memory
-    affine in the batch size and the out-of-memory boundary sharp. Only glibc has mallopt.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_mmap_threshold, m_arena_max = -3, -8
-    libc.mallopt(m_mmap_threshold, 64 * 1024)
-    libc.mallopt(m_arena_max, 2)
-
-
-def _status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")

@@ -445,8 +445,7 @@ print(len(linear.seen), linear.flops(), first.in_use_bytes, first.data_bytes, le
 
 REAL_LINEAR_STEP = """
 import torch
-from fsdp_exp.memory import map_large_blocks
-from fsdp_exp.metrics.peaks import heap_in_use_bytes
+from fsdp_exp.linux import heap_in_use_bytes, map_large_blocks
 map_large_blocks()  # as the replay: blocks over 64 KiB go back to the system on free
 torch.set_num_threads(1)
 layer, x = torch.nn.Linear(9216, 128), torch.zeros(32, 9216, requires_grad=True)

@@ -191,7 +191,10 @@ def _collectives(rank: int, init_dir: str, found: dict) -> None:
     from fsdp_exp import distributed
     from fsdp_exp.metrics.peaks import GlooWorkers
 
+    from fsdp_exp.memory import set_for_measuring
+
     os.environ.update(RANK=str(rank), WORLD_SIZE="2")
+    set_for_measuring("cpu", None, estimated=True)  # as a rank that an estimate measures
     distributed.init("cpu", store=dist.FileStore(f"{init_dir}/store", 2))
     try:
         workers, values = GlooWorkers(), torch.ones(1000)
@@ -206,7 +209,7 @@ def _collectives(rank: int, init_dir: str, found: dict) -> None:
 
 def test_a_cpu_ranks_collectives_grow_nothing_it_holds(tmp_path: Path) -> None:
     """torch's flight recorder keeps the last 2,000 collectives for debugging a hang, 0.9 MB
-    by the 600th here; a CPU rank's group keeps none unless TORCH_FR_BUFFER_SIZE asks."""
+    by the 600th here; a measured CPU rank's group keeps none unless TORCH_FR_BUFFER_SIZE asks."""
     found = on_two_ranks(_collectives, tmp_path)
     assert all(grown < 100_000 for grown in found.values()), found
 
@@ -410,7 +413,9 @@ def test_wandb_offline_run_holds_the_metric_keys(tmp_path: Path) -> None:
 WANDB_THREADS = """
 import threading, sys
 from pathlib import Path
+from fsdp_exp.memory import set_for_measuring
 from fsdp_exp.metrics.wandb_sink import Wandb
+set_for_measuring("cpu", 1.0, estimated=False)  # as rank 0 of a run under a CPU limit
 sink = Wandb(mode="offline", project="p", entity=None, group=None, tags=[], config={}, run_dir=Path(sys.argv[1]),
              job_type="train")
 before = {t.name for t in threading.enumerate()}
@@ -422,9 +427,9 @@ sink.finish({"final_loss": 0.5})
 
 
 def test_a_wandb_run_starts_no_thread_once_training_logs(tmp_path: Path) -> None:
-    """Rank 0's wandb run, offline: logging starts no thread (wandb's error reporting would
-    start two OpenTelemetry exporters at the first log, each stack counted under
-    memory.limit_gb on rank 0 alone)."""
+    """Rank 0's wandb run, offline, in a measured run: logging starts no thread (wandb's error
+    reporting would start two OpenTelemetry exporters at the first log, each stack counted
+    under memory.limit_gb on rank 0 alone)."""
     result = subprocess.run([sys.executable, "-c", WANDB_THREADS, str(tmp_path)], capture_output=True, text=True,
                             timeout=120, env={k: v for k, v in os.environ.items() if k != "WANDB_ERROR_REPORTING"})
     assert result.returncode == 0, result.stderr
@@ -596,3 +601,17 @@ def test_a_gpu_ranks_allocation_timeline_plots_its_gpus_events_alone(tmp_path: P
                                   device=torch.device(device))
         counts[device] = int(re.search(r"from (\d+) allocator events", (tmp_path / "t.html").read_text()).group(1))
     assert counts == {"cpu": len(host), "cuda:1": len(host), "cuda:0": 0}
+
+
+@pytest.mark.parametrize(("device", "limit_gb", "estimated", "changed"), [
+    ("cpu", 1.0, False, True), ("cpu", None, True, True), ("cpu", None, False, False), ("cuda", 1.0, True, False)])
+def test_the_environment_is_changed_only_where_a_cpu_measurement_needs_it_and_never_what_the_user_set(
+        monkeypatch, device: str, limit_gb: float | None, estimated: bool, changed: bool) -> None:
+    from fsdp_exp.memory import MEASURING_ENVIRONMENT, set_for_measuring
+
+    for key in MEASURING_ENVIRONMENT:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "500")  # the user's
+    assert set_for_measuring(device, limit_gb, estimated) is changed
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "500"
+    assert os.environ.get("WANDB_ERROR_REPORTING") == ("false" if changed else None)

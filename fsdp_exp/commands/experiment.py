@@ -33,7 +33,7 @@ from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError
 from fsdp_exp.launcher.core import stop_on_signals, stop_signal
 from fsdp_exp.metrics.summary import Summary
-from fsdp_exp.metrics.startup import process_started
+from fsdp_exp.linux import process_started
 
 
 IMPORTED = time.time()  # the start-up's first mark after the command's (fsdp_exp.metrics.startup)

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_exp.memory import map_large_blocks
-from fsdp_exp.metrics.peaks import heap_in_use_bytes, proc_status
+from fsdp_exp.linux import heap_in_use_bytes, map_large_blocks, proc_status
 from fsdp_exp.torch_private import op, op_name
 
 aten = torch.ops.aten

@@ -22,7 +22,8 @@ from fsdp_exp.estimate.host import HostSetup, host_memory
 from fsdp_exp.estimate.record import EstimateRecord
 from fsdp_exp.estimate.speed import StepWork
 from fsdp_exp.launcher.core import POLL_S, RunFailed, alongside
-from fsdp_exp.metrics.peaks import anonymous_bytes
+from fsdp_exp.linux import anonymous_bytes
+from fsdp_exp.memory import set_for_measuring
 from fsdp_exp.metrics.wandb_sink import Wandb, WandbMode
 
 if TYPE_CHECKING:
@@ -219,6 +220,8 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
     warnings.filterwarnings("ignore")
     try:
         from fsdp_exp.estimate.trace import trace  # here, in the child: tracing's imports cost the driver 0.5 s
+
+        set_for_measuring("cpu", None, estimated=True)  # as a run it predicts has it
 
         if exp.wandb.mode != WandbMode.disabled:
             hold_a_wandb_run()

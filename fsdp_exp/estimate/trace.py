@@ -25,13 +25,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import resource
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,7 +47,16 @@ from fsdp_exp.estimate.library import kept_by_step
 from fsdp_exp.estimate.traced import OFFLOADED, StepTrace, Trace
 from fsdp_exp.groups import LossOption
 from fsdp_exp.metrics.flops import counting_flops
-from fsdp_exp.metrics.peaks import anonymous_bytes, file_bytes, heap_in_use_bytes, proc_status, reset_resident_peak
+from fsdp_exp.linux import (
+    anonymous_bytes,
+    file_bytes,
+    heap_in_use_bytes,
+    private_dirty_bytes,
+    proc_status,
+    reset_resident_peak,
+    thread_count,
+    thread_stack_bytes,
+)
 from fsdp_exp.launcher.core import rank_threads
 from fsdp_exp.rank.build import build_model_for_training
 from fsdp_exp.rank.trainer import OptimizerStep, Trainer, TrainerSettings
@@ -172,6 +178,12 @@ def trace(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool
             # trackers would otherwise count as the first step's memory.
             trainer.train_step(fake_batches(item, batch_sizes[0] // traced.train.grad_accum))
             data_bytes = max(baseline - before_data, 0)
+            # A run starts threads the trace does not count as tensors, each with its stack in the
+            # data segment memory.limit_gb counts: a backward through tensor subclasses starts
+            # autograd's device threads (8 on a machine without a GPU): a run's through FSDP2's
+            # DTensor parameters, not DDP's plain ones, and the trace's through its fake tensors
+            # whatever the sharding. An async checkpoint save starts threads too
+            # (`checkpoint.threads_started`).
             stack = thread_stack_bytes()
             stacks = max(thread_count() - threads, 0) * stack if sharding.shards_params else 0
             baseline += stacks + build_held  # held from the first step (the build) on, as the runtime is
@@ -322,7 +334,7 @@ def data_worker_bytes(dataset: Any, micro_batch: int) -> int:
     process forked from this one, as Linux's DataLoader forks its workers, that makes one
     batch as a worker does; a rank's `data.num_workers` workers each hold about this, and
     the batches they have made wait in shared memory (counted apart)."""
-    if not hasattr(os, "fork") or not Path("/proc/self/smaps_rollup").exists():
+    if not hasattr(os, "fork") or private_dirty_bytes() is None:
         return 0
     read, write = os.pipe()
     pid = os.fork()
@@ -332,8 +344,7 @@ def data_worker_bytes(dataset: Any, micro_batch: int) -> int:
             from torch.utils.data import default_collate
 
             default_collate([dataset[i % len(dataset)] for i in range(micro_batch)])
-            rollup = Path("/proc/self/smaps_rollup").read_text().splitlines()
-            held = sum(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Private_Dirty:"))
+            held = private_dirty_bytes() or 0
         finally:
             os.write(write, str(held).encode())
             os._exit(0)
@@ -384,37 +395,6 @@ def ddp_buckets(model: torch.nn.Module) -> int:
     """DDP's reducer keeps one flat bucket per ~25 MB of gradients: a copy of them all,
     in the parameters' dtype."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def thread_stack_bytes() -> int:
-    """What one thread's stack takes of the data segment, which memory.limit_gb counts on
-    CPU: glibc's default, `ulimit -s` (8 MB) and a guard page, or where that is unlimited,
-    what starting a thread here adds.
-
-    A run starts threads the trace does not count as tensors: a backward through tensor
-    subclasses starts autograd's device threads (8 here, on a machine without a GPU): a
-    run's through FSDP2's DTensor parameters, not DDP's plain ones, and the trace's through
-    its fake tensors whatever the sharding. An async checkpoint save starts threads too
-    (`checkpoint.threads_started`)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_STACK)
-    if soft != resource.RLIM_INFINITY:
-        return soft + resource.getpagesize()
-    before = proc_status()["VmData:"]
-    stop = threading.Event()
-    one = threading.Thread(target=stop.wait, daemon=True)
-    one.start()
-    stack = proc_status()["VmData:"] - before
-    stop.set()
-    one.join()
-    return max(stack, 0) * 1024
-
-
-def thread_count() -> int:
-    """This process's threads (Linux; elsewhere Python's own)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
 
 
 class InUse:

@@ -19,11 +19,11 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fsdp_exp.errors import ConfigError, one_line
+from fsdp_exp.linux import children, command_line
 
 T = TypeVar("T")
 
@@ -56,19 +56,9 @@ def stop_rank_server() -> None:
         return
     for pid in children():
         with contextlib.suppress(OSError):
-            if b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"multiprocessing.forkserver" in command_line(pid):
                 os.kill(pid, signal.SIGKILL)  # it has no state to keep: the ranks it forked have ended
                 os.waitpid(pid, 0)
-
-
-def children() -> list[int]:
-    """This process's child processes (Linux: each process's parent, from /proc), else none."""
-    found: list[int] = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                found.append(int(stat.parent.name))
-    return found
 
 
 def in_a_fork(check: Callable[..., T], *args: Any) -> T:

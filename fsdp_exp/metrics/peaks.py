@@ -32,16 +32,24 @@ and after the optimizer step (4 reads at grad_accum=1); without, none, and a win
 
 from __future__ import annotations
 
-import ctypes
-import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from fsdp_exp.linux import (
+    file_bytes,
+    heap_in_use_bytes,
+    proc_status,
+    reset_resident_peak,
+    resident_peak_bytes,
+    thread_cpu_ns,
+    thread_file,
+    thread_ids,
+    thread_runnable,
+    trim_heap,
+)
 from fsdp_exp.memory import peak_under_limit_gb
 
 GB = 2**30
@@ -60,36 +68,6 @@ class Runtime:
     @property
     def gb(self) -> float:
         return self.resident_bytes / GB
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _mallinfo2() -> Callable[[], _MallInfo2] | None:
-    try:
-        function = ctypes.CDLL("libc.so.6").mallinfo2  # glibc >= 2.33
-    except (OSError, AttributeError):
-        return None
-    function.restype = _MallInfo2
-    return function
-
-
-_MALLINFO2 = _mallinfo2()
-
-
-def heap_in_use_bytes() -> int | None:
-    """What this process's allocations hold now (glibc's mallinfo2: bytes handed out by
-    malloc and not yet freed, mapped blocks included): on CPU what torch.cuda's
-    memory_allocated is on a GPU, the tensors and the rest of what C and C++ code
-    allocated, without the freed blocks glibc keeps for reuse, which resident memory
-    counts. Python's small objects live in pools of their own and are not in it. None
-    without glibc. Its cost grows with the heap's free blocks (about 0.1 ms at 2,000)."""
-    if _MALLINFO2 is None:
-        return None
-    info = _MALLINFO2()
-    return info.uordblks + info.hblkhd
 
 
 GLOO_WORKER = "pt_gloo_runloop"  # the name of gloo's worker threads (ProcessGroupGloo's runLoop)
@@ -114,15 +92,11 @@ class GlooWorkers:
     def runnable(self) -> dict[str, int]:
         """The workers that are running or waiting to run, and the CPU time each has had
         (ns; Linux's /proc, as every figure here)."""
-        try:
-            tasks = set(os.listdir("/proc/self/task"))
-        except OSError:
-            return {}
+        tasks = thread_ids()
         if tasks != self.tasks:  # threads started or ended: find the workers again
             self.tasks = tasks
-            self.workers = [t for t in tasks if _thread_file(t, "comm").strip() == GLOO_WORKER]
-        return {t: _cpu_ns(t) for t in self.workers
-                if _thread_file(t, "stat").rpartition(")")[2].split()[:1] == ["R"]}
+            self.workers = [t for t in tasks if thread_file(t, "comm").strip() == GLOO_WORKER]
+        return {t: thread_cpu_ns(t) for t in self.workers if thread_runnable(t)}
 
     def settled_heap_in_use_bytes(self) -> int | None:
         """`heap_in_use_bytes` once the workers let go: the rank sleeps in steps of
@@ -146,28 +120,13 @@ class GlooWorkers:
         return now
 
 
-def _thread_file(tid: str, name: str) -> str:
-    """/proc/self/task/<tid>/<name>, or "" once the thread has ended."""
-    try:
-        with open(f"/proc/self/task/{tid}/{name}") as file:
-            return file.read()
-    except OSError:
-        return ""
-
-
-def _cpu_ns(tid: str) -> int:
-    """The thread's time on a CPU so far (schedstat's first figure; 0 where there is none)."""
-    figures = _thread_file(tid, "schedstat").split()
-    return int(figures[0]) if figures else 0
-
-
 def mark_runtime(device: torch.device) -> Runtime:
     """What this CPU rank holds now, before it builds its model: its runtime, which its
     MemoryMonitor leaves out of peak_mem_gb (none on GPU, where the runtime is outside
     the allocator and peak_mem_gb counts tensors only)."""
     if device.type != "cpu":
         return Runtime()
-    _trim_heap()  # as start_run will: what was freed is no part of the runtime
+    trim_heap()  # as start_run will: what was freed is no part of the runtime
     status = proc_status()
     return Runtime(status["VmRSS:"] * 1024, file_bytes(status), heap_in_use_bytes() or 0)
 
@@ -220,7 +179,7 @@ class MemoryMonitor:
         Once only: a trim every window would cost about a sixth of the step time on CPU, and
         on GPU the allocator would have to ask the driver again for what it gave back."""
         if self.device.type == "cpu":
-            _trim_heap()
+            trim_heap()
         else:
             torch.cuda.empty_cache()
         self.start_window()
@@ -291,7 +250,7 @@ class MemoryMonitor:
                 "ooms": float(stats.get("num_ooms", 0)),
             }, {}
         status = proc_status()
-        resident = _cpu_peak_bytes(status)
+        resident = resident_peak_bytes(status)
         # Library code paged in since the mark is the runtime's too: how much of it a rank
         # already had depends on what started it.
         runtime = self.runtime.resident_bytes + max(file_bytes(status) - self.runtime.file_bytes, 0)
@@ -311,26 +270,6 @@ class MemoryMonitor:
         return proc_status()["VmRSS:"] * 1024 / GB
 
 
-def proc_status() -> dict[str, int]:
-    """/proc/self/status's figures in kB, read once."""
-    figures = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition("\t")
-        if value.strip().endswith("kB"):
-            figures[key] = int(value.split()[0])
-    return figures
-
-
-def anonymous_bytes() -> int:
-    """This process's anonymous resident memory (what memory.limit_gb counts on CPU)."""
-    return proc_status().get("RssAnon:", 0) * 1024
-
-
-def file_bytes(status: dict[str, int]) -> int:
-    """Resident pages of mapped files (library code) and shared memory."""
-    return (status.get("RssFile:", 0) + status.get("RssShmem:", 0)) * 1024
-
-
 def _counted_now_gb(status: dict[str, int]) -> float | None:
     """CPU under memory.limit_gb: what the limit counts now, its peak count less how far
     the address space now is below its peak (see fsdp_exp.memory.peak_under_limit_gb)."""
@@ -338,27 +277,3 @@ def _counted_now_gb(status: dict[str, int]) -> float | None:
     if peak is None:
         return None
     return peak - (status["VmPeak:"] - status["VmSize:"]) * 1024 / GB
-
-
-def _cpu_peak_bytes(status: dict[str, int]) -> int:
-    if "VmHWM:" in status:
-        return status["VmHWM:"] * 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def reset_resident_peak() -> bool:
-    """Writing 5 to clear_refs resets VmHWM to the current resident size (Linux >= 4.0)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _trim_heap() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass

@@ -13,24 +13,9 @@ durations.
 
 from __future__ import annotations
 
-import os
-import time
 
 MARKS = ("command", "imported", "composed", "launched", "rank_started", "rank_ready", "process_group", "built",
          "ready")
-
-
-def process_started() -> float | None:
-    """When this process started (Unix time), from /proc (to the kernel's clock tick);
-    None where there is no /proc."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's name
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def in_order(marks: dict[str, float]) -> dict[str, float]:

@@ -87,10 +87,7 @@ class Wandb:
     run continues its wandb run; offline (wandb cannot resume there), each attempt is one
     offline run directory under that id.
 
-    wandb's error reporting is off unless WANDB_ERROR_REPORTING says otherwise: with it,
-    wandb (0.31, offline runs too) starts two OpenTelemetry export threads at the first
-    `log`, mid-run, whose stacks add 16 MB to rank 0's peak as memory.limit_gb counts it,
-    memory no other rank and no estimate has.
+    A measured CPU run has wandb's error reporting off (fsdp_exp.memory.MEASURING_ENVIRONMENT).
     """
 
     def __init__(self, mode: str, project: str, entity: str | None, group: str | None,
@@ -99,7 +96,6 @@ class Wandb:
         self.mode = str(mode)
         if mode == "disabled":
             return
-        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         try:
             import wandb
 

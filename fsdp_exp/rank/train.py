@@ -16,10 +16,10 @@ from fsdp_exp.checkpoint.export import export_full_model
 from fsdp_exp.checkpoint.resume import restart_count, resume_point
 from fsdp_exp import distributed
 from fsdp_exp.distributed import Ranks
-from fsdp_exp.memory import OutOfMemory, allocation_failure, apply_limit, is_out_of_memory
+from fsdp_exp.memory import OutOfMemory, allocation_failure, apply_limit, is_out_of_memory, set_for_measuring
 from fsdp_exp.metrics.environment import rank_environment, write_device_record
 from fsdp_exp.metrics.peaks import mark_runtime
-from fsdp_exp.metrics.startup import process_started
+from fsdp_exp import linux
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.profile import dump_cuda_snapshot, record_allocation_history
 from fsdp_exp.rank import worker
@@ -56,9 +56,10 @@ def train_rank(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool 
 
 def join(cfg: Experiment, run_dir: Path, context: RunContext, probe: bool) -> Ranks:
     """The rank's process group; rank 0 records the device the run is on."""
-    context.startup.update(rank_started=process_started(), rank_ready=time.time())
+    context.startup.update(rank_started=linux.process_started(), rank_ready=time.time())
     if probe:
         worker.console_warnings_only()
+    set_for_measuring(cfg.device, cfg.memory.limit_gb, probe or cfg.memory.estimate)
     ranks = distributed.init(cfg.device, cfg.offload)
     context.startup["process_group"] = time.time()
     if cfg.profile.records_history:
@@ -86,6 +87,8 @@ def build(cfg: Experiment, ranks: Ranks, run_dir: Path, context: RunContext, pro
     apply_limit(cfg.memory.limit_gb, ranks.device)
     if ranks.is_main:
         log.info("%d rank(s) on %s, run directory %s", ranks.world_size, ranks.device.type, run_dir)
+        if ranks.device.type == "cpu" and (lacking := linux.missing()) is not None:
+            log.info(lacking)
     mine, restored = worker.restarts()
     restarts = restart_count(ranks.device, mine)
     resume = resume_point(ckpt_dir, settled, restarts, restored)

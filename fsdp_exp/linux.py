@@ -170,6 +170,12 @@ def cap_data_segment(limit_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, hard))
 
 
+def lift_data_cap() -> None:
+    """RLIMIT_DATA back up to its hard limit: a failed rank's teardown needs room (a thread)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+
+
 def thread_stack_bytes() -> int:
     """What one thread's stack takes of the data segment: glibc's default, `ulimit -s` (8 MB)
     and a guard page, or where that is unlimited, what starting a thread here adds."""

@@ -56,6 +56,34 @@ def test_a_failed_rank_whose_teardown_blocks_ends_itself() -> None:
     assert done.returncode == 1 and time.perf_counter() - start < 30
 
 
+OUT_OF_ROOM = """
+import threading
+from fsdp_exp import linux
+from fsdp_exp.rank.worker import exit_if_stuck
+linux.cap_data_segment(linux.proc_status()["VmData:"] * 1024 + 2**20)  # as a rank out of memory under its limit
+try:
+    threading.Thread(target=print).start()
+except RuntimeError as err:
+    print("no room:", err, flush=True)
+try:
+    raise MemoryError("the rank's own error")
+except MemoryError as err:
+    exit_if_stuck(0.5)
+    print("kept:", err, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_rank_out_of_memory_under_its_cpu_limit_still_ends_itself_with_its_own_error() -> None:
+    """No room for exit_if_stuck's thread under a CPU memory.limit_gb: the limit is lifted
+    first, so the rank's error is not replaced by "can't start new thread" (seen in the slow
+    suite), and the stuck rank still ends."""
+    done = subprocess.run([sys.executable, "-c", OUT_OF_ROOM], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.stdout.splitlines() == ["no room: can't start new thread", "kept: the rank's own error"], \
+        done.stdout + done.stderr[-2000:]
+    assert done.returncode == 1
+
+
 def test_a_rank_ended_by_a_fatal_signal_is_named_and_its_log_keeps_its_python_stack(tmp_path: Path) -> None:
     with pytest.raises(RunFailed) as err:
         LocalLauncher().launch(rank_tasks.rank1_aborts, {}, tmp_path / "local", nproc=2)

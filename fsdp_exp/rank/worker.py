@@ -24,6 +24,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_exp.distributed import DEVICE_VARIABLE
+from fsdp_exp import linux
 from fsdp_exp.errors import one_line
 
 if TYPE_CHECKING:
@@ -163,10 +164,15 @@ def exit_if_stuck(after_s: float) -> None:
     ran out of memory in DDP's backward), gloo's destructor waits for its worker threads, which
     wait for the other rank, which waits the same way (seen in the slow suite: both ranks of a
     DDP probe stuck for minutes, their errors recorded). Its error and traceback are written
-    by then; a daemon thread, so a rank that exits in time takes it with it."""
+    by then; a daemon thread, so a rank that exits in time takes it with it. A rank that ran
+    out of memory under a CPU memory.limit_gb has no room for the thread's stack: the limit,
+    which has done its work, is lifted first, so that the rank's own error is what gets out
+    (not "can't start new thread")."""
+    linux.lift_data_cap()
     timer = threading.Timer(after_s, os._exit, args=(1,))
     timer.daemon = True
-    timer.start()
+    with contextlib.suppress(RuntimeError):  # no thread: the error still gets out, unguarded
+        timer.start()
 
 
 @record

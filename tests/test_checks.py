@@ -403,3 +403,21 @@ def test_a_regression_and_a_model_returning_a_dict_are_told_what_the_trainer_rea
     with pytest.raises(ConfigError) as as_dict:
         precheck(["model=custom", "model._target_=tests.test_checks.ReturnsADict", "model.blocks=[torch.nn.Linear]"])
     names(str(as_dict.value), "model", "tests.test_checks.ReturnsADict", "dict (logits, features)", ".logits")
+
+
+@pytest.mark.parametrize(("override", "allowed"), [
+    ("train.steps=abc", "must be an integer"),
+    ("memory.limit_gb=abc", "must be a number"),
+    ("offload=maybe", "must be true or false"),
+    ("sharding.reshard_after_forward=yes", "must be true or false or an integer"),
+    ("train.steps=null", "must have a value (null is not allowed)"),
+    ("device=tpu", "choose one of: auto, cpu, cuda"),
+    ("precision.param_dtype=fp7", "choose one of: float32, bfloat16, float16"),
+    ("train=5", "is a group of settings; set one of its keys instead"),
+])
+def test_a_value_of_the_wrong_kind_is_refused_with_what_the_settings_type_allows(override: str, allowed: str) -> None:
+    """What is allowed comes from the field's declared type in the settings' dataclass
+    (OmegaConf's error names the class and the key), not from OmegaConf's wording."""
+    with pytest.raises(ConfigError) as err:
+        compose_config([override])
+    assert str(err.value) == f"{override}: {allowed}"

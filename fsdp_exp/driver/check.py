@@ -12,10 +12,14 @@ exit 2 (fsdp_exp.commands.experiment), and nothing is written.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import itertools
 import re
 import shutil
 import sys
+import types
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,20 +225,32 @@ def config_error_line(err: Exception) -> str:
         typed = re.search(r"Could not override '([^']+)'", str(err))  # the key as typed, maybe below the one missing
         return str(config.unknown_key(key, getattr(cause, "object_type", None), typed.group(1) if typed else key))
     value = getattr(cause, "value", None)
-    return f"{key}={'' if value is None else value}: {reason(first_line)}"
+    allowed = what_is_allowed(getattr(cause, "object_type", None), getattr(cause, "key", None), value)
+    return f"{key}={'null' if value is None else value}: {allowed or first_line}"
 
 
-def reason(omegaconf_message: str) -> str:
-    for pattern, text in [
-        (r"converted to Integer", "must be an integer"),
-        (r"converted to Float", "must be a number"),
-        (r"not a valid bool", "must be true or false"),
-        (r"is not Optional", "must have a value (null is not allowed)"),
-        (r"is not a subclass of", "is a group of settings; set one of its keys instead"),
-    ]:
-        if re.search(pattern, omegaconf_message):
-            return text
-    match = re.search(r"expected one of \[([^\]]*)\]", omegaconf_message)
-    if match:
-        return f"choose one of: {match.group(1)}"
-    return omegaconf_message
+def what_is_allowed(settings: Any, key: Any, value: Any) -> str | None:
+    """What the settings class `settings` (the dataclass of the node OmegaConf refused a value
+    for) allows at `key`, from the field's declared type; None where it does not say."""
+    if not (dataclasses.is_dataclass(settings) and isinstance(key, str)):
+        return None
+    try:
+        declared = typing.get_type_hints(settings).get(key)
+    except (NameError, TypeError):  # a name only imported for type checking
+        return None
+    if declared is None:
+        return None
+    union = typing.get_origin(declared) in (typing.Union, types.UnionType)
+    kinds = [k for k in typing.get_args(declared) if k is not type(None)] if union else [declared]
+    if value is None and not (union and type(None) in typing.get_args(declared)):
+        return "must have a value (null is not allowed)"
+    words = []
+    for kind in kinds:
+        if dataclasses.is_dataclass(kind):
+            return "is a group of settings; set one of its keys instead"
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            return f"choose one of: {', '.join(str(member.value) for member in kind)}"
+        words.append({bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind))
+    if None in words or not words:
+        return None
+    return f"must be {' or '.join(words)}"

@@ -181,9 +181,11 @@ def unknown_key(key: str, schema: Any, typed: str | None = None) -> ConfigError:
         allowed = [f.name for f in fields(TRACKER_SETTINGS[tracker[1]])]
         return ConfigError(f"{key}: not a setting of logger={tracker[1]}; it takes {', '.join(allowed) or 'none'}")
     if not is_dataclass(schema):  # a free-form node, such as optimizer
-        return ConfigError(f"{key}: not in {parent}; add a new key with +{key}=...")
+        return ConfigError(f"{key}: not in {parent}; add a new key with +{key}=...", key=key,
+                           refusal=ConfigError.NEW_KEY)
     allowed = sorted(f.name for f in fields(schema) if not f.name.startswith("_"))
-    return ConfigError(f"{key}: unknown key; {parent} has: {', '.join(allowed)}")
+    return ConfigError(f"{key}: unknown key; {parent} has: {', '.join(allowed)}", key=key,
+                       refusal=ConfigError.UNKNOWN_KEY)
 
 
 def unknown_key_in_option(option: str, key: str, schema_name: str) -> ConfigError:

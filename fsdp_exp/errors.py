@@ -5,7 +5,20 @@ from enum import Enum
 
 
 class ConfigError(Exception):
-    """A bad value a user can set: one line naming the key and what is allowed."""
+    """A bad value a user can set: one line naming the key and what is allowed.
+
+    Where the command line adds a hint of its own, the error says what it refuses as fields,
+    not only in its words: `key` (`model.n_head`; for an option, the group: `model`), `value`
+    (the option's name), and `refusal`, one of the names below."""
+
+    UNKNOWN_KEY = "unknown key"  # the settings' schema has no such key
+    NEW_KEY = "new key"  # a free-form node (a model's builder arguments) lacks it: `+key=` adds it
+    NO_SUCH_OPTION = "no such option"  # a group has no option of that name
+
+    def __init__(self, message: str, *, key: str | None = None, value: str | None = None,
+                 refusal: str | None = None):
+        super().__init__(message)
+        self.key, self.value, self.refusal = key, value, refusal
 
 
 def at_least(key: str, value: int | float, low: int) -> None:

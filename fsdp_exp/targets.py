@@ -65,7 +65,8 @@ def check_keywords(group: str, target: str, builder: Any, given: Any, own: tuple
         if key not in takes:
             allowed = ", ".join(sorted({*takes, *own}))
             raise ConfigError(f"{group}.{key}: unknown key; {group} has: {allowed} "
-                              f"({target} takes {', '.join(takes) or 'no arguments'}{also})")
+                              f"({target} takes {', '.join(takes) or 'no arguments'}{also})",
+                              key=f"{group}.{key}", refusal=ConfigError.UNKNOWN_KEY)
 
 
 def where_python_looks() -> str:

@@ -421,3 +421,18 @@ def test_a_value_of_the_wrong_kind_is_refused_with_what_the_settings_type_allows
     with pytest.raises(ConfigError) as err:
         compose_config([override])
     assert str(err.value) == f"{override}: {allowed}"
+
+
+@pytest.mark.parametrize(("overrides", "key", "value", "refusal"), [
+    (["train.foo=1"], "train.foo", None, ConfigError.UNKNOWN_KEY),
+    (["model=gpt", "model.n_head=8"], "model.n_head", None, ConfigError.NEW_KEY),
+    (["model=mynet"], "model", "mynet", ConfigError.NO_SUCH_OPTION),
+    (["logger=[wandb,nope]"], "logger", "nope", ConfigError.NO_SUCH_OPTION),
+])
+def test_a_refusal_the_command_line_adds_to_carries_its_key_and_kind(
+        overrides: list[str], key: str, value: str | None, refusal: str) -> None:
+    """The command line's hints (the builder's keys, the search path, a swept group's `++`)
+    read what was refused from the error's fields, not from its words."""
+    with pytest.raises(ConfigError) as err:
+        compose_config(overrides)
+    assert (err.value.key, err.value.value, err.value.refusal) == (key, value, refusal)

@@ -11,7 +11,6 @@ external torchrun) acts as one worker instead.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 import warnings
@@ -24,7 +23,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config, options
-from fsdp_exp.driver.check import BadInput, Plans, Refused, check_run, config_error_line, run_key, swept_values
+from fsdp_exp.driver.check import BadInput, Plans, Refused, check_run, config_error, run_key, swept_values
 from fsdp_exp.driver.compose import CONF_DIR, check_search_path, compose_config
 from fsdp_exp.driver.external_torchrun import run_as_worker
 from fsdp_exp.driver.plan import RunPlan
@@ -63,9 +62,9 @@ def main() -> None:
         if shown:  # Hydra printed it without the checks a run makes: a refused one ends in its line
             check_run(compose_config(overrides_of(sys.argv[1:])))
     except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
-        line = str(err) if isinstance(err, (ConfigError, BadInput)) else config_error_line(err)
-        line = builder_key_line(line, sys.argv[1:])
-        print(f"fsdp_exp: {line}{swept_group_hint(line, sys.argv[1:])}{search_path_hint(line, sys.argv[1:])}",
+        error = err.error if isinstance(err, BadInput) else err if isinstance(err, ConfigError) else config_error(err)
+        error = builder_key_error(error, sys.argv[1:])
+        print(f"fsdp_exp: {error}{swept_group_hint(error, sys.argv[1:])}{search_path_hint(error, sys.argv[1:])}",
               file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (kill, SLURM)
@@ -121,35 +120,37 @@ def overrides_of(argv: list[str]) -> list[str]:
     return overrides
 
 
-def builder_key_line(line: str, argv: list[str]) -> str:
+def builder_key_error(error: ConfigError, argv: list[str]) -> ConfigError:
     """`model.n_head=8` on a model option without that key (or `data.num_sample=10` on a data
     set of the user's): Hydra's answer is to add it with `+model.n_head=8`, which is right
     only when the builder takes it. So the `+` is tried here, and when the builder does not
-    take the key, the line says what it does take."""
-    match = re.match(r"((model|data)\.\w+): not in \2; add a new key", line)
-    given = match and next((a for a in argv if a.partition("=")[0] == match.group(1)), None)
-    if not given or any(a in ("-m", "--multirun") for a in argv):
-        return line
+    take the key, the error says what it does take."""
+    group = (error.key or "").partition(".")[0]
+    if error.refusal != ConfigError.NEW_KEY or group not in ("model", "data") \
+            or any(a in ("-m", "--multirun") for a in argv):
+        return error
+    given = next((a for a in argv if a.partition("=")[0] == error.key), None)
+    if given is None:
+        return error
     added = [f"+{a}" if a == given else a for a in overrides_of(argv)]
     try:
-        option = getattr(config.build(compose_config(added)), match.group(2))
+        option = getattr(config.build(compose_config(added)), group)
         if hasattr(option, "check_arguments"):
             option.check_arguments()
     except ConfigError as refused:
-        if str(refused).startswith(f"{match.group(1)}: unknown key"):
-            return str(refused)
+        if refused.refusal == ConfigError.UNKNOWN_KEY and refused.key == error.key:
+            return refused
     except (HydraException, OmegaConfBaseException):
         pass
-    return line
+    return error
 
 
-def search_path_hint(line: str, argv: list[str]) -> str:
+def search_path_hint(error: ConfigError, argv: list[str]) -> str:
     """For `model=mynet` without `hydra.searchpath`: an option of the user's own lives in
     their config folder, which Hydra reads only from its search path."""
-    match = re.match(r"(\w+)=(\S+): no such option", line)
-    if not match or any(a.lstrip("+").startswith("hydra.searchpath") for a in argv):
+    if error.refusal != ConfigError.NO_SUCH_OPTION or any(a.lstrip("+").startswith("hydra.searchpath") for a in argv):
         return ""
-    group, name = match.groups()
+    group, name = error.key, error.value
     here = next((folder for folder in ("conf", "configs", "config")
                  if (Path.cwd() / folder / group / f"{name}.yaml").is_file()), None)
     if here:
@@ -158,16 +159,15 @@ def search_path_hint(line: str, argv: list[str]) -> str:
             f"(the folder that holds {group}/{name}.yaml)")
 
 
-def swept_group_hint(line: str, argv: list[str]) -> str:
+def swept_group_hint(error: ConfigError, argv: list[str]) -> str:
     """For `-m checkpoint=dcp,dcp_async checkpoint.every=1`: Hydra composes a sweep's base
     config with each swept group's default first (checkpoint=none has no `every`), so a key
     of the group is refused there; `++` sets it all the same (hydra#2888)."""
-    match = re.match(r"(\w+)\.(\S+): unknown key", line)
-    if not match or not any(a in ("-m", "--multirun") for a in argv):
+    if error.refusal != ConfigError.UNKNOWN_KEY or not any(a in ("-m", "--multirun") for a in argv):
         return ""
-    group = match.group(1)
+    group = (error.key or "").partition(".")[0]
     swept = any(a.startswith(f"{group}=") and "," in a for a in argv)
-    given = next((a for a in argv if a.startswith(f"{group}.{match.group(2)}=")), None)
+    given = next((a for a in argv if a.partition("=")[0] == error.key), None)
     if not swept or given is None:
         return ""
     return (f" (a -m sweep over {group} is first composed with {group}'s default; "

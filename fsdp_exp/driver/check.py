@@ -30,7 +30,7 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from fsdp_exp import config
 from fsdp_exp.driver.conf_dir import CONF_DIR
@@ -46,6 +46,7 @@ class BadInput(BaseException):
 
     def __init__(self, error: ConfigError):
         super().__init__(str(error))
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -194,39 +195,39 @@ def composed(compose: Callable[[], T]) -> T:
     try:
         return compose()
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(config_error_line(err)) from None
+        raise config_error(err) from None
 
 
-def config_error_line(err: Exception) -> str:
-    """One line from a Hydra or OmegaConf composition error: the key, and what is allowed."""
+def config_error(err: Exception) -> ConfigError:
+    """A Hydra or OmegaConf composition error as one line: the key, and what is allowed."""
     if isinstance(err, OverrideParseException):
-        return f"{err.override}: not a valid override ({err.message.strip().splitlines()[0]})"
-    if isinstance(err, MissingConfigException) and err.options is not None:
-        group, _, name = (err.missing_cfg_file or "").rpartition("/")
-        options = [o for o in err.options if not o.startswith("schema_")]  # schemas, not options
-        return f"{group}={name}: no such option; choose one of: {', '.join(options)}"
-    if isinstance(err, MissingConfigException) and "/" in (err.missing_cfg_file or ""):  # one of a list (logger=[a,b])
+        return ConfigError(f"{err.override}: not a valid override ({err.message.strip().splitlines()[0]})")
+    if isinstance(err, MissingConfigException) and "/" in (err.missing_cfg_file or ""):
         group, _, name = err.missing_cfg_file.rpartition("/")
-        options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+        if err.options is not None:
+            options, one_of = [o for o in err.options if not o.startswith("schema_")], "one"  # schemas, not options
+        else:  # one of a list (logger=[a,b])
+            options, one_of = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")), "one or more"
         if options:
-            return f"{group}={name}: no such option; choose one or more of: {', '.join(options)}"
+            return ConfigError(f"{group}={name}: no such option; choose {one_of} of: {', '.join(options)}",
+                               key=group, value=name, refusal=ConfigError.NO_SUCH_OPTION)
     in_option = re.search(r"^In '([^']+)': ConfigKeyError.*?Key '[^']+' not in '(\w+)'\s+full_key: (\S+)", str(err), re.S)
     if in_option:  # a key that an option's file sets (Hydra's message chains no cause)
-        return str(config.unknown_key_in_option(in_option.group(1), in_option.group(3), in_option.group(2)))
+        return config.unknown_key_in_option(in_option.group(1), in_option.group(3), in_option.group(2))
     cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
     key = getattr(cause, "full_key", None)
     first_line = str(getattr(cause, "msg", None) or cause).strip().split("\n")[0]
     if key is None:
         match = re.search(r"argument '([^']+)'", first_line)
         if "Ambiguous value" in first_line and match:
-            return f"{match.group(1)}: a list of values is a sweep; add -m (--multirun)"
-        return first_line
-    if "Could not override" in first_line or "Key '" in first_line:
+            return ConfigError(f"{match.group(1)}: a list of values is a sweep; add -m (--multirun)")
+        return ConfigError(first_line)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):  # a key the node does not have
         typed = re.search(r"Could not override '([^']+)'", str(err))  # the key as typed, maybe below the one missing
-        return str(config.unknown_key(key, getattr(cause, "object_type", None), typed.group(1) if typed else key))
+        return config.unknown_key(key, getattr(cause, "object_type", None), typed.group(1) if typed else key)
     value = getattr(cause, "value", None)
     allowed = what_is_allowed(getattr(cause, "object_type", None), getattr(cause, "key", None), value)
-    return f"{key}={'null' if value is None else value}: {allowed or first_line}"
+    return ConfigError(f"{key}={'null' if value is None else value}: {allowed or first_line}")
 
 
 def what_is_allowed(settings: Any, key: Any, value: Any) -> str | None:

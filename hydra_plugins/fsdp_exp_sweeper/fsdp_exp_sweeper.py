@@ -13,10 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from hydra.core.config_loader import ConfigLoader
+from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.config_store import ConfigStore
+from hydra.core.object_type import ObjectType
 from hydra.core.plugins import Plugins
+from hydra.plugins.config_source import ConfigSource
 from hydra.plugins.sweeper import Sweeper
-from hydra.types import HydraContext, TaskFunction
+from hydra.types import HydraContext, RunMode, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_exp.driver.check import TakesPlans, check_sweep, combinations, parse_overrides
@@ -30,12 +34,12 @@ class CheckingSweeperConf:
 ConfigStore.instance().store(group="hydra/sweeper", name="fsdp_exp", node=CheckingSweeperConf, provider="fsdp_exp")
 
 
-class ComposedOnce:
+class ComposedOnce(ConfigLoader):
     """Hydra's config loader, as the sweeper hands it to the launcher: a run's config that
     the check has composed is given out once more as it is, in place of composing its
-    overrides again. The rest is the loader's own."""
+    overrides again. Every other method of Hydra's ConfigLoader interface is the loader's own."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: ConfigLoader) -> None:
         self.loader = loader
         self.composed: Dict[Tuple[str, ...], DictConfig] = {}
 
@@ -45,14 +49,29 @@ class ComposedOnce:
         self.composed[tuple(overrides)] = cfg
         return cfg
 
-    def load_sweep_config(self, master: DictConfig, overrides: List[str]) -> DictConfig:
-        kept = self.composed.pop(tuple(overrides), None)
-        return kept if kept is not None else self.loader.load_sweep_config(master, overrides)
+    def load_sweep_config(self, master_config: DictConfig, sweep_overrides: List[str]) -> DictConfig:
+        kept = self.composed.pop(tuple(sweep_overrides), None)
+        return kept if kept is not None else self.loader.load_sweep_config(master_config, sweep_overrides)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "loader":  # pickling (a launcher plugin's jobs) looks before it is set
-            raise AttributeError(name)
-        return getattr(self.loader, name)
+    def load_configuration(self, config_name: Optional[str], overrides: List[str], run_mode: RunMode,
+                           from_shell: bool = True, validate_sweep_overrides: bool = True) -> DictConfig:
+        return self.loader.load_configuration(config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
+
+    def get_search_path(self) -> ConfigSearchPath:
+        return self.loader.get_search_path()
+
+    def get_sources(self) -> List[ConfigSource]:
+        return self.loader.get_sources()
+
+    def list_groups(self, parent_name: str) -> List[str]:
+        return self.loader.list_groups(parent_name)
+
+    def get_group_options(self, group_name: str, results_filter: Optional[ObjectType] = ObjectType.CONFIG,
+                          config_name: Optional[str] = None, overrides: Optional[List[str]] = None) -> List[str]:
+        return self.loader.get_group_options(group_name, results_filter, config_name, overrides)
+
+    def compute_defaults_list(self, config_name: Optional[str], overrides: List[str], run_mode: RunMode) -> Any:
+        return self.loader.compute_defaults_list(config_name, overrides, run_mode)
 
 
 class CheckingSweeper(Sweeper):

@@ -188,18 +188,13 @@ def unknown_key(key: str, schema: Any, typed: str | None = None) -> ConfigError:
                        refusal=ConfigError.UNKNOWN_KEY)
 
 
-def unknown_key_in_option(option: str, key: str, schema_name: str) -> ConfigError:
-    """A key that an option's file (`option`: sharding/mine) sets and its schema, named
-    `schema_name` in OmegaConf's message, does not have."""
-    group = option.partition("/")[0]
-    base = next((b for b in GROUP_BASES if b.__name__ == schema_name), None)
-    if base is not None:
-        return extends_no_schema(group, f"{option}.yaml: {key}")
-    store = ConfigStore.instance()
-    schemas = (OmegaConf.get_type(store.load(f"{group}/{name}").node) for name in store.list(group)
-               if name.startswith("schema_"))
-    schema = next((s for s in schemas if getattr(s, "__name__", None) == schema_name), None)
-    return ConfigError(f"{option}.yaml: {unknown_key(key, schema)}")
+def unknown_key_in_option(option: str, key: str, schema: Any) -> ConfigError:
+    """A key that an option's file (`option`: sharding/mine) sets and its schema (the
+    settings class OmegaConf refused it for) does not have."""
+    if schema in GROUP_BASES:
+        return extends_no_schema(option.partition("/")[0], f"{option}.yaml: {key}")
+    refused = unknown_key(key, schema)
+    return ConfigError(f"{option}.yaml: {refused}", key=refused.key, refusal=refused.refusal)
 
 
 def _refuse_unknown_keys(node: DictConfig, path: str = "") -> None:

@@ -211,9 +211,10 @@ def config_error(err: Exception) -> ConfigError:
         if options:
             return ConfigError(f"{group}={name}: no such option; choose {one_of} of: {', '.join(options)}",
                                key=group, value=name, refusal=ConfigError.NO_SUCH_OPTION)
-    in_option = re.search(r"^In '([^']+)': ConfigKeyError.*?Key '[^']+' not in '(\w+)'\s+full_key: (\S+)", str(err), re.S)
-    if in_option:  # a key that an option's file sets (Hydra's message chains no cause)
-        return config.unknown_key_in_option(in_option.group(1), in_option.group(3), in_option.group(2))
+    missing = err.__context__  # a key that an option's file sets: Hydra chains no cause, and names the file only
+    in_option = re.match(r"In '([^']+)': ", str(err))  # in its message
+    if in_option and isinstance(missing, (ConfigAttributeError, ConfigKeyError)) and missing.full_key:
+        return config.unknown_key_in_option(in_option.group(1), missing.full_key, missing.object_type)
     cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
     key = getattr(cause, "full_key", None)
     first_line = str(getattr(cause, "msg", None) or cause).strip().split("\n")[0]

@@ -239,7 +239,7 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
 def hold_a_wandb_run() -> None:
     """What rank 0 holds for its wandb run, held in this process before it is measured: rank
     0 starts the run before it marks its runtime (fsdp_exp.rank.build.start_wandb), so wandb's
-    modules and what its run keeps (about 25 MB with wandb 0.31) are in its runtime, which
+    modules and what its run keeps (tens of MB) are in its runtime, which
     memory.limit_gb counts. An offline run of the same sink, in a directory removed after."""
     with tempfile.TemporaryDirectory() as scratch:
         sink = Wandb(mode=WandbMode.offline.value, project="estimate", entity=None, group=None, tags=[], config={},

@@ -162,8 +162,7 @@ def exit_if_stuck(after_s: float) -> None:
     """End this process with exit code 1 `after_s` from now, should it still be running: a
     failed rank's teardown can block for good. When every rank fails inside a collective (each
     ran out of memory in DDP's backward), gloo's destructor waits for its worker threads, which
-    wait for the other rank, which waits the same way (seen in the slow suite: both ranks of a
-    DDP probe stuck for minutes, their errors recorded). Its error and traceback are written
+    wait for the other rank, which waits the same way, for good. Its error and traceback are written
     by then; a daemon thread, so a rank that exits in time takes it with it. A rank that ran
     out of memory under a CPU memory.limit_gb has no room for the thread's stack: the limit,
     which has done its work, is lifted first, so that the rank's own error is what gets out

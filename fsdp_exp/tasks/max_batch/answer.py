@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from fsdp_exp.tasks.max_batch.record import MaxBatchRecord
 
 # The noise band is at least this share of the limit. The spreads a search sees in a few
-# probes understate what a fresh set of ranks can hold: on the 2-core CPU box an answer 0.8 MB
-# (0.13% of a 0.63 GB limit) under the limit ran out of memory when run again.
+# probes understate what a fresh set of ranks can hold: an answer 0.13% under the limit has run
+# out of memory when run again.
 NOISE_FLOOR = 0.002
 # A run's peak counts as settled once it rose by at most this share of the limit over a window.
 SETTLE_FLOOR = 0.001

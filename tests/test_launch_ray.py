@@ -53,6 +53,11 @@ def ray_registered(run: Path) -> list[str]:
     return sorted(names)
 
 
+# Probes of 500 steps, whatever their size: each runs past a 1 s task.probe_timeout (a probe of the
+# default 3 steps, forked from the rank server, can end inside it)
+LONG_PROBES = ("task.steps_per_probe=500", "task.settle_steps=500")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A local Ray cluster with 2 CPUs, held by a process of its own, for the tests that
@@ -243,7 +248,7 @@ def test_a_probe_past_its_timeout_is_ended_and_recorded_as_timed_out(tmp_path: P
     run_dir = tmp_path / "search"
     start = time.monotonic()
     result = run_cli(*RAY, f"launcher.address={cluster}", "task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT,
-                     "task.probe_timeout=1", f"hydra.run.dir={run_dir}", cwd=tmp_path, extra_env=AUTH)
+                     "task.probe_timeout=1", *LONG_PROBES, f"hydra.run.dir={run_dir}", cwd=tmp_path, extra_env=AUTH)
     assert time.monotonic() - start < 200
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "batch 1 does not train: ran past task.probe_timeout=1 s" in result.stdout

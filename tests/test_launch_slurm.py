@@ -44,6 +44,11 @@ def test_a_run_trains_on_two_ranks_as_the_tasks_of_one_job(tmp_path: Path) -> No
     assert "submitit INFO" not in result.stdout
 
 
+# Probes of 500 steps, whatever their size: each runs past a 1 s task.probe_timeout (a probe of the
+# default 3 steps, forked from the rank server, can end inside it)
+LONG_PROBES = ("task.steps_per_probe=500", "task.settle_steps=500")
+
+
 @pytest.mark.slow
 def test_a_failing_rank_exits_1_with_one_line_naming_it(tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -112,7 +117,7 @@ def test_max_batch_oom_probes_are_ooms(tmp_path: Path) -> None:
 def test_a_probe_past_its_timeout_is_recorded_as_failed(tmp_path: Path) -> None:
     """The ranks' own SIGALRM ends them; the launcher reports it as timed_out."""
     run_dir = tmp_path / "search"
-    result = run_cli(*SLURM_LOCAL, "task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT, "task.probe_timeout=1",
+    result = run_cli(*SLURM_LOCAL, "task=max_batch", "memory.limit_gb=0.6", *SMALL_VIT, "task.probe_timeout=1", *LONG_PROBES,
                      f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 1
     assert "batch 1 does not train: ran past task.probe_timeout=1 s" in result.stdout

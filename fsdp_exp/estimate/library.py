@@ -94,7 +94,7 @@ def kept(ops: LibraryOps, threads: int) -> Kept | None:
                 del real
     finally:
         torch.set_num_threads(before)
-    return Kept(heap_in_use_bytes() or 0, proc_status()["VmData:"] * 1024)
+    return Kept(heap_in_use_bytes() or 0, proc_status().get("VmData:", 0) * 1024)
 
 
 def is_tensor(described: object) -> bool:
@@ -108,7 +108,7 @@ class Replay:
 
     def __init__(self) -> None:
         map_large_blocks()
-        self.start = Kept(heap_in_use_bytes() or 0, proc_status()["VmData:"] * 1024)
+        self.start = Kept(heap_in_use_bytes() or 0, proc_status().get("VmData:", 0) * 1024)
 
     def kept(self, ops: LibraryOps, threads: int) -> Kept | None:
         now = kept(ops, threads)

@@ -221,7 +221,8 @@ def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int],
     try:
         from fsdp_exp.estimate.trace import trace  # here, in the child: tracing's imports cost the driver 0.5 s
 
-        set_for_measuring("cpu", None, estimated=True)  # as a run it predicts has it
+        # the environment of the run it predicts: a GPU run's wandb keeps its error reporting
+        set_for_measuring("cuda" if on_gpu else "cpu", None, estimated=True)
 
         if exp.wandb.mode != WandbMode.disabled:
             hold_a_wandb_run()

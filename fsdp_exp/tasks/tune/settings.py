@@ -59,6 +59,9 @@ class TuneSettings(SearchSettings):
     space: dict[str, Any] = field(default_factory=default_space)
     budget: Any = None  # null | probes (40) | minutes (30m): stop with the best so far
     global_batch: int | None = None  # keep this global batch: each setup's micro-batch and train.grad_accum that reach it
+    # Each setup's speed near the largest batch its estimate puts under the limit (one probe, most
+    # often); true: each searched to its boundary and its fastest batch, as task=max_batch searches
+    search_boundary: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

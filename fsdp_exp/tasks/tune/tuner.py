@@ -7,10 +7,11 @@ line would be, then measured only where the measurement can change the answer.
 2. The speed model's calibration (fsdp_exp.tasks.tune.predicting): the fewest setups that
    pin its rates are probed, each first near its largest batch (task=max_batch's own first
    probe). Without a model (fewer than two setups traced) every setup is probed once.
-3. The setups are searched to their fastest batch in the order of the most they could
-   reach: by their probes (fsdp_exp.tasks.tune.ranking), or with none, by the speed model
-   widened by its error. One whose bound falls below the best measured is not searched on:
-   `bounded` after its probe, `predicted` without one.
+3. The setups are measured in the order of the most they could reach: by their probes
+   (fsdp_exp.tasks.tune.ranking), or with none, by the speed model widened by its error;
+   each near the largest batch its estimate puts under the limit, or without the estimate,
+   searched to its fastest batch (fsdp_exp.tasks.tune.bounding). One whose bound falls below
+   the best measured is not measured on: `bounded` after its probe, `predicted` without one.
 
 Each setup's search is task=max_batch's, in `<run>/setups/<setup>/`, recorded after every
 probe: a tune run again into the same directory goes on from its recorded probes. On a
@@ -41,17 +42,16 @@ from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.tune.report import RECORD, command_words, report, tune_record
 from fsdp_exp.tasks.max_batch.answer import speeds
-from fsdp_exp.tasks.max_batch.policy import PRIOR_ERROR
-from fsdp_exp.tasks.max_batch.prior import prior
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
 from fsdp_exp.tasks.max_batch.verify import settle_within_gb
 from fsdp_exp.tasks.tune.accumulation import fastest_splits
+from fsdp_exp.tasks.tune.bounding import Bounding
 from fsdp_exp.tasks.tune.command import base_overrides, search_command, search_path_overrides
 from fsdp_exp.tasks.tune.confirm import Confirming
 from fsdp_exp.tasks.tune.predicting import Predicting
 from fsdp_exp.tasks.tune.side_by_side import SetupsSideBySide
-from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, between_runs, can_win, speed_bound
+from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, can_win
 from fsdp_exp.tasks.tune.space import Setup, fold_on_cpu, setups
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class TunedSetup:
     readings: list[tuple[tuple[int, int], float]] = field(default_factory=list)
 
 
-class Tuner(Confirming, Predicting, SetupsSideBySide):
+class Tuner(Bounding, Confirming, Predicting, SetupsSideBySide):
     def __init__(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int):
         self.exp, self.context, self.run_dir, self.launcher, self.nproc = exp, context, Path(run_dir), launcher, nproc
         self.settings = exp.task
@@ -205,24 +205,44 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
                 runs.wait_for_slot(self.parallel)
             if self.stopped:
                 break
-            if not self.can_still_win(entry):
+            if self.at_estimate(entry) and self.near_largest(entry):
+                self.conclude_near_largest(entry)
+            elif not self.can_still_win(entry):
                 if self.trained(entry):
                     self.conclude(entry, "bounded", self.bounded_words(entry))
                 else:
                     self.conclude_predicted(entry)
             elif runs is None:
-                self.search_whole(entry)
+                self.measure(entry)
             else:
                 runs.start(entry.setup.name, self.run_dir / entry.row.dir, self.parallel,
-                           lambda entry=entry: self.search_whole(entry))
+                           lambda entry=entry: self.measure(entry))
         if runs is not None:
             self.wait(runs)
 
-    def search_whole(self, entry: TunedSetup) -> None:
-        while self.step(entry):
+    def measure(self, entry: TunedSetup) -> None:
+        """The setup's speed: near the largest batch its estimate puts under the limit (its
+        first probe that lands there), or, searched, at its fastest batch (`at_estimate`)."""
+        while not (self.at_estimate(entry) and self.near_largest(entry)) and self.step(entry):
             pass
-        if not self.stopped:
+        if self.stopped:
+            return
+        if self.at_estimate(entry) and self.near_largest(entry):
+            self.conclude_near_largest(entry)
+        else:
             self.settle_searched(entry)
+
+    def conclude_near_largest(self, entry: TunedSetup) -> None:
+        """A setup measured near the largest batch its estimate puts under the limit: its
+        fastest probe that trained, and how near the limit its largest probe came."""
+        search, near = entry.search, self.near_largest(entry)
+        assert search is not None and near is not None and search.limit_gb is not None
+        self.update(entry)
+        peak = near.limited_peak_gb() or 0.0
+        counted = f"fastest of {entry.row.probes} probes, the largest" if entry.row.probes > 1 else "1 probe"
+        self.conclude(entry, "measured", f"{counted} at batch {near.batch_size} with {peak:.3f} GB, "
+                      f"{1 - peak / search.limit_gb:.1%} of the limit free, near the largest batch "
+                      "(task.search_boundary=true searches for it)")
 
     # --- one setup ---
 
@@ -263,96 +283,6 @@ class Tuner(Confirming, Predicting, SetupsSideBySide):
         search = entry.search
         return [] if search is None else [p for p in search.probes if p.status == "ok" and p.samples_per_s
                                           and not p.killed]
-
-    def largest(self, entry: TunedSetup) -> float:
-        """The largest batch this setup could reach: below its smallest size that ran out of
-        memory, within the search's range, and, with the estimate moved through its largest
-        probe that trained, within that curve's crossing widened by the error of its growth."""
-        search = entry.search
-        assert search is not None
-        r = self.settings.resolution
-        largest: float = search.up_to()
-        failed = [p.batch_size for p in search.probes if p.status == "oom" and not p.killed]
-        if failed:
-            largest = min(largest, min(failed) - r)
-        curve, fit = prior(search.estimated), self.trained(entry)
-        if not fit and entry.row.estimated_max_batch:
-            largest = min(largest, entry.row.estimated_max_batch * (1 + PRIOR_ERROR))
-        if curve is not None and fit and search.limit_gb is not None:
-            top = max(fit, key=lambda p: p.batch_size)
-            peak = top.limited_peak_gb()
-            if peak is not None:
-                crossing = curve.through((top.batch_size, peak), (top.batch_size, peak)).crossing(search.limit_gb)
-                largest = min(largest, top.batch_size + max(crossing - top.batch_size, 0.0) * (1 + PRIOR_ERROR))
-        return largest
-
-    def bound(self, entry: TunedSetup) -> float | None:
-        """The most samples/s the setup could reach under the limit: by its probes, or with
-        none, by the speed model (None: neither can say)."""
-        fit = self.trained(entry)
-        largest = self.largest(entry)
-        if not fit:
-            predicted = self.predicted_bound(entry, largest)
-            return None if predicted is None else predicted[2]
-        return max(speed_bound(p.samples_per_s or 0.0, p.batch_size, largest) for p in fit)
-
-    def can_still_win(self, entry: TunedSetup) -> bool:
-        """Whether the setup's bound reaches the best measured speed, less the noise between
-        runs measured on this machine (`speed_band`). A setup is never bounded out by a speed
-        whose noise is unknown: the first time one would be, its fastest probe is run again
-        (`run_again`), which measures it."""
-        bound, best = self.bound(entry), self.best_speed()
-        if bound is None or best is None:
-            return True
-        if not self.trained(entry):  # the model's bound, widened by its own measured error
-            return can_win(bound, best, self.speed_band() or SPEED_NOISE)
-        if self.speed_band() is None and not can_win(bound, best):
-            self.run_again(entry)
-        band = self.speed_band()
-        return band is None or can_win(self.bound(entry) or math.inf, best, band)
-
-    def run_again(self, entry: TunedSetup) -> None:
-        """The setup's fastest probe, run again at its batch beside its search (`repeat/`)."""
-        plan = entry.plan
-        if plan is None or self.budget_spent():
-            return
-        accum = plan.exp.train.grad_accum
-        fastest = max(self.trained(entry), key=lambda p: p.samples_per_s or 0.0)
-        log.info("%s: its speed's noise on this machine is not known yet; running its probe at batch %d again",
-                 entry.setup.name, fastest.batch_size)
-        self.extra_probe(entry, "repeat", fastest.batch_size // accum, accum)
-
-    def speed_band(self) -> float | None:
-        """How far samples/s moves between runs of one setup at one batch on this machine,
-        SPEED_NOISE at least: the widest spread of the runs at a batch any setup ran twice
-        (probes, and runs beside a search but the confirmation); None until one has."""
-        readings: dict[tuple[str, int, int], list[float]] = {}
-        for entry in self.entries:
-            accum = entry.plan.exp.train.grad_accum if entry.plan is not None else 1
-            for p in self.trained(entry):
-                readings.setdefault((entry.setup.name, p.batch_size, accum), []).append(p.samples_per_s or 0.0)
-            for (batch, accum_run), speed in entry.readings:
-                readings.setdefault((entry.setup.name, batch, accum_run), []).append(speed)
-        band = between_runs(readings)
-        return None if band is None else max(band, SPEED_NOISE)
-
-    def bounded_words(self, entry: TunedSetup) -> str:
-        fit = max(self.trained(entry), key=lambda p: p.samples_per_s or 0.0)
-        return (f"{fit.samples_per_s:,.1f} samples/s at batch {fit.batch_size}: at most {self.bound(entry):,.1f} "
-                f"up to batch {self.largest(entry):.0f}, below the best's {self.best_speed():,.1f} by more than "
-                f"runs here move ({self.speed_band() or SPEED_NOISE:.0%})")
-
-    def conclude_predicted(self, entry: TunedSetup) -> None:
-        """A setup left out without a probe: the model's figures on its row, and why."""
-        largest = self.largest(entry)
-        predicted = self.predicted_bound(entry, largest)
-        assert predicted is not None
-        speed, error, bound = predicted
-        entry.row.predicted_samples_per_s, entry.row.bound_samples_per_s = speed, bound
-        self.conclude(entry, "predicted", f"the speed model puts it at {speed:,.1f} samples/s at batch {largest:.0f}, "
-                      f"the largest the estimate lets it reach; at most {bound:,.1f} within the model's error "
-                      f"({max(error, self.speed_band() or SPEED_NOISE):.0%}), below the best's "
-                      f"{self.best_speed():,.1f}; not probed")
 
     def update(self, entry: TunedSetup) -> None:
         """The row's figures from the setup's probes so far: its fastest that trained."""

@@ -37,17 +37,25 @@ from fsdp_exp.tasks.tune.ranking import SPEED_NOISE
 GRID = ["sharding=full,grad_op,ddp", "train.activation_checkpointing=false,true", "offload=false,true"]
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
 @dataclass
 class Model:
     name: str
     overrides: list[str]
     limit_gb: float
+    cwd: Path | None = None  # where its command runs (a user's project, with its config folder)
 
 
 MODELS = [
     Model("vit", ["model.num_layers=2"], 0.6),
     Model("cnn", ["model=cnn"], 0.6),
     Model("gpt-small", ["model=gpt", "model.size=small", "data=synthetic_tokens"], 2.2),
+    # not one of the repository's models: the example project's BatchNorm net from its own
+    # package and config folder, wide enough and its data large enough that memory bounds it
+    Model("my_project", ["model=mynet", "hydra.searchpath=[file://./conf]", "model.width=512", "model.depth=8",
+                         "data.num_samples=65536"], 0.8, REPO / "examples" / "my_project"),
 ]
 
 
@@ -69,7 +77,7 @@ def setup_key(overrides: list[str]) -> str:
 
 def grid(model: Model, out: Path) -> dict:
     wall = run(["-m", "task=max_batch", f"memory.limit_gb={model.limit_gb}", "wandb.mode=disabled",
-                "memory.estimate=false", *model.overrides, *GRID, f"hydra.sweep.dir={out}"], out.parent)
+                "memory.estimate=false", *model.overrides, *GRID, f"hydra.sweep.dir={out}"], model.cwd or out.parent)
     rows = {}
     for summary_path in sorted(out.glob("*/summary.json")):
         summary = json.loads(summary_path.read_text())
@@ -85,7 +93,7 @@ def grid(model: Model, out: Path) -> dict:
 
 def tune(model: Model, out: Path) -> dict:
     wall = run(["task=tune", f"memory.limit_gb={model.limit_gb}", "wandb.mode=disabled", "memory.estimate=false",
-                *model.overrides, f"hydra.run.dir={out}"], out.parent)
+                *model.overrides, f"hydra.run.dir={out}"], model.cwd or out.parent)
     record = json.loads((out / "tune.json").read_text())
     full = next(r for r in record["rows"] if r["winner"])["overrides"]
     setup = setup_key(full)
@@ -114,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     chosen = [m for m in MODELS if not args.models or m.name in args.models]
     print(header(2, False))
-    lines = ["| model | limit GB | grid: wall s, probes | tune: wall s, probes, setups, settled | tune / grid | grid's best "
+    lines = ["| model | limit GB | grid: wall s, probes, setups | tune: wall s, probes, setups, settled | tune / grid | grid's best "
              "(samples/s) | tune's winner (samples/s) | within the grid's noise | speed model's miss, held out "
              "(median, largest) |", "|" + "---|" * 9]
     for model in chosen:
@@ -136,7 +144,7 @@ def main() -> None:
             misses = t["misses"]
             missed = (f"{misses[len(misses) // 2]:.0%}, {misses[-1]:.0%} ({len(misses)} setups)" if misses
                       else "none measured")
-            lines.append(f"| {model.name} | {model.limit_gb:g} | {g['wall_s']:.0f}, {g['probes']} | {t['wall_s']:.0f}, "
+            lines.append(f"| {model.name} | {model.limit_gb:g} | {g['wall_s']:.0f}, {g['probes']}, {len(g['rows'])} | {t['wall_s']:.0f}, "
                          f"{t['probes']}, {t['setups']}, {t['settled']} | {t['wall_s'] / g['wall_s']:.2f} | {g['best']} "
                          f"({g['speed']:.1f}) | {t['best']} ({t['speed']:.1f}; the grid's {grid_speed_of_winner:.1f}) "
                          f"| {'yes' if within else 'no'} (noise {noise:.0%}) | {missed} |")

@@ -41,11 +41,10 @@ from fsdp_exp.files import write_json
 from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.tune.report import RECORD, command_words, report, tune_record
-from fsdp_exp.tasks.max_batch.answer import speeds
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from fsdp_exp.tasks.max_batch.probe import Probe, run_probe
 from fsdp_exp.tasks.max_batch.verify import settle_within_gb
-from fsdp_exp.tasks.tune.accumulation import fastest_splits
+from fsdp_exp.tasks.tune.accumulation import Accumulating
 from fsdp_exp.tasks.tune.bounding import Bounding
 from fsdp_exp.tasks.tune.command import base_overrides, search_command, search_path_overrides
 from fsdp_exp.tasks.tune.confirm import Confirming
@@ -63,7 +62,6 @@ log = logging.getLogger("fsdp_exp")
 
 EXTRA_PROBES = "extra_probes.json"
 REMATCH_STEPS = 10  # a setup within the noise of the winner run again: steps, the first warm-up
-SPLITS_TRIED = 3  # splits of task.global_batch probed before a setup is said not to reach it
 # The estimate is at most about 1% above a run's peak (bench/estimate_accuracy.py): a setup
 # whose smallest batch it puts this far over the limit is pruned without a probe.
 PRUNE_OVER = 0.02
@@ -84,7 +82,7 @@ class TunedSetup:
     readings: list[tuple[tuple[int, int], float]] = field(default_factory=list)
 
 
-class Tuner(Bounding, Confirming, Predicting, SetupsSideBySide):
+class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
     def __init__(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int):
         self.exp, self.context, self.run_dir, self.launcher, self.nproc = exp, context, Path(run_dir), launcher, nproc
         self.settings = exp.task
@@ -329,33 +327,6 @@ class Tuner(Bounding, Confirming, Predicting, SetupsSideBySide):
             self.conclude(entry, "measured", how)
         else:
             self.split(entry, largest, how)
-
-    def split(self, entry: TunedSetup, largest: int, how: str) -> None:
-        """task.global_batch: the setup's fastest micro-batch and accumulation under its largest
-        batch, by its probes' speeds, confirmed by a probe of that split (the next one, should it
-        run out of memory)."""
-        search, plan, global_batch = entry.search, entry.plan, self.settings.global_batch
-        assert search is not None and plan is not None and global_batch is not None
-        tried = []
-        for micro, accum in fastest_splits(global_batch, plan.nproc, largest, speeds(search.probes, largest)):
-            if self.budget_spent():
-                return
-            probe = self.extra_probe(entry, "split", micro, accum)
-            if probe.status == "ok" and probe.samples_per_s:
-                self.fill_row(entry.row, probe, search.limit_gb)
-                entry.row.batch_size, entry.row.grad_accum = micro, accum
-                entry.row.step_s = global_batch / probe.samples_per_s
-                self.conclude(entry, "measured", f"{how}; task.global_batch={global_batch} as {micro} x {accum} "
-                            f"on {plan.nproc} rank(s)")
-                return
-            if probe.status == "failed":
-                self.conclude(entry, "failed", f"{micro} x {accum}: {probe.reason}")
-                return
-            tried.append(f"{micro} x {accum}")
-            if len(tried) >= SPLITS_TRIED:
-                break
-        self.conclude(entry, "does not fit", f"no split of task.global_batch={global_batch} into micro-batches "
-                    f"under {largest} trained" + (f" (tried {', '.join(tried)})" if tried else ""))
 
     def extra_probe(self, entry: TunedSetup, kind: str, micro: int, accum: int) -> Probe:
         """A probe of `micro` at train.grad_accum=`accum` beside the setup's search (`kind`:

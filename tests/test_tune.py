@@ -17,7 +17,7 @@ from fsdp_exp.tasks.tune.report import answer_line, command_line, plot, report, 
 from fsdp_exp.tasks.tune.settings import Budget, default_space, parse_budget
 from fsdp_exp.tasks.tune.space import flatten, fold_on_cpu, setups
 from fsdp_exp.run_context import RunContext
-from fsdp_exp.tasks.tune.bounding import NEAR_LIMIT
+from fsdp_exp.tasks.tune.bounding import NEAR_LARGEST, NEAR_LIMIT
 from fsdp_exp.tasks.tune.confirm import step_spread
 from tests.conftest import REPO, read_json, refused_here, run_cli
 
@@ -439,7 +439,8 @@ def test_a_budget_spent_before_a_search_ends_answers_with_the_best_probe_so_far(
 def test_with_its_estimate_a_setup_is_measured_by_a_probe_near_its_largest_batch_without_a_search(tmp_path):
     """The first probe that trained within NEAR_LIMIT of the limit measures its setup: no
     further probe runs (its boundary is not searched), and the row says how near the limit
-    it came. A probe that left more free does not; nor, with task.search_boundary=true, any."""
+    it came. A probe that left more free does not, nor one far below the largest batch the
+    setup could reach; nor, with task.search_boundary=true, any."""
     from fsdp_exp.tasks.max_batch.probe import Probe
 
     curve = {"peaks_gb": [[1, 0.3], [64, 0.35], [256, 0.55], [512, 0.8]]}
@@ -451,6 +452,11 @@ def test_with_its_estimate_a_setup_is_measured_by_a_probe_near_its_largest_batch
     assert tune.at_estimate(entry)
     first = entry.search.next_size()  # where its first probe goes: the estimate leaves 5% of the limit free
     assert tune.reach(entry) == (first, "where its estimate leaves 5% of the limit free")
+    # within NEAR_LIMIT of the limit, but where what every batch holds fills it nearly alone: the
+    # curve moved through it still has room for batches far larger
+    entry.search.probes.append(Probe(1, "ok", samples_per_s=5.0, peak_under_limit_gb=0.57))
+    assert tune.near_largest(entry) is None and tune.largest(entry) > 2 / NEAR_LARGEST
+    entry.search.probes.clear()
     far = Probe(100, "ok", samples_per_s=250.0, peak_under_limit_gb=0.6 * (1 - NEAR_LIMIT) - 0.01)
     entry.search.probes.append(far)
     assert tune.near_largest(entry) is None

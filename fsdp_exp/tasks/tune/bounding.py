@@ -29,8 +29,12 @@ from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, between_runs, can_win, spee
 log = logging.getLogger("fsdp_exp")
 
 # A probe whose peak is within this share of the limit was placed near its setup's largest
-# batch (the estimate's first probe aims 5% below it, and is within about 2% of a run's peak).
+# batch (the estimate's first probe aims 5% below it, and is within about 2% of a run's peak)...
 NEAR_LIMIT = 0.1
+# ... where its batch is at least this share of the largest the setup could reach: where what
+# every batch holds fills the limit nearly alone, a probe within NEAR_LIMIT of it may be far
+# below the largest batch (batch 1 at 0.574 GB of 0.6, where batch 40 fits).
+NEAR_LARGEST = 0.5
 
 
 class Bounding:
@@ -66,11 +70,17 @@ class Bounding:
                 and search.limit_gb is not None and prior(search.estimated) is not None)
 
     def near_largest(self, entry: Any) -> Probe | None:
-        """The setup's probe that trained nearest its largest batch, when one is near it: its
-        peak within NEAR_LIMIT of the limit, or at the largest size the search tries."""
+        """The setup's probe that trained nearest its largest batch, when one is near it: at
+        the largest size the search tries, or its peak within NEAR_LIMIT of the limit and its
+        batch at least NEAR_LARGEST of the largest the setup could reach (`largest`)."""
         search = entry.search
-        near = [p for p in self.trained(entry) if p.batch_size >= search.up_to()
-                or (p.limited_peak_gb() or 0.0) >= search.limit_gb * (1 - NEAR_LIMIT)]
+        trained = self.trained(entry)
+        if not trained:
+            return None
+        largest = self.largest(entry)
+        near = [p for p in trained if p.batch_size >= search.up_to()
+                or ((p.limited_peak_gb() or 0.0) >= search.limit_gb * (1 - NEAR_LIMIT)
+                    and p.batch_size >= NEAR_LARGEST * largest)]
         return max(near, key=lambda p: p.batch_size, default=None)
 
     def reach(self, entry: Any) -> tuple[float, str]:

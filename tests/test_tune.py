@@ -109,6 +109,13 @@ def test_the_budget_keeps_room_for_the_winners_confirmation_from_the_start(tmp_p
     counted = tuner(tmp_path, "task.space.sharding=[full]", "task.budget=3")
     counted.entries, counted.probes_run = [full], 2
     assert counted.budget_spent()  # the third probe is the confirmation's
+    # side by side, a probe under way counts from its start: one done and one under way leave
+    # the third of 3 to the confirmation
+    parallel = tuner(tmp_path, "task.space.sharding=[full]", "task.budget=3")
+    parallel.entries, parallel.probes_run = [full], 1
+    assert not parallel.budget_spent()
+    parallel.probes_under_way = 1
+    assert parallel.budget_spent()
 
 
 def test_the_budget_is_spent_by_probes_or_by_time():

@@ -148,7 +148,7 @@ def run_again(record: dict) -> str:
     if confirmed["status"] == "ok":
         return ""
     return (f"; run again at batch {record['batch_size']} it did not train ({confirmed['status']}: "
-            f"{confirmed['reason']}): its setup's max_batch.json has a batch with room to spare")
+            f"{confirmed['reason']}): task=max_batch on its command line finds a batch with room to spare")
 
 
 def plot(record: dict, path: Path) -> list[str]:

@@ -90,6 +90,7 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
         self.command = base_overrides(context.overrides())
         self.start = time.perf_counter()
         self.probes_run = 0
+        self.probes_under_way = 0  # side by side: probes started and not yet counted in probes_run
         self.stopped = False  # the budget ran out
         self.entries: list[TunedSetup] = []
         self.speaking: TunedSetup | None = None  # the setup whose search logged last
@@ -248,13 +249,19 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
         """The setup's next probe; False when its search is done or the budget is spent."""
         search = entry.search
         assert search is not None
-        if self.budget_spent():
-            return False
+        with self.lock:  # side by side, a probe under way counts against the budget from its start
+            if self.budget_spent():
+                return False
+            self.probes_under_way += 1
         before = len(search.probes)
         self.announce(entry)
-        ran = search.step()
+        try:
+            ran = search.step()
+        finally:
+            with self.lock:
+                self.probes_under_way -= 1
+                self.probes_run += len(search.probes) - before
         with self.lock:
-            self.probes_run += len(search.probes) - before
             self.update(entry)
             self.save()
         return ran
@@ -264,7 +271,7 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
         until it starts."""
         with self.lock:
             probes, seconds = (0, 0.0) if self.confirming else self.confirmation_needs()
-            if not self.stopped and self.budget.spent(self.probes_run + probes,
+            if not self.stopped and self.budget.spent(self.probes_run + self.probes_under_way + probes,
                                                       time.perf_counter() - self.start + seconds):
                 log.info("task=tune: the budget (task.budget=%s) is spent, less what confirming the winner needs; "
                          "the answer is the best so far", self.budget)

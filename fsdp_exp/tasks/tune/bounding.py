@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_exp.tasks.max_batch.policy import PRIOR_ERROR
+from fsdp_exp.tasks.max_batch.policy import LEVEL_ERROR, PRIOR_ERROR
 from fsdp_exp.tasks.max_batch.prior import prior
 from fsdp_exp.tasks.max_batch.probe import Probe
 from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, between_runs, can_win, speed_bound
@@ -89,7 +89,7 @@ class Bounding:
         if self.at_estimate(entry) and not entry.search.probes:
             first = entry.search.next_size()
             if first:
-                return first, "where its estimate leaves 5% of the limit free"
+                return first, f"where its estimate leaves {LEVEL_ERROR:.0%} of the limit free"
         return self.largest(entry), "the largest the estimate lets it reach"
 
     def largest(self, entry: Any) -> float:

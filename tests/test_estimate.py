@@ -3,6 +3,7 @@ to end for every sharding option."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -162,6 +163,25 @@ def test_attention_for_a_gpu_keeps_no_tokens_by_tokens_matrix():
     assert on_cpu.steps[0].attention == [] and on_gpu.steps[0].attention == [(batch, 1, TOKENS, HEAD_DIM)]
     assert (cpu_parts["activations"] - gpu_parts["activations"]) * GB >= matrix
     assert gpu_parts["activations"] * GB < matrix / 2  # queries, outputs and row sums: a few KB a sample
+
+
+@pytest.mark.parametrize(("on_gpu", "changed"), [(False, True), (True, False)])
+def test_the_trace_sets_the_environment_of_the_run_it_predicts(monkeypatch, on_gpu: bool, changed: bool):
+    """The tracing process measures as the run it predicts: a CPU run that an estimate
+    measures turns wandb's error reporting off (fsdp_exp.memory.MEASURING_ENVIRONMENT); a GPU
+    run, traced on fake tensors here as on a GPU machine, keeps the user's environment."""
+    import multiprocessing
+
+    from fsdp_exp.estimate.predict import _traced
+    from fsdp_exp.memory import MEASURING_ENVIRONMENT
+
+    for key in MEASURING_ENVIRONMENT:
+        monkeypatch.delenv(key, raising=False)
+    plan = prepare(compose_checked(STACK), 0)
+    received, sent = multiprocessing.Pipe(duplex=False)
+    _traced(sent, plan.exp, 2, [4], on_gpu, None, None, {}, (), None)
+    assert received.recv()[0] is True  # traced
+    assert os.environ.get("WANDB_ERROR_REPORTING") == ("false" if changed else None)
 
 
 def test_gpu_side_rounds_blocks_offloads_state_and_adds_attention():

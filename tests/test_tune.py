@@ -480,7 +480,8 @@ def test_with_its_estimate_a_setup_is_measured_by_a_probe_near_its_largest_batch
     (other,) = [searched.prepare(s) for s in setups(searched.settings.space, searched.command, searched.nproc, 1,
                                                     as_dict(searched.exp))]
     other.search.estimated = curve
-    assert not searched.at_estimate(other)
+    other.search.probes.append(near)
+    assert not searched.at_estimate(other) and searched.near_largest(other) is None  # its search goes on
 
 
 @pytest.mark.parametrize("args, message", [

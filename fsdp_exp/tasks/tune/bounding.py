@@ -70,12 +70,13 @@ class Bounding:
                 and search.limit_gb is not None and prior(search.estimated) is not None)
 
     def near_largest(self, entry: Any) -> Probe | None:
-        """The setup's probe that trained nearest its largest batch, when one is near it: at
-        the largest size the search tries, or its peak within NEAR_LIMIT of the limit and its
-        batch at least NEAR_LARGEST of the largest the setup could reach (`largest`)."""
+        """The probe that measures a setup taken at its estimate (`at_estimate`): the one that
+        trained nearest its largest batch, when one is near it: at the largest size the search
+        tries, or its peak within NEAR_LIMIT of the limit and its batch at least NEAR_LARGEST
+        of the largest the setup could reach (`largest`). None otherwise."""
         search = entry.search
         trained = self.trained(entry)
-        if not trained:
+        if not trained or not self.at_estimate(entry):
             return None
         largest = self.largest(entry)
         near = [p for p in trained if p.batch_size >= search.up_to()

@@ -204,7 +204,7 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
                 runs.wait_for_slot(self.parallel)
             if self.stopped:
                 break
-            if self.at_estimate(entry) and self.near_largest(entry):
+            if self.near_largest(entry):
                 self.conclude_near_largest(entry)
             elif not self.can_still_win(entry):
                 if self.trained(entry):
@@ -222,11 +222,11 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
     def measure(self, entry: TunedSetup) -> None:
         """The setup's speed: near the largest batch its estimate puts under the limit (its
         first probe that lands there), or, searched, at its fastest batch (`at_estimate`)."""
-        while not (self.at_estimate(entry) and self.near_largest(entry)) and self.step(entry):
+        while not self.near_largest(entry) and self.step(entry):
             pass
         if self.stopped:
             return
-        if self.at_estimate(entry) and self.near_largest(entry):
+        if self.near_largest(entry):
             self.conclude_near_largest(entry)
         else:
             self.settle_searched(entry)

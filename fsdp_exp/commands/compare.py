@@ -21,12 +21,12 @@ from typing import Any
 from fsdp_exp.finished_runs import CompareError, Run, Skipped, find_run_dirs, is_run_dir, load_run, wandb_runs
 from fsdp_exp.keys import MISSING, lookup
 from fsdp_exp.metrics.plots import none_fits, plot_comparison, plot_throughput_vs_memory
-from fsdp_exp.metrics.summary import ANSWERED, Summary
+from fsdp_exp.metrics.summary import ANSWERED, PEAK_GB, Summary
 from fsdp_exp.metrics.wandb_sink import wandb_project
 
 EXIT_BAD_INPUT = 2
 COLUMNS = ["setup", "task", "status", "max_batch_size", "fastest_batch_size", "near_fastest_batch_size",
-           "batch_size", "samples_per_s", "peak_mem_gb", "estimated_peak_mem_gb", "peak_in_use_gb", "estimate_error", "limit_gb",
+           "batch_size", "samples_per_s", PEAK_GB, "estimated_peak_mem_gb", "peak_in_use_gb", "estimate_error", "limit_gb",
            "peak_under_limit_gb", "world_size", "mfu", "final_loss", "eval_loss", "eval_accuracy", "note", "run_dir"]
 # The CSV only: a table cell of every override is what made rows unreadable.
 CSV_ONLY = ["overrides"]
@@ -39,12 +39,12 @@ OPTIONAL = {"estimated_peak_mem_gb", "peak_in_use_gb", "estimate_error", "fastes
 HEADINGS = {"max_batch_size": "max batch", "fastest_batch_size": "fastest batch",
             "near_fastest_batch_size": "within 5% of fastest from", "batch_size": "batch per rank",
             "samples_per_s": "samples/s", "limit_gb": "memory.limit_gb", "peak_under_limit_gb": "peak under the limit (GB)",
-            "peak_mem_gb": "peak memory (GB)", "estimated_peak_mem_gb": "estimated (GB)", "peak_in_use_gb": "in use (GB)",
+            PEAK_GB: "peak memory (GB)", "estimated_peak_mem_gb": "estimated (GB)", "peak_in_use_gb": "in use (GB)",
             "estimate_error": "estimate error",
             "world_size": "ranks", "mfu": "MFU", "final_loss": "final loss", "eval_loss": "eval loss",
             "eval_accuracy": "eval accuracy", "run_dir": "run"}
 FORMATS = {"max_batch_size": ",d", "fastest_batch_size": ",d", "near_fastest_batch_size": ",d", "batch_size": ",",
-           "samples_per_s": ",.1f", "limit_gb": "g", "peak_under_limit_gb": ".3f", "peak_mem_gb": ".2f",
+           "samples_per_s": ",.1f", "limit_gb": "g", "peak_under_limit_gb": ".3f", PEAK_GB: ".2f",
            "estimated_peak_mem_gb": ".2f", "peak_in_use_gb": ".3f", "estimate_error": "+.0%", "mfu": ".1%", "final_loss": ".4f", "eval_loss": ".4f",
            "eval_accuracy": ".2%"}
 # A failure's reason in a table cell; the CSV and comparison.md keep the whole first line.
@@ -139,7 +139,7 @@ def memory_figure(rows: list[dict]) -> str:
     mix the two)."""
     timed = [r for r in rows if r["status"] == "ok" and r.get("samples_per_s") is not None]
     limited = timed and all(r.get("peak_under_limit_gb") is not None for r in timed)
-    return "peak_under_limit_gb" if limited else "peak_mem_gb"
+    return "peak_under_limit_gb" if limited else PEAK_GB
 
 
 def memory_label(rows: list[dict]) -> str:
@@ -162,7 +162,7 @@ def row(run: Run, setup: str) -> dict:
         **{k: s.get(k) for k in ("fastest_batch_size", "near_fastest_batch_size", "smallest_batch_needs_gb",
                                  "resolution")},
         "samples_per_s": s.samples_per_s, "warmup_only": s.warmup_only, "limit_gb": None if limit is MISSING else limit,
-        "peak_under_limit_gb": s.peak_under_limit_gb, "peak_mem_gb": s.peak_mem_gb,
+        "peak_under_limit_gb": s.peak_under_limit_gb, PEAK_GB: s.peak_mem_gb,
         # the run's own estimate (memory.estimate); summaries before the figures were named
         # after what they predict called it estimated_peak_gb
         "estimated_peak_mem_gb": s.get("estimated_peak_mem_gb", s.get("estimated_peak_gb")),
@@ -193,12 +193,12 @@ def task_figures(task: str, s: Summary, run: Run) -> dict:
         return {"max_batch_size": max_batch, "batch_size": max_batch,
                 **({"note": note} if note and s.answered else {})}
     if task == "tune":
-        peak_key = "peak_under_limit_gb" if s.limit_gb is not None else "peak_mem_gb"
+        peak_key = "peak_under_limit_gb" if s.limit_gb is not None else PEAK_GB
         return {"max_batch_size": s.max_batch_size, "batch_size": s.batch_size,
                 peak_key: s.peak_gb, **({"note": tune_note(s)} if s.answered else {})}
     if task == "estimate":
         return {"max_batch_size": s.largest_batch_fitting, "batch_size": s.batch_size,
-                "estimated_peak_mem_gb": s.peak_mem_gb, "peak_mem_gb": None,
+                "estimated_peak_mem_gb": s.peak_mem_gb, PEAK_GB: None,
                 **({"note": "estimated, not measured"} if s.status == "ok" else {})}
     return {"max_batch_size": None, "batch_size": train_batch_size(run)}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_exp.metrics.summary import SUMMARY, Summary
+from fsdp_exp.metrics.summary import PEAK_GB, SUMMARY, Summary
 
 
 @dataclass
@@ -364,7 +364,7 @@ def limited_peak(summary: Summary) -> tuple[float | None, str]:
     """The peak that memory.limit_gb caps, as task=max_batch reads it: the limit's own count
     on CPU, the allocator's reserved memory on a GPU."""
     for key, what in (("peak_under_limit_gb", "as the limit counts it"), ("peak_reserved_gb", "reserved"),
-                      ("peak_mem_gb", "the run's own")):
+                      (PEAK_GB, "the run's own")):
         if summary.get(key) is not None:
             return summary.get(key), what
     return None, ""

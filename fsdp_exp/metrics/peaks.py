@@ -51,6 +51,7 @@ from fsdp_exp.linux import (
     trim_heap,
 )
 from fsdp_exp.memory import peak_under_limit_gb
+from fsdp_exp.metrics.summary import PEAK_GB
 
 GB = 2**30
 
@@ -220,7 +221,7 @@ class MemoryMonitor:
             name, counted, resident = self.phase
             # The peaks were reset where the phase began. CPU under a limit: what the limit
             # counted then plus the growth of resident memory since.
-            peaks[f"peak_{name}_gb"] = peaks["peak_mem_gb"] if counted is None \
+            peaks[f"peak_{name}_gb"] = peaks[PEAK_GB] if counted is None \
                 else peaks["peak_resident_gb"] + counted - resident
             self.phase = None
         self._fold(peaks)
@@ -243,7 +244,7 @@ class MemoryMonitor:
         if self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
             return {
-                "peak_mem_gb": stats.get("allocated_bytes.all.peak", 0) / GB,
+                PEAK_GB: stats.get("allocated_bytes.all.peak", 0) / GB,
                 "peak_active_gb": stats.get("active_bytes.all.peak", 0) / GB,
                 "peak_reserved_gb": stats.get("reserved_bytes.all.peak", 0) / GB,
                 "alloc_retries": float(stats.get("num_alloc_retries", 0)),
@@ -254,7 +255,7 @@ class MemoryMonitor:
         # Library code paged in since the mark is the runtime's too: how much of it a rank
         # already had depends on what started it.
         runtime = self.runtime.resident_bytes + max(file_bytes(status) - self.runtime.file_bytes, 0)
-        peaks = {"peak_mem_gb": (resident - runtime) / GB, "peak_resident_gb": resident / GB}
+        peaks = {PEAK_GB: (resident - runtime) / GB, "peak_resident_gb": resident / GB}
         in_use = None
         if self.phase_peaks:
             in_use = self.gloo.settled_heap_in_use_bytes() if self.gloo is not None else heap_in_use_bytes()

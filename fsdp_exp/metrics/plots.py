@@ -11,6 +11,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from fsdp_exp.metrics.summary import PEAK_GB
+
 DPI = 120
 
 
@@ -48,7 +50,7 @@ LABEL_ALL_POINTS_UP_TO = 12
 def peak_of(row: dict) -> float | None:
     """A row's peak memory: as the limit counts it where there was one, else measured, else
     estimated."""
-    for key in ("peak_under_limit_gb", "peak_mem_gb", "estimated_peak_mem_gb"):
+    for key in ("peak_under_limit_gb", PEAK_GB, "estimated_peak_mem_gb"):
         if row.get(key) is not None:
             return row[key]
     return None

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fsdp_exp.metrics.summary import PEAK_GB
+
 log = logging.getLogger("fsdp_exp")
 
 
@@ -66,9 +68,9 @@ def figures_so_far(records: list[dict], warmup_steps: int = 0) -> dict:
     if timed:  # samples over seconds, each window's from its steps at its speed
         figures["samples_per_s"] = sum(n * r["samples_per_s"] / r["steps_per_s"] for n, r in timed) / \
             sum(n / r["steps_per_s"] for n, r in timed)
-    peaks = [r["peak_mem_gb"] for r in steps if r.get("peak_mem_gb") is not None]
+    peaks = [r[PEAK_GB] for r in steps if r.get(PEAK_GB) is not None]
     if peaks:
-        figures["peak_mem_gb"] = max(peaks)
+        figures[PEAK_GB] = max(peaks)
     return figures
 
 

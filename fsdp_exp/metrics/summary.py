@@ -19,6 +19,7 @@ from fsdp_exp.metrics.json_record import JsonRecord
 SUMMARY = "summary.json"  # a run directory's summary, written by its driver
 NONE_FITS = "none_fits"  # task=max_batch or tune: not even the smallest batch fits (exit code 3)
 ANSWERED = ("ok", NONE_FITS)
+PEAK_GB = "peak_mem_gb"  # a run's peak memory, by this one name in every record, table and plot
 
 
 @dataclass(kw_only=True, slots=True)
@@ -191,7 +192,7 @@ NAMES = Summary.names()
 # estimated over measured is estimate_ratio_<figure without _gb>; estimate_ratio is the first
 # one the run has.
 ESTIMATED = (("in use at phase ends", "peak_in_use_gb"),  # CPU: what the allocations held
-             ("peak", "peak_mem_gb"),
+             ("peak", PEAK_GB),
              ("as the limit counts it", "peak_under_limit_gb"),
              ("reserved", "peak_reserved_gb"),
              ("the device", "device_used_gb"))
@@ -228,7 +229,7 @@ def estimate_line(summary: Summary) -> str | None:
         if ratio is None:
             continue
         guess, seen = summary.get(estimated(measured)), summary.get(measured)
-        if resident and measured == "peak_mem_gb":
+        if resident and measured == PEAK_GB:
             shown.append(f"{name} {guess:.3f} GB (resident {seen:.3f} GB: glibc keeps freed blocks)")
         else:
             shown.append(f"{name} {guess:.3f} GB (measured {seen:.3f} GB, {ratio - 1:+.1%})")

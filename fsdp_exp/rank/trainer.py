@@ -19,7 +19,7 @@ from fsdp_exp.distributed import Ranks
 from fsdp_exp.groups import LossOption
 from fsdp_exp.loss import CrossEntropy
 from fsdp_exp.metrics.peaks import MemoryMonitor, over_windows
-from fsdp_exp.metrics.summary import Summary
+from fsdp_exp.metrics.summary import PEAK_GB, Summary
 from fsdp_exp.metrics.throughput import Throughput, Totals
 from fsdp_exp.sharding import gradient_sync, unwrap
 
@@ -286,7 +286,7 @@ class Trainer:
             if self.checkpoint is not None:
                 self.checkpoint.after_step(step, last=step == settings.steps, loss=loss)
             stop = hooks.stop_early is not None and hooks.stop_early(
-                step, lambda: self.memory.window_peaks().get("peak_mem_gb"))
+                step, lambda: self.memory.window_peaks().get(PEAK_GB))
             logged = step % settings.log_every == 0 or step == settings.steps or stop
             if logged or step == warmup_end:  # a window never straddles warm-up
                 record, per_rank, counted = self._record(step, loss, window, warmup_end)
@@ -310,7 +310,7 @@ class Trainer:
                           global_batch_size=self.throughput.global_batch, warmup_only=not totals["steady"].steps)
         summary.with_figures(self.throughput.means(steady))
         summary.with_figures({key: max(values) for key, values in run_peaks.items()})
-        summary.peak_mem_gb_per_rank = run_peaks["peak_mem_gb"]
+        summary.peak_mem_gb_per_rank = run_peaks[PEAK_GB]
         summary.peak_reserved_gb_per_rank = run_peaks.get("peak_reserved_gb")
         summary.held_mem_gb = max(distributed.gather(self.memory.held_gb(), self.ranks.device))
         summary.resumed_from_step = settings.start_step or None
@@ -347,7 +347,7 @@ class Trainer:
             "lr": self.optimizer.lr,
             **self.throughput.means(counted),
             **{key: max(values) for key, values in per_rank.items()},
-            "peak_mem_gb_per_rank": per_rank["peak_mem_gb"],
+            "peak_mem_gb_per_rank": per_rank[PEAK_GB],
             **self.optimizer.loss_scale(),
         }
         if step <= warmup_end:

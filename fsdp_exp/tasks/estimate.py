@@ -26,6 +26,7 @@ from fsdp_exp.launcher.core import RunFailed
 from fsdp_exp.memory import device_memory_gb
 from fsdp_exp.metrics.flops import peak_column
 from fsdp_exp.metrics.plots import plot_tokens
+from fsdp_exp.metrics.summary import PEAK_GB
 from fsdp_exp.tasks import Task, setup_line
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ class Estimate(Task):
         except RunFailed as err:
             return {"seq_len": length, "error": str(err)}
         tokens(found, longer)
-        row = ("batch_size", "peak_mem_gb", "largest_batch_fitting", "predicted_max_batch", *TOKEN_KEYS)
+        row = ("batch_size", PEAK_GB, "largest_batch_fitting", "predicted_max_batch", *TOKEN_KEYS)
         return {"seq_len": length, **{k: v for k, v in found.as_dict().items() if k in row}}
 
 
@@ -192,7 +193,7 @@ def seq_len_table(record: EstimateRecord) -> str:
     return "\n".join(lines)
 
 
-SUMMARY_KEYS = ("peak_mem_gb", "peak_under_limit_gb", "peak_with_runtime_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
+SUMMARY_KEYS = (PEAK_GB, "peak_under_limit_gb", "peak_with_runtime_gb", "batch_size", "world_size", "device", "limit_gb", "largest_batch_fitting",
                 "predicted_max_batch", "host_gb", "ranks_per_node", "host_limit_gb", "wall_s", "predicted_samples_per_s",
                 "predicted_tokens_per_s", "speed_from")
 GPU_KEYS = ("peak_in_use_gb", "peak_reserved_gb", "device_used_gb", "gpu", "gpu_memory_gb")  # peak_in_use_gb: CPU

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_exp.metrics.plots import DPI, none_fits_at, pyplot
+from fsdp_exp.metrics.summary import PEAK_GB
 
 if TYPE_CHECKING:
     from fsdp_exp.tasks.max_batch.record import MaxBatchRecord
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 LOG_X_ABOVE_RATIO = 16
 
 MEASURES = {"peak_under_limit_gb": "peak as memory.limit_gb counts it", "peak_reserved_gb": "peak reserved",
-            "peak_mem_gb": "peak memory"}
+            PEAK_GB: "peak memory"}
 
 
 def plot_max_batch(record: MaxBatchRecord, path: Path) -> list[str]:

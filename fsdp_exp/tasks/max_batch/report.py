@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_exp.metrics.summary import NONE_FITS
+from fsdp_exp.metrics.summary import NONE_FITS, PEAK_GB
 from fsdp_exp.tasks.wandb_record import log_record
 from fsdp_exp.tasks.max_batch.answer import answer_line
 from fsdp_exp.tasks.max_batch.plot import plot_max_batch
@@ -36,7 +36,7 @@ def report(cfg: Experiment, context: RunContext, run_dir: Path, record: MaxBatch
 SUMMARY_FIGURES = ("max_batch_size", "recommended_batch_size", "bounded_by", "resolution", "limit_gb",
                    "peak_under_limit_gb", "noise_band_gb", "noise_band_samples", "smallest_batch_needs_gb",
                    "searched_from", "data_share_per_rank", "fastest_batch_size", "fastest_samples_per_s",
-                   "near_fastest_batch_size", "samples_per_s", "peak_mem_gb", "peak_mem_gb_per_rank", "world_size",
+                   "near_fastest_batch_size", "samples_per_s", PEAK_GB, "peak_mem_gb_per_rank", "world_size",
                    "searched_max_batch_size", "run_beyond_probe_gb")
 
 
@@ -51,7 +51,7 @@ def summary_figures(record: MaxBatchRecord) -> dict:
 
 
 PROBE_COLUMNS = ("batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",
-                 "estimated_peak_under_limit_gb", "estimate_ratio", "peak_mem_gb", "samples_per_s", "alloc_retries",
+                 "estimated_peak_under_limit_gb", "estimate_ratio", PEAK_GB, "samples_per_s", "alloc_retries",
                  "wall_s", "reason")
 
 

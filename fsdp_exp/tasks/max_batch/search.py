@@ -28,7 +28,7 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
     write_device_record,
 )
-from fsdp_exp.metrics.summary import Summary
+from fsdp_exp.metrics.summary import PEAK_GB, Summary
 from fsdp_exp.rank.worker import rank_log_path
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.sharding.wrap import units_line
@@ -350,7 +350,7 @@ class MaxBatchSearch(Verifying):
             probe.within_noise = probe.status == "ok" and not fits_with_room(probe, self.room_gb(), noise)
         # The peak the search judges by (Probe.judged_peak_gb): allocated on GPU, not reserved.
         measure = "peak_under_limit_gb" if any(p.peak_under_limit_gb is not None and not p.on_gpu()
-                                               for p in self.probes) else "peak_mem_gb"
+                                               for p in self.probes) else PEAK_GB
         _, hi = self.search().bracket(outcomes)
         verified = self.verification.completed()
         at_max = verified if verified is not None and verified.batch_size == boundary else \

@@ -24,10 +24,9 @@ from fsdp_exp.commands.check_gpu import (
     run_fsdp_exp,
     table_row,
 )
-from fsdp_exp.commands.gpu_checks import (
-    PARITY_STEPS,
+from fsdp_exp.commands.gpu_checks import PARITY_STEPS, checks, runs, setup_for
+from fsdp_exp.commands.gpu_judges import (
     RunResult,
-    checks,
     compiled_probe,
     device,
     estimated,
@@ -36,8 +35,6 @@ from fsdp_exp.commands.gpu_checks import (
     out_of_memory,
     parity,
     resumes,
-    runs,
-    setup_for,
     trains,
     trains_on_every_gpu,
     under_limit,
@@ -428,7 +425,7 @@ def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path, mo
 def test_the_cap_is_proven_by_a_batch_that_trains_without_it_and_runs_out_under_it() -> None:
     """reserved <= limit cannot fail (the allocator enforces it): the row that proves the cap
     needs a run that must hit it."""
-    from fsdp_exp.commands.gpu_checks import cap_holds
+    from fsdp_exp.commands.gpu_judges import cap_holds
 
     capped, free = result("oom", error="rank 0 failed: OutOfMemory: ..."), result(peak_reserved_gb=11.5)
     assert cap_holds(capped, free, 8.0) == (True, "batch without the limit: ok, 11.50 GB reserved; under "
@@ -439,7 +436,7 @@ def test_the_cap_is_proven_by_a_batch_that_trains_without_it_and_runs_out_under_
 
 
 def test_a_search_without_a_limit_is_a_gpus_row_whose_limit_is_the_devices_memory() -> None:
-    from fsdp_exp.commands.gpu_checks import device_memory_search
+    from fsdp_exp.commands.gpu_judges import device_memory_search
 
     assert "max_batch_device" in runs(GPU, Path("/w")) and "max_batch_device" not in runs(CPU, Path("/w"))
     assert ("max_batch_device",) in [c.runs for c in checks(GPU)]
@@ -456,7 +453,8 @@ def test_a_search_without_a_limit_is_a_gpus_row_whose_limit_is_the_devices_memor
 
 
 def test_the_search_answer_check_trains_at_the_answer_and_needs_a_memory_bound() -> None:
-    from fsdp_exp.commands.gpu_checks import answer_trains, at_max_batch
+    from fsdp_exp.commands.gpu_checks import at_max_batch
+    from fsdp_exp.commands.gpu_judges import answer_trains
 
     search = result(max_batch_size=6, bounded_by="oom")
     assert at_max_batch(search, ["model=gpt"], 8.0) == ["model=gpt", "memory.limit_gb=8", "train.batch_size=6",
@@ -470,7 +468,7 @@ def test_the_search_answer_check_trains_at_the_answer_and_needs_a_memory_bound()
 
 
 def test_a_meta_build_must_train_as_the_plain_build() -> None:
-    from fsdp_exp.commands.gpu_checks import same_training
+    from fsdp_exp.commands.gpu_judges import same_training
 
     assert same_training(result(), result(), 1e-4)[0]
     assert same_training(result(), result(losses={**LOSSES, 1: 2.5}), 1e-4) == (

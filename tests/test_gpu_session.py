@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fsdp_exp import memory
-from fsdp_exp.commands.gpu_checks import RunResult, checks, runs, setup_for
+from fsdp_exp.commands.gpu_checks import checks, runs, setup_for
+from fsdp_exp.commands.gpu_judges import RunResult
 from fsdp_exp.commands.experiment import compose_config
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.commands.gpu_session import against_matmul, matmul_tflops, session, session_checks, session_runs, tuned

@@ -272,7 +272,7 @@ def test_a_compiled_run_whose_warmup_ends_before_compiling_is_warned(one_rank_gr
     with caplog.at_level("WARNING", logger="fsdp_exp"):
         build_experiment(exp, one_rank_group, tmp_path, RunContext()).jsonl.close()
     warnings = [r.getMessage() for r in caplog.records if "train.compile=true" in r.getMessage()]
-    assert warnings == ([f"metrics.warmup_steps=1 with train.compile=true: compiling comes after step 1's first "
+    assert warnings == (["metrics.warmup_steps=1 with train.compile=true: compiling comes after step 1's first "
                          "micro-batch, which runs eagerly while its FLOPs are counted, so the summary's throughput "
                          "includes the compiler; set metrics.warmup_steps=2 or more"] if warned else [])
 

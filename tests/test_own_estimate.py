@@ -25,7 +25,6 @@ from fsdp_exp.driver.plan import prepare
 from fsdp_exp.estimate.beside import EstimateBeside, at_idle_priority, checked
 from fsdp_exp.estimate.earlier import setup_key
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
-from fsdp_exp.files import write_json
 from fsdp_exp.metrics.summary import NOT_READY, Summary
 from tests.conftest import REPO, SMALL_VIT, estimated_first, read_json, run_and_list_left, run_cli, user_package
 from tests.test_estimate import STACK

@@ -4,7 +4,8 @@
 - experiment.py  `python -m fsdp_exp` / `fsdp-exp`: runs, sweeps and tasks through Hydra
 - compare.py     `python -m fsdp_exp.compare`: finished runs side by side
 - check_gpu.py   `python -m fsdp_exp.check_gpu`: does fsdp_exp work on this machine's GPUs
-- gpu_checks.py  its checks: the runs each needs and how each is judged
+- gpu_checks.py  its checks: the runs each needs, and the judge that reads them
+- gpu_judges.py  how each check is judged, from the finished runs
 - gpu_session.py `python -m fsdp_exp.gpu_session` (`make gpu-session`): every GPU claim on one GPU
 
 `python -m fsdp_exp.compare` and the others name a module at the package's top

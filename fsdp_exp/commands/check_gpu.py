@@ -2,7 +2,7 @@
 
 Each check runs `python -m fsdp_exp ...` as a user would, into a directory of its own, reads
 the run's summary.json and metrics.jsonl, and prints one row: check, pass or fail, what it
-saw, seconds. The checks and how each is judged are in fsdp_exp/commands/gpu_checks.py.
+saw, seconds. The checks are in fsdp_exp/commands/gpu_checks.py, how each is judged in gpu_judges.py.
 Exit code 0 when every check passed, 1 when any failed, 2 without a GPU.
 
     python -m fsdp_exp.check_gpu                     # every GPU here, one rank each
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from fsdp_exp.commands.gpu_checks import TORCHRUN, CheckSetup, RunResult, checks, runs, setup_for
+from fsdp_exp.commands.gpu_checks import TORCHRUN, CheckSetup, checks, runs, setup_for
+from fsdp_exp.commands.gpu_judges import RunResult
 from fsdp_exp.errors import one_line
 from fsdp_exp.metrics.environment import package_version
 from fsdp_exp.metrics.sinks import METRICS, JsonLines

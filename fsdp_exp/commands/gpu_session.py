@@ -40,14 +40,11 @@ from fsdp_exp.commands.gpu_checks import (
     Check,
     CheckSetup,
     Overrides,
-    RunResult,
     checks,
-    estimated,
-    not_ok,
-    resumes,
     runs,
     setup_for,
 )
+from fsdp_exp.commands.gpu_judges import RunResult, estimated, not_ok, resumes
 from fsdp_exp.metrics.environment import package_version
 
 MATMUL_SIZE = 8192  # a square bf16 matmul this large runs near the GPU's dense peak

@@ -237,11 +237,11 @@ model = nn.Linear(64, 64)
 optimizer = torch.optim.AdamW(model.parameters())
 checkpoint = DCPCheckpoint(mode="async_pinned", every=1, keep=None).start(
     TrainState(model, optimizer, ranks, {"_target_": "linear"}), Path(sys.argv[1]))
-stager = checkpoint._stager
+stager = checkpoint.stager
 parts = [stager, *vars(stager).values()]
 print("would take a stream:", any(isinstance(p, DefaultStager) and p._config.use_async_staging for p in parts))
 checkpoint.save(1)
-print("staging in the background:", checkpoint._staging is not None)
+print("staging in the background:", checkpoint.staging)
 checkpoint.close()
 print("saved:", latest(checkpoint.root).name, flush=True)
 """

@@ -115,6 +115,17 @@ class DCPSaver:
                 log.info("checkpoint=dcp_async_pinned: no GPU, so the staging buffer is plain CPU memory, not pinned")
             self._stager = staging_for(state.ranks.device)
 
+    @property
+    def stager(self) -> AsyncStager | None:
+        """What a checkpoint=dcp_async_pinned save stages through (None: the other modes)."""
+        return self._stager
+
+    @property
+    def staging(self) -> bool:
+        """Whether the last save's copy of the weights is still under way (the optimizer's
+        next update waits for it)."""
+        return self._staging is not None
+
     def before_update(self) -> None:
         """Before the optimizer changes the weights: the staging copy must be complete."""
         if self._staging is not None:

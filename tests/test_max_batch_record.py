@@ -11,7 +11,8 @@ import pytest
 
 from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.driver.plan import prepare
-from fsdp_exp.tasks.max_batch.probe import Probe
+from fsdp_exp.metrics.summary import Summary
+from fsdp_exp.tasks.max_batch.probe import OWN_FIGURES, Probe
 from fsdp_exp.tasks.max_batch.record import RECORD, MaxBatchRecord
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 
@@ -82,3 +83,15 @@ def test_a_search_reuses_its_setups_probes_and_keeps_another_setups_or_a_damaged
         assert search.recorded_probes() == []
         assert not (tmp_path / RECORD).exists()
         assert (tmp_path / kept).read_text() == f"{{\"probes\": [{n}"
+
+
+def test_a_probe_that_trained_reads_each_figure_its_run_summary_has_by_the_same_name() -> None:
+    shared = [f.name for f in fields(Probe) if f.name in Summary.names() and f.name not in OWN_FIGURES]
+    summary = Summary(**{name: float(i + 1) for i, name in enumerate(shared)}, peak_settled_at_step=13,
+                      estimate_ratio=9.0, wall_s=99.0)
+    probe = Probe.trained(32, summary, startup_s=1.5)
+    assert {name: getattr(probe, name) for name in shared} == {name: float(i + 1) for i, name in enumerate(shared)}
+    assert "peak_under_limit_gb_per_rank" in shared and "samples_per_s" in shared
+    assert (probe.batch_size, probe.status, probe.settled_at_step, probe.startup_s) == (32, "ok", 13, 1.5)
+    # the search's own figures are not the run's: its estimate and the probe's time from its launch
+    assert (probe.estimate_ratio, probe.wall_s) == (None, 0.0)

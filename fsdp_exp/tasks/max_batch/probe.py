@@ -22,7 +22,7 @@ from fsdp_exp.checkpoint import NoCheckpoint
 from fsdp_exp.config import Device, Experiment, as_dict
 from fsdp_exp.launcher.core import Launcher, RunFailed
 from fsdp_exp.metrics.wandb_sink import WandbMode
-from fsdp_exp.metrics.summary import Summary
+from fsdp_exp.metrics.summary import NAMES as SUMMARY_NAMES, Summary
 from fsdp_exp.profile import NoProfile
 from fsdp_exp.rank.train import train_rank
 from fsdp_exp.run_context import RunContext
@@ -30,6 +30,10 @@ from fsdp_exp.tasks.max_batch.policy import Outcome
 from fsdp_exp.tasks.max_batch.settings import VERIFY_WINDOW
 from fsdp_exp.tasks.train import Train
 
+
+# A probe's figures that the search sets, not its run: the estimate is the search's own,
+# traced once for every probe (Probe.set_estimate), and the time is the probe's from its launch.
+OWN_FIGURES = ("batch_size", "status", "reason", "estimated_peak_under_limit_gb", "estimate_ratio", "wall_s")
 
 
 @dataclass
@@ -97,6 +101,15 @@ class Probe:
         if self.on_gpu():
             return self.peak_mem_gb_per_rank or []
         return self.peak_under_limit_gb_per_rank or self.peak_mem_gb_per_rank or []
+
+    @classmethod
+    def trained(cls, batch_size: int, summary: Summary, startup_s: float | None) -> Probe:
+        """A probe whose run trained: each figure its run's summary.json has by the same
+        name, but those the search sets (OWN_FIGURES)."""
+        read = {name: summary.get(name) for name in cls.__dataclass_fields__
+                if name in SUMMARY_NAMES and name not in OWN_FIGURES}
+        return cls(batch_size, "ok", **read, outside_allocator_gb=outside_allocator_gb(summary), startup_s=startup_s,
+                   settled_at_step=summary.peak_settled_at_step)
 
     def on_gpu(self) -> bool:
         """Whether its ranks ran on GPUs: only a GPU rank reports a reserved peak."""
@@ -262,25 +275,7 @@ def run_probe(cfg: Experiment, batch_size: int, probe_dir: Path, launcher: Launc
         summary = Summary(status="ok").with_figures(
             launcher.launch(partial(train_rank, context=context, probe=True), run_cfg, probe_dir, world_size,
                             time_limit_s=timeout_s))
-        probe = Probe(
-            batch_size, "ok",
-            peak_mem_gb=summary.peak_mem_gb,
-            peak_mem_gb_per_rank=summary.peak_mem_gb_per_rank,
-            peak_reserved_gb=summary.peak_reserved_gb,
-            peak_reserved_gb_per_rank=summary.peak_reserved_gb_per_rank,
-            peak_under_limit_gb=summary.peak_under_limit_gb,
-            peak_under_limit_gb_per_rank=summary.peak_under_limit_gb_per_rank,
-            held_before_limit_gb_per_rank=summary.held_before_limit_gb_per_rank,
-            held_mem_gb=summary.held_mem_gb,
-            alloc_retries=summary.alloc_retries,
-            outside_allocator_gb=outside_allocator_gb(summary),
-            samples_per_s=summary.samples_per_s,
-            tokens_per_s=summary.tokens_per_s,
-            mfu=summary.mfu,
-            startup_s=startup_s(summary, context.startup["launched"]),
-            steps=summary.steps,
-            settled_at_step=summary.peak_settled_at_step,
-        )
+        probe = Probe.trained(batch_size, summary, startup_s(summary, context.startup["launched"]))
     except RunFailed as err:
         status = "oom" if err.out_of_memory else "failed"
         reason = f"ran past task.probe_timeout={timeout_s:g} s" if err.timed_out else str(err)

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_exp.tasks.max_batch.settings import VERIFY_WINDOW
+
 from tests.conftest import REPO, read_json, run_cli
 
 KEPT_PER_SAMPLE = 4096  # floats kept per sample of every training forward: 16 KB
@@ -118,8 +120,8 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
 @pytest.mark.slow  # 25 s; the length's rule itself is the next test's, in the fast suite
 def test_the_verification_runs_until_the_peak_settles_whatever_train_steps_is(tmp_path: Path) -> None:
     """SettlingNet's memory grows for 30 steps, past its 5-step probes, then holds. With
-    train.steps=5000, the answer is run only until its peak settles (no new high over 10
-    steps, read from step 3 on: 43 steps here), not for 5000: the size the probes found runs
+    train.steps=5000, the answer is run only until its peak settles (no new high over
+    VERIFY_WINDOW steps, read from step 3 on: 38 steps here), not for 5000: the size the probes found runs
     out of memory within those steps and the answer steps down to one whose run settled."""
     out = tmp_path / "search"
     result = run_cli("task=max_batch", "model=custom", f"model._target_={__name__}.SettlingNet",
@@ -132,13 +134,15 @@ def test_the_verification_runs_until_the_peak_settles_whatever_train_steps_is(tm
     assert (check["steps"], check["until_settled"], check["status"]) == (100, True, "stepped down")
     assert {p["steps"] for p in record["probes"] if p["status"] == "ok"} == {5}  # settled to the probes' eyes
     done = check["runs"][-1]
-    # read at step 3 (task.steps_per_probe), then every 10 steps: grown at 13, 23 and 33 (until step 30), not at 43
-    assert (done["status"], done["steps"], done["settled_at_step"]) == ("ok", 43, 43)
-    assert read_json(out / done["dir"] / "summary.json")["steps"] == 43
+    # read at step 3 (task.steps_per_probe), then every VERIFY_WINDOW steps: grown at each read until
+    # one a whole window past step 30, when it stopped growing
+    settled = next(step for step in range(3, 101, VERIFY_WINDOW) if step - VERIFY_WINDOW >= GROW_FOR)
+    assert (done["status"], done["steps"], done["settled_at_step"]) == ("ok", settled, settled)
+    assert read_json(out / done["dir"] / "summary.json")["steps"] == settled
     assert check["ran_out_of_memory_at"] and min(check["ran_out_of_memory_at"]) > done["batch_size"]
     assert record["max_batch_size"] == done["batch_size"] < record["searched_max_batch_size"]
     line = next(x for x in (result.stdout + result.stderr).splitlines() if "max batch: " in x)
-    assert f"verified: a run of the command at {done['batch_size']} held for 43 steps, its peak settled" in line
+    assert f"verified: a run of the command at {done['batch_size']} held for {settled} steps, its peak settled" in line
 
 
 def test_the_verifications_length_is_task_verify_steps_or_bounded_never_train_steps() -> None:

@@ -218,7 +218,7 @@ def verify_rule(cfg: Experiment, tolerance_gb: float) -> dict:
     first read where a probe first reads it (task.steps_per_probe, past the warm-up a compiled
     step needs), then every VERIFY_WINDOW steps, until its peak rose by at most `tolerance_gb`
     over the last VERIFY_WINDOW: a run that holds still stops after steps_per_probe +
-    VERIFY_WINDOW steps (13 by default)."""
+    VERIFY_WINDOW steps (8 by default)."""
     first = settling_rule(cfg, getattr(cfg.task, "steps_per_probe", VERIFY_WINDOW), tolerance_gb)["first_check"]
     return {"tolerance_gb": tolerance_gb, "first_check": first, "window": VERIFY_WINDOW}
 

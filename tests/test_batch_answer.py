@@ -15,6 +15,7 @@ from fsdp_exp.tasks.max_batch.answer import (
 from fsdp_exp.tasks.max_batch.probe import Probe
 from fsdp_exp.tasks.max_batch.record import MaxBatchRecord
 from fsdp_exp.tasks.max_batch.report import summary_figures
+from fsdp_exp.tasks.max_batch.settings import VERIFY_WINDOW
 from fsdp_exp.tasks.max_batch.verify import step_down
 
 LIMIT = 0.6
@@ -101,7 +102,7 @@ def test_the_answer_line_says_how_long_a_run_until_its_peak_settled_held():
                       length_check={"batch_size": 4, "beyond_probe_gb": 1.5 * MB, "counted_gb": 1.5 * MB})
     line = answer_line(bounded(60), LIMIT)
     assert "; verified: a run of the command at 652 held for 60 steps, its peak settled (no new high over its last " \
-           "10); " in line
+           f"{VERIFY_WINDOW}); " in line
     assert ", a run of up to 100 steps holds 1.5 MB more than a probe (measured at batch 4, counted)" in line
     assert "; verified: a run of the command at 652 held for 100 steps, its peak still rising at the end " \
            "(task.verify_steps=<the run's steps> runs the whole length); " in answer_line(bounded(None), LIMIT)

@@ -10,6 +10,7 @@ from torch import nn
 from omegaconf import OmegaConf
 
 from fsdp_exp.commands.experiment import compose_checked
+from fsdp_exp.driver.check import refuse_a_sweep
 from fsdp_exp.driver.compose import CONF_DIR, compose_config
 from tests.conftest import names, precheck, refused_here, run_cli
 from fsdp_exp.errors import ConfigError
@@ -259,6 +260,21 @@ def test_max_batchs_old_setting_names_are_refused_with_the_name_to_write(tmp_pat
             "task.resolution=...")
     (plan,) = precheck(["task=max_batch", "memory.limit_gb=1", "task.resolution=8"]).values()
     assert plan.exp.task.resolution == 8
+
+
+def test_a_list_of_values_without_m_is_refused_as_a_sweep_and_runs_with_it(tmp_path: Path) -> None:
+    """Hydra's parse of the overrides says which is a sweep (`a,b`, `range(...)`), not its
+    message text; a list value (`[a,b]`) is one value."""
+    for sweep, key in (("sharding=ddp,full", "sharding"), ("train.batch_size=range(8,24,8)", "train.batch_size")):
+        result = refused_here(sweep, cwd=tmp_path)
+        assert result.returncode == 2 and not (tmp_path / "outputs").exists(), result.stderr
+        assert result.stderr.strip().splitlines()[-1] == f"fsdp_exp: {sweep}: a list of values is a sweep; add -m " \
+                                                         "(--multirun)"
+        with pytest.raises(ConfigError) as refused:
+            compose_config([sweep])
+        assert refused.value.key == key
+    refuse_a_sweep(["model.blocks=[torch.nn.Linear,torch.nn.Conv2d]", "train.steps=3"])  # one value each
+    assert len(precheck(["-m", "sharding=ddp,full", "train.steps=2"])) == 2  # with -m, its two runs
 
 
 @pytest.mark.parametrize("refused", [True, False], ids=["refused", "valid"])

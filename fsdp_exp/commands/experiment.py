@@ -23,7 +23,16 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config, options
-from fsdp_exp.driver.check import BadInput, Plans, Refused, check_run, config_error, run_key, swept_values
+from fsdp_exp.driver.check import (
+    BadInput,
+    Plans,
+    Refused,
+    check_run,
+    config_error,
+    refuse_a_sweep,
+    run_key,
+    swept_values,
+)
 from fsdp_exp.driver.compose import CONF_DIR, check_search_path, compose_config
 from fsdp_exp.driver.external_torchrun import run_as_worker
 from fsdp_exp.driver.plan import RunPlan
@@ -54,6 +63,9 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         check_search_path(sys.argv[1:])
+        if not any(a in ("-m", "--multirun") for a in sys.argv[1:]) and \
+                not any(a.startswith("hydra.mode=") for a in sys.argv[1:]):
+            refuse_a_sweep(overrides_of(sys.argv[1:]))
         shown = shown_config(sys.argv[1:])
         # CheckRun and the sweeper (conf/config.yaml) check each run before it starts;
         # RunOutcomes ends the process with EXIT_RUN_FAILED when a run failed (EXIT_NONE_FITS: a search
@@ -62,7 +74,10 @@ def main() -> None:
         if shown:  # Hydra printed it without the checks a run makes: a refused one ends in its line
             check_run(compose_config(overrides_of(sys.argv[1:])))
     except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
-        error = err.error if isinstance(err, BadInput) else err if isinstance(err, ConfigError) else config_error(err)
+        if isinstance(err, BadInput):
+            error = err.error
+        else:
+            error = err if isinstance(err, ConfigError) else config_error(err, overrides_of(sys.argv[1:]))
         error = builder_key_error(error, sys.argv[1:])
         print(f"fsdp_exp: {error}{swept_group_hint(error, sys.argv[1:])}{search_path_hint(error, sys.argv[1:])}",
               file=sys.stderr)

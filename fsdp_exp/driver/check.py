@@ -115,7 +115,7 @@ def check_sweep(runs: Sequence[Sequence[str]], compose: Callable[[list[str]], Di
     checked = CheckedSweep(swept=swept_keys(runs))
     for overrides in runs:
         try:
-            cfg = composed(lambda: compose(list(overrides)))
+            cfg = composed(lambda: compose(list(overrides)), overrides)
         except ConfigError as err:
             refused.append((overrides, err))
             continue
@@ -155,7 +155,7 @@ class CheckRun(Callback):
 
 def parse_overrides(texts: Sequence[str], config_loader: Any = None) -> list[Override]:
     """The command line's overrides, parsed by Hydra; a bad one as a one-line ConfigError."""
-    return composed(lambda: OverridesParser.create(config_loader=config_loader).parse_overrides(list(texts)))
+    return composed(lambda: OverridesParser.create(config_loader=config_loader).parse_overrides(list(texts)), texts)
 
 
 def combinations(overrides: Sequence[Override]) -> list[list[str]]:
@@ -190,16 +190,35 @@ def check_launcher_plugin(hydra: DictConfig) -> None:
 
 
 # ---- composition errors as one line ---------------------------------------------------------
-def composed(compose: Callable[[], T]) -> T:
-    """`compose()`, its Hydra and OmegaConf errors as one-line ConfigErrors."""
+def composed(compose: Callable[[], T], overrides: Sequence[str] = ()) -> T:
+    """`compose()` of `overrides`, its Hydra and OmegaConf errors as one-line ConfigErrors."""
     try:
         return compose()
     except (HydraException, OmegaConfBaseException) as err:
-        raise config_error(err) from None
+        raise config_error(err, overrides) from None
 
 
-def config_error(err: Exception) -> ConfigError:
-    """A Hydra or OmegaConf composition error as one line: the key, and what is allowed."""
+def refuse_a_sweep(overrides: Sequence[str]) -> None:
+    """A list of values (`sharding=ddp,full`) is a sweep, which one run cannot take: refused
+    in one line, by Hydra's own parse of the overrides."""
+    for override in parse_overrides(overrides):
+        if override.is_sweep_override():
+            raise ConfigError(f"{override.input_line}: a list of values is a sweep; add -m (--multirun)",
+                              key=override.get_key_element().lstrip("+~"))
+
+
+def typed_key(key: str, overrides: Sequence[str]) -> str:
+    """The key as the command line typed it, where it names `key` or a key below it."""
+    for override in overrides:
+        typed = override.lstrip("+~").partition("=")[0]
+        if typed == key or typed.startswith(f"{key}."):
+            return typed
+    return key
+
+
+def config_error(err: Exception, overrides: Sequence[str] = ()) -> ConfigError:
+    """A Hydra or OmegaConf composition error as one line: the key, and what is allowed
+    (`overrides`: the command line's, where a key it typed is below the one missing)."""
     if isinstance(err, OverrideParseException):
         return ConfigError(f"{err.override}: not a valid override ({err.message.strip().splitlines()[0]})")
     if isinstance(err, MissingConfigException) and "/" in (err.missing_cfg_file or ""):
@@ -219,13 +238,9 @@ def config_error(err: Exception) -> ConfigError:
     key = getattr(cause, "full_key", None)
     first_line = str(getattr(cause, "msg", None) or cause).strip().split("\n")[0]
     if key is None:
-        match = re.search(r"argument '([^']+)'", first_line)
-        if "Ambiguous value" in first_line and match:
-            return ConfigError(f"{match.group(1)}: a list of values is a sweep; add -m (--multirun)")
         return ConfigError(first_line)
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):  # a key the node does not have
-        typed = re.search(r"Could not override '([^']+)'", str(err))  # the key as typed, maybe below the one missing
-        return config.unknown_key(key, getattr(cause, "object_type", None), typed.group(1) if typed else key)
+        return config.unknown_key(key, getattr(cause, "object_type", None), typed_key(key, overrides))
     value = getattr(cause, "value", None)
     allowed = what_is_allowed(getattr(cause, "object_type", None), getattr(cause, "key", None), value)
     return ConfigError(f"{key}={'null' if value is None else value}: {allowed or first_line}")

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from fsdp_exp.driver.check import composed
+from fsdp_exp.driver.check import composed, refuse_a_sweep
 from fsdp_exp.driver.conf_dir import CONF_DIR
 from fsdp_exp.errors import ConfigError
 
@@ -24,6 +24,7 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
     """The config for these overrides, with the hydra node, composed with Hydra's compose
     API; its errors as one-line ConfigErrors (an external torchrun's ranks and the tests)."""
     check_search_path(overrides)
+    refuse_a_sweep(overrides)
 
     def compose_it() -> DictConfig:
         if GlobalHydra.instance().is_initialized():  # inside a command: its config folder and search path
@@ -31,7 +32,7 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
         with initialize_config_dir(CONF_DIR, version_base="1.3", job_name="fsdp_exp"):
             return compose(config_name, overrides=overrides, return_hydra_config=True)
 
-    return composed(compose_it)
+    return composed(compose_it, overrides)
 
 
 def check_search_path(overrides: list[str]) -> None:

@@ -309,8 +309,10 @@ def test_warmup_steps_are_left_out_of_the_averages(tmp_path: Path) -> None:
 
 def test_a_summary_is_written_and_read_back_as_one_record(tmp_path: Path) -> None:
     """summary.json through `Summary`: a figure not known is left out, a key it has no field for
-    (an older summary's) is kept, and a name that is no field cannot be set."""
-    written = Summary(status="ok", steps=4, peak_mem_gb=1.5, mfu=None).with_figures({"estimated_peak_gb": 1.4})
+    (an older summary's) is kept, and a name that is no field cannot be set, nor added as a figure."""
+    with pytest.raises(KeyError, match="Summary has no field for estimated_peak_gb"):
+        Summary(status="ok").with_figures({"estimated_peak_gb": 1.4, "steps": 4})
+    written = Summary.of({"status": "ok", "steps": 4, "peak_mem_gb": 1.5, "mfu": None, "estimated_peak_gb": 1.4})
     written.write(tmp_path)
     on_disk = read_json(tmp_path / "summary.json")
     assert on_disk == {"status": "ok", "steps": 4, "peak_mem_gb": 1.5, "estimated_peak_gb": 1.4}

@@ -1,7 +1,8 @@
 """What the records of fsdp_exp's files share (summary.json: fsdp_exp.metrics.summary;
 estimate.json: fsdp_exp.estimate.record; max_batch.json: fsdp_exp.tasks.max_batch.record):
 a dataclass whose fields are the file's keys, each named once, read and written as one.
-A key the record has no field for (an older file's) is kept in `more`."""
+A key the record has no field for is an error where a figure is made (`with_figures`); in
+a file read (an older file's key) it is kept in `more`."""
 
 from __future__ import annotations
 
@@ -32,17 +33,27 @@ class JsonRecord:
 
     @classmethod
     def of(cls, figures: Mapping[str, Any]) -> Self:
-        """The record of these figures: each under its field, any other key in `more`."""
-        return cls().with_figures(figures)
-
-    def with_figures(self, figures: Mapping[str, Any]) -> Self:
-        """This record with `figures` added (a figure already here is replaced)."""
-        names = self.names()
+        """The record of a file's figures: each under its field, any other key (an older
+        file's) in `more`."""
+        record = cls()
+        names = cls.names()
         for key, value in figures.items():
             if key in names:
-                setattr(self, key, value)
+                setattr(record, key, value)
             else:
-                self.more[key] = value
+                record.more[key] = value
+        return record
+
+    def with_figures(self, figures: Mapping[str, Any]) -> Self:
+        """This record with `figures` added (a figure already here is replaced). Each is a
+        field's: a figure it has no field for is an error where it is made, not a key that
+        goes unseen into `more`."""
+        names = self.names()
+        unknown = sorted(key for key in figures if key not in names)
+        if unknown:
+            raise KeyError(f"{type(self).__name__} has no field for {', '.join(unknown)}")
+        for key, value in figures.items():
+            setattr(self, key, value)
         return self
 
     def as_dict(self) -> dict[str, Any]:

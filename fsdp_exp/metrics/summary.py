@@ -159,11 +159,15 @@ class Summary(JsonRecord):
     predicted_max_tokens: int | None = None
     gpu: str | None = None
     gpu_memory_gb: float | None = None
+    predicted_samples_per_s: float | None = None  # with a calibration of this machine, or a GPU's roofline
+    predicted_tokens_per_s: float | None = None
+    speed_from: str | None = None  # what the predicted speed is from
 
     # task=eval (fsdp_exp.tasks.eval) and task=export (fsdp_exp.tasks.export)
     eval_loss: float | None = None
     eval_accuracy: float | None = None
     eval_samples: int | None = None
+    examples: list[dict] | None = None  # task=eval: a few predictions beside their labels
     weights: str | None = None
     exported: str | None = None
     checkpoint: str | None = None

@@ -49,11 +49,11 @@ def names(line: str, key: str, *allowed: str) -> None:
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 240, extra_env: dict | None = None,
-            module: tuple[str, ...] = ("-m", "fsdp_exp"), estimate: bool = True) -> subprocess.CompletedProcess:
+            module: tuple[str, ...] = ("-m", "fsdp_exp"), estimate: bool = False) -> subprocess.CompletedProcess:
     """`python -m fsdp_exp ARGS` in `cwd`, as a user would type it; output captured.
     `estimate`: a training run traces its own estimate beside it, as by default
-    (memory.estimate), unless ARGS set it; False turns it off, for a test that times a run
-    or counts what it started."""
+    (memory.estimate). Off unless asked for, or set in ARGS: its trace would add seconds to
+    each of the suite's runs (tests/test_own_estimate.py tests it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
     env.update(extra_env or {})
     if module == ("-m", "fsdp_exp") and not estimate and not any(a.startswith("memory.estimate") for a in args):

@@ -92,7 +92,7 @@ def test_under_a_cpu_limit_rank_0s_wandb_run_is_in_the_estimate_and_grows_nothin
     starts nothing that grows rank 0 beyond what the other rank grows while training."""
     out, setup = tmp_path / "run", [*RUN, "train.steps=6", "wandb.mode=offline", "memory.limit_gb=2"]
     estimated_first(*setup, cwd=tmp_path, where=tmp_path / "estimate")
-    result = run_cli(*setup, f"hydra.run.dir={out}", cwd=tmp_path, timeout=300)
+    result = run_cli(*setup, f"hydra.run.dir={out}", cwd=tmp_path, timeout=300, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_json(out / "summary.json")
     assert abs(summary["estimate_ratio_peak_under_limit"] - 1) <= 0.03, summary  # without wandb's run: 0.95
@@ -109,7 +109,7 @@ def test_a_model_the_estimate_cannot_trace_still_trains_and_says_why(tmp_path: P
     out = tmp_path / "run"
     tried = run_cli(*stack, "task=estimate", f"hydra.run.dir={tmp_path / 'estimate'}", cwd=REPO)
     assert tried.returncode == 1 and "could not trace this setup" in tried.stdout + tried.stderr, tried.stderr[-2000:]
-    result = run_cli(*stack, "train.steps=2", f"hydra.run.dir={out}", cwd=REPO)  # kept: said at once
+    result = run_cli(*stack, "train.steps=2", f"hydra.run.dir={out}", cwd=REPO, estimate=True)  # kept: said at once
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_json(out / "summary.json")
     assert summary["status"] == "ok" and summary["peak_mem_gb"] > 0
@@ -184,8 +184,8 @@ def test_on_a_gpu_the_reserved_and_device_figures_are_checked_too() -> None:
 def test_an_estimate_is_written_and_read_back_as_one_record(tmp_path: Path) -> None:
     """estimate.json through `EstimateRecord`: figures in field order, one not known left out,
     a key it has no field for kept, a failed trace only its error, a damaged file no record."""
-    written = EstimateRecord.of({"device": "cpu", "world_size": 2, "peak_mem_gb": 0.4, "limit_gb": None,
-                                 "batches": [{"batch_size": 8, "peak_under_limit_gb": 0.5}], "older": 1})
+    written = EstimateRecord(device="cpu", world_size=2, peak_mem_gb=0.4, limit_gb=None,
+                             batches=[{"batch_size": 8, "peak_under_limit_gb": 0.5}]).with_figures({"older": 1})
     written.write(tmp_path)
     assert read_json(tmp_path / ESTIMATE_FILE) == {"device": "cpu", "world_size": 2, "peak_mem_gb": 0.4,
                                                    "batches": [{"batch_size": 8, "peak_under_limit_gb": 0.5}],
@@ -230,7 +230,7 @@ def test_under_a_cpu_limit_the_estimate_is_within_5_percent_for_fsdp_and_ddp(tmp
     DDP's estimate was 13% low)."""
     sweep, setups = tmp_path / "sweep", ["-m", "sharding=full,ddp", *RUN, "memory.limit_gb=4"]
     estimated_first(*setups, cwd=tmp_path, where=tmp_path / "estimates")
-    result = run_cli(*setups, f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=400)
+    result = run_cli(*setups, f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=400, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
     for run in ("0", "1"):
         summary = read_json(sweep / run / "summary.json")
@@ -296,7 +296,7 @@ def test_a_checkpoint_save_that_outgrows_the_step_is_named_and_counted(tmp_path:
     sweep = tmp_path / "sweep"
     setups = ["-m", "checkpoint=dcp_async_pinned,dcp", *WIDE_RUN, "++checkpoint.every=1"]
     estimated_first(*setups, cwd=REPO, where=tmp_path / "estimates")
-    result = run_cli(*setups, f"hydra.sweep.dir={sweep}", cwd=REPO, timeout=400)
+    result = run_cli(*setups, f"hydra.sweep.dir={sweep}", cwd=REPO, timeout=400, estimate=True)
     assert result.returncode == 0, result.stderr[-3000:]
     pinned, sync = (read_json(sweep / run / "summary.json") for run in ("0", "1"))
     staged, plain = (read_json(sweep / run / ESTIMATE_FILE) for run in ("0", "1"))

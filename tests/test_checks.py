@@ -268,8 +268,7 @@ def test_a_list_of_values_without_m_is_refused_as_a_sweep_and_runs_with_it(tmp_p
     for sweep, key in (("sharding=ddp,full", "sharding"), ("train.batch_size=range(8,24,8)", "train.batch_size")):
         result = refused_here(sweep, cwd=tmp_path)
         assert result.returncode == 2 and not (tmp_path / "outputs").exists(), result.stderr
-        assert result.stderr.strip().splitlines()[-1] == f"fsdp_exp: {sweep}: a list of values is a sweep; add -m " \
-                                                         "(--multirun)"
+        names(result.stderr.strip().splitlines()[-1], sweep, "a sweep", "-m (--multirun)")
         with pytest.raises(ConfigError) as refused:
             compose_config([sweep])
         assert refused.value.key == key

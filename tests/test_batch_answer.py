@@ -121,8 +121,8 @@ def test_none_fits_is_a_status_of_its_own_and_exit_code_3_unless_a_run_failed():
     complete = {"searched_from": 1, "data_share_per_rank": 1024, "samples_per_s": None, "peak_mem_gb": None,
                 "peak_mem_gb_per_rank": None, "run_beyond_probe_gb": None}
     none = summary_figures(record(**complete, max_batch_size=0, smallest_batch_needs_gb=3.65, fastest_batch_size=None))
-    assert none["status"] == "none_fits" and "status" not in summary_figures(record(**complete))
-    found = Summary(status="ok").with_figures(none)  # as the driver makes the summary of the task's figures
+    assert none.status == "none_fits" and summary_figures(record(**complete)).status is None
+    found = Summary(status="ok").with_figures(none.figures())  # as the driver makes the summary of the task's figures
     assert found.status == "none_fits" and found.answered and not found.ok
     ok, failed = Summary(status="ok"), Summary(status="oom")
     assert (exit_code([ok]), exit_code([found]), exit_code([ok, found])) == (0, EXIT_NONE_FITS, EXIT_NONE_FITS) == (0, 3, 3)
@@ -203,8 +203,8 @@ def test_where_no_size_keeps_the_margin_free_the_line_says_so_instead_of_recomme
     # and the summary (its table, wandb's run summary) recommends none either
     complete = {"searched_from": 4, "data_share_per_rank": 1024, "samples_per_s": 1500.0, "peak_mem_gb": 0.2,
                 "peak_mem_gb_per_rank": [0.2, 0.2], "run_beyond_probe_gb": None}
-    assert summary_figures(record(**complete, recommended_keeps_margin=False))["recommended_batch_size"] is None
-    assert summary_figures(record(**complete, recommended_keeps_margin=True))["recommended_batch_size"] == 352
+    assert summary_figures(record(**complete, recommended_keeps_margin=False)).recommended_batch_size is None
+    assert summary_figures(record(**complete, recommended_keeps_margin=True)).recommended_batch_size == 352
 
 
 def test_allocator_retries_at_the_answer_are_said():

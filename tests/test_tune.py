@@ -241,11 +241,11 @@ def test_a_tune_where_no_setup_fits_ends_with_status_none_fits_and_compare_shows
     record = tune_record(fit_none, prefix=[], world_size=2, limit_gb=0.5, budget="none", stopped=False, probes_run=4,
                          probes_reused=0, tokens_per_sample=0, wall_s=1.0)
     figures = summary_of(record)
-    assert figures["status"] == "none_fits" and figures["winner"] is None
-    assert "status" not in summary_of(tune_record(rows(), prefix=[], world_size=2, limit_gb=0.6, budget="none",
-                                                  stopped=False, probes_run=9, probes_reused=0, tokens_per_sample=0,
-                                                  wall_s=1.0))  # one setup fits: ok, as the driver says
-    make_run(tmp_path / "runs" / "0", {"status": "ok", **figures}, ["task=tune"])
+    assert figures.status == "none_fits" and figures.winner is None
+    one_fits = tune_record(rows(), prefix=[], world_size=2, limit_gb=0.6, budget="none", stopped=False, probes_run=9,
+                           probes_reused=0, tokens_per_sample=0, wall_s=1.0)
+    assert summary_of(one_fits).status is None  # one setup fits: ok, as the driver says
+    make_run(tmp_path / "runs" / "0", {"status": "ok", **figures.figures()}, ["task=tune"])
     code, shown, md = compare(tmp_path / "runs", out=tmp_path / "out")
     assert code == 0 and shown[0]["status"] == "none_fits"
     assert shown[0]["note"] == "no setup trained under the limit" and "Failed runs" not in md
@@ -259,7 +259,7 @@ def test_the_answer_and_compare_give_the_winners_speed_as_its_command_line_ran(t
     record = tune_record(rows(), prefix=[], world_size=2, limit_gb=0.6, budget="none", stopped=False, probes_run=9,
                          probes_reused=0, tokens_per_sample=0, wall_s=1.0,
                          confirmed={"status": "ok", "samples_per_s": 182.0, "peak_gb": 0.59, "reason": None})
-    make_run(tmp_path / "runs" / "0", {"status": "ok", **summary_of(record)}, ["task=tune"])
+    make_run(tmp_path / "runs" / "0", {"status": "ok", **summary_of(record).figures()}, ["task=tune"])
     code, shown, _ = compare(tmp_path / "runs", out=tmp_path / "out")
     assert code == 0 and shown[0]["samples_per_s"] == "182.0"
     assert shown[0]["note"] == "winner sharding=full as its command line ran (its probes: 300.0)"
@@ -298,7 +298,7 @@ def test_a_winner_whose_command_line_was_never_run_is_called_unconfirmed_everywh
     report_md = tmp_path / "tune.md"
     exp = prepare(compose_checked(["task=tune", "memory.limit_gb=0.6", "wandb.mode=disabled"]), 0).exp
     summary = report(exp, RunContext(), tmp_path, record)
-    assert summary["winner_confirmed"] is False
+    assert summary.winner_confirmed is False
     assert "| 1 (winner, NOT CONFIRMED) | sharding=full |" in report_md.read_text()
     none = tune_record([rows()[-1]], prefix=[], world_size=2, limit_gb=0.6, budget="none", stopped=False,
                        probes_run=1, probes_reused=0, tokens_per_sample=0, wall_s=1.0)

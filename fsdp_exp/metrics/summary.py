@@ -1,9 +1,10 @@
 """summary.json: a run's record. The driver writes it (`Summary.write`, fsdp_exp.driver.run);
 whatever reads a finished run reads it as one (`Summary.read`, or `Summary.of` the file's
 dict): compare, a sweep's outcome, a probe's search, check_gpu, the run's own estimate added
-later. Each figure has one name, a
-field here, as the README and docs/ name it; what a task adds beyond these, and keys of
-older summaries, are kept in `more`.
+later. Each figure has one name, a field of one of the parts it is composed of
+(fsdp_exp.metrics.figures), as the README and docs/ name it; inside the process a figure
+without a field is an error where it is added, and a key of an older summary read from a
+file is kept in `more`.
 
 Some names are each task's own answer: `peak_mem_gb` is what a training run measured, the
 peak at max_batch's answer, and the estimated peak of task=estimate; `samples_per_s` is a
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from fsdp_exp.metrics.figures import PARTS, composed_of
 from fsdp_exp.metrics.json_record import JsonRecord
 
 SUMMARY = "summary.json"  # a run directory's summary, written by its driver
@@ -23,156 +25,9 @@ PEAK_GB = "peak_mem_gb"  # a run's peak memory, by this one name in every record
 
 
 @dataclass(kw_only=True, slots=True)
+@composed_of(*PARTS)
 class Summary(JsonRecord):
-    # How the run ended (fsdp_exp.driver.run); `reason`: why its check refused it (a sweep's row)
-    status: str | None = None  # ok, none_fits (a search: not even its smallest batch fits), failed, oom, interrupted, refused
-    error: str | None = None
-    reason: str | None = None
-    signal: str | None = None  # interrupted: SIGINT or SIGTERM
-    steps_done: int | None = None  # interrupted: the last step metrics.jsonl holds
-    task: str | None = None
-    world_size: int | None = None
-    device: str | None = None
-    overrides: list[str] | None = None
-    choices: dict[str, str] | None = None
-    environment: dict | None = None
-    wall_s: float | None = None
-
-    # Training (fsdp_exp.rank.trainer, fsdp_exp.metrics.throughput): the steady-state means
-    steps: int | None = None
-    peak_settled_at_step: int | None = None  # a run that trains until its peak settles (fsdp_exp.rank.peak_settled)
-    estimate_trace_held: bool | None = None  # the run's own trace was stopped through its timed steps (fsdp_exp.rank.trace_held)
-    resumed_from_step: int | None = None
-    final_loss: float | None = None
-    global_batch_size: int | None = None
-    warmup_only: bool | None = None
-    samples_per_s: float | None = None
-    steps_per_s: float | None = None
-    step_time_s: float | None = None
-    host_data_wait_share: float | None = None
-    tokens_per_s: float | None = None
-    padded_tokens_per_s: float | None = None
-    padding_share: float | None = None
-    tflops_per_device: float | None = None
-    mfu: float | None = None
-    hfu: float | None = None
-    # ... the run's peaks (fsdp_exp.metrics.peaks)
-    peak_mem_gb: float | None = None
-    peak_mem_gb_per_rank: list[float] | None = None
-    peak_active_gb: float | None = None
-    peak_reserved_gb: float | None = None
-    peak_reserved_gb_per_rank: list[float] | None = None
-    peak_resident_gb: float | None = None
-    peak_in_use_gb: float | None = None
-    peak_forward_gb: float | None = None
-    peak_backward_gb: float | None = None
-    peak_optimizer_step_gb: float | None = None
-    alloc_retries: float | None = None
-    ooms: float | None = None
-    held_mem_gb: float | None = None
-    checkpoint_saves: int | None = None
-    checkpoint_blocked_s: float | None = None
-    # ... what the build knew and the first micro-batch counted (fsdp_exp.rank.build)
-    fsdp_units: list[dict] | None = None
-    tf32: bool | None = None
-    peak_tflops: float | None = None
-    peak_tflops_source: str | None = None
-    flops_per_step: int | None = None
-    hardware_flops_per_step: int | None = None
-    flops_source: str | None = None
-    flops_per_step_analytic: int | None = None
-    flops_per_step_counted: int | None = None
-    flops_uncounted_ops: list[str] | None = None
-    startup: dict[str, float] | None = None
-    # ... and what was added once it trained (fsdp_exp.rank.report)
-    runtime_gb: float | None = None
-    limit_gb: float | None = None
-    peak_under_limit_gb: float | None = None
-    peak_under_limit_gb_per_rank: list[float] | None = None
-    held_before_limit_gb_per_rank: list[float] | None = None
-    device_used_gb: float | None = None
-    device_used_gb_per_rank: list[float] | None = None
-
-    # The run's own estimate beside what it measured (fsdp_exp.estimate.beside)
-    estimate: str | None = None  # "not ready": its trace had not ended when the run did, and was stopped
-    estimate_failed: str | None = None
-    estimate_reused_from: str | None = None  # kept from an earlier trace of this setup (fsdp_exp.estimate.earlier)
-    estimate_wait_s: float | None = None
-    estimate_ratio: float | None = None
-    estimated_peak_in_use_gb: float | None = None
-    estimated_peak_mem_gb: float | None = None
-    estimated_peak_under_limit_gb: float | None = None
-    estimated_peak_reserved_gb: float | None = None
-    estimated_device_used_gb: float | None = None
-    estimate_ratio_peak_in_use: float | None = None
-    estimate_ratio_peak_mem: float | None = None
-    estimate_ratio_peak_under_limit: float | None = None
-    estimate_ratio_peak_reserved: float | None = None
-    estimate_ratio_device_used: float | None = None
-
-    # task=max_batch's answer (fsdp_exp.tasks.max_batch.report)
-    max_batch_size: int | None = None
-    recommended_batch_size: int | None = None
-    bounded_by: str | None = None
-    resolution: int | None = None
-    noise_band_gb: float | None = None
-    noise_band_samples: int | None = None
-    smallest_batch_needs_gb: float | None = None
-    searched_from: int | None = None
-    data_share_per_rank: int | None = None
-    fastest_batch_size: int | None = None
-    fastest_samples_per_s: float | None = None
-    near_fastest_batch_size: int | None = None
-    searched_max_batch_size: int | None = None
-    run_beyond_probe_gb: float | None = None
-    probes: int | None = None
-    verification: str | None = None
-
-    # task=tune's winner (fsdp_exp.tasks.tune.report); `batch_size` also task=estimate's
-    winner: str | None = None
-    command: str | None = None
-    batch_size: int | None = None
-    grad_accum: int | None = None
-    step_s: float | None = None
-    peak_gb: float | None = None
-    as_fast: list[str] | None = None
-    speed_noise: float | None = None
-    probed_samples_per_s: float | None = None  # the winner's probes'; samples_per_s is its command line's, as it ran
-    confirmed: dict | None = None
-    winner_confirmed: bool | None = None
-    setups: int | None = None
-    settled: dict[str, int] | None = None
-    budget: str | None = None
-    stopped_by_budget: bool | None = None
-    probes_reused: int | None = None
-    tokens_per_sample: int | None = None
-
-    # task=estimate's prediction (fsdp_exp.tasks.estimate)
-    peak_with_runtime_gb: float | None = None
-    largest_batch_fitting: int | None = None
-    predicted_max_batch: int | None = None
-    host_gb: float | None = None
-    ranks_per_node: int | None = None
-    host_limit_gb: float | None = None
-    seq_len: int | None = None
-    tokens_per_micro_batch: int | None = None
-    predicted_max_tokens: int | None = None
-    gpu: str | None = None
-    gpu_memory_gb: float | None = None
-    predicted_samples_per_s: float | None = None  # with a calibration of this machine, or a GPU's roofline
-    predicted_tokens_per_s: float | None = None
-    speed_from: str | None = None  # what the predicted speed is from
-
-    # task=eval (fsdp_exp.tasks.eval) and task=export (fsdp_exp.tasks.export)
-    eval_loss: float | None = None
-    eval_accuracy: float | None = None
-    eval_samples: int | None = None
-    examples: list[dict] | None = None  # task=eval: a few predictions beside their labels
-    weights: str | None = None
-    exported: str | None = None
-    checkpoint: str | None = None
-    step: int | None = None
-    params: int | None = None
+    """summary.json's figures: each part's (fsdp_exp.metrics.figures), then any other key."""
 
     more: dict[str, Any] = field(default_factory=dict)  # any other key, as it was written
 

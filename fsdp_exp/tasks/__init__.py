@@ -10,6 +10,7 @@ from fsdp_exp.groups import TaskOption
 if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
     from fsdp_exp.launcher.core import Launcher
+    from fsdp_exp.metrics.figures import Figures
     from fsdp_exp.run_context import RunContext
 
 
@@ -35,8 +36,10 @@ class Task(TaskOption):
     def check_world(self, world_size: int) -> None:
         """Refuse what the task cannot do on this many ranks, in one ConfigError line."""
 
-    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
-        """Do the task; returns the run's figures for summary.json."""
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher,
+            nproc: int) -> Figures | dict:
+        """Do the task; returns the run's figures for summary.json: its answer's record
+        (fsdp_exp.metrics.figures), or a training run's figures as its rank 0 sent them."""
         raise NotImplementedError
 
 

@@ -24,6 +24,7 @@ from fsdp_exp.estimate.predict import CannotTrace, estimate, fits
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
 from fsdp_exp.launcher.core import RunFailed
 from fsdp_exp.memory import device_memory_gb
+from fsdp_exp.metrics.figures import EstimateAnswer
 from fsdp_exp.metrics.flops import peak_column
 from fsdp_exp.metrics.plots import plot_tokens
 from fsdp_exp.metrics.summary import PEAK_GB
@@ -92,7 +93,8 @@ class Estimate(Task):
     def named_gpu(self) -> Gpu | None:
         return gpu_named(str(self.gpu)) if self.gpu is not None else None
 
-    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher,
+            nproc: int) -> EstimateAnswer:
         calibrated = read_calibration(self.calibration) if self.calibration is not None else None
         per_node = self.ranks_per_node or launcher.ranks_per_node(nproc)
         sizes = self.sizes(exp)
@@ -120,7 +122,7 @@ class Estimate(Task):
             print(seq_len_table(record), flush=True)
             plot_tokens(record.by_seq_len, room_words(record) or None, Path(run_dir) / "estimate_seq_lens.png")
         log.info("%s -> %s", answer_line(record), run_dir / ESTIMATE_FILE)
-        return {"task": "estimate", **{k: record.get(k) for k in (*SUMMARY_KEYS, *GPU_KEYS, *TOKEN_KEYS)}}
+        return EstimateAnswer(task="estimate", **{k: record.get(k) for k in (*SUMMARY_KEYS, *GPU_KEYS, *TOKEN_KEYS)})
 
     def kept_as(self, exp: Experiment, nproc: int, per_node: int) -> str | None:
         """The key the record is kept under for the setup's training runs

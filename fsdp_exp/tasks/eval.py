@@ -15,6 +15,7 @@ from fsdp_exp.checkpoint.export import load_weights, weight_shapes
 from fsdp_exp.checkpoint.files import CheckpointError
 from fsdp_exp.checkpoint.resume import model_shapes, open_checked
 from fsdp_exp.errors import ConfigError, at_least
+from fsdp_exp.metrics.figures import EvalAnswer
 from fsdp_exp.models import ModelSpec
 from fsdp_exp.tasks import Task
 from fsdp_exp.tasks.export import plain_model
@@ -53,7 +54,7 @@ class Eval(Task):
             check_weights_file(path, exp.model)
 
     @torch.no_grad()
-    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> EvalAnswer:
         """In this process, on this machine's first GPU when it has one (the plan decided
         exp.device from this machine, not from the launcher's nodes)."""
         device = torch.device("cuda", 0) if exp.device == "cuda" else torch.device("cpu")
@@ -78,17 +79,17 @@ class Eval(Task):
                 correct += int(((predictions == targets) & counted).sum())
                 if len(shown) < self.show:
                     shown += _examples(predictions, targets, self.show - len(shown))
-        figures = {"eval_loss": loss_sum / max(count, 1), "eval_samples": len(loader.dataset),
-                   "weights": str(Path(self.weights).expanduser())}
+        answer = EvalAnswer(eval_loss=loss_sum / max(count, 1), eval_samples=len(loader.dataset),
+                            weights=str(Path(self.weights).expanduser()),
+                            examples=[{"predicted": p, "label": t} for p, t in shown])
         accuracy = ""
         if classifies:
-            figures["eval_accuracy"] = correct / max(count, 1)
-            accuracy = f", accuracy {100 * figures['eval_accuracy']:.2f}%"
-        log.info("eval on %d held-out samples: loss %.4f%s", figures["eval_samples"], figures["eval_loss"], accuracy)
+            answer.eval_accuracy = correct / max(count, 1)
+            accuracy = f", accuracy {100 * answer.eval_accuracy:.2f}%"
+        log.info("eval on %d held-out samples: loss %.4f%s", answer.eval_samples, answer.eval_loss, accuracy)
         if shown:
             log.info("predicted / label:\n%s", "\n".join(f"  {p!r:>12} / {t!r}" for p, t in shown))
-        figures["examples"] = [{"predicted": p, "label": t} for p, t in shown]
-        return figures
+        return answer
 
 
 def check_weights_file(path: Path, model: ModelSpec) -> None:

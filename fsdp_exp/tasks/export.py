@@ -12,6 +12,7 @@ import torch
 from fsdp_exp.checkpoint.export import FORMATS, load_weights, save_weights
 from fsdp_exp.checkpoint.resume import open_checked
 from fsdp_exp.errors import ConfigError, choice
+from fsdp_exp.metrics.figures import ExportAnswer
 from fsdp_exp.models import ModelSpec
 from fsdp_exp.tasks import Task
 
@@ -49,7 +50,7 @@ class Export(Task):
             raise ConfigError("task.checkpoint: task=export needs a checkpoint (a step_* directory or a checkpoint.dir)")
         open_checked(self.checkpoint, exp.model, "task.checkpoint")
 
-    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> ExportAnswer:
         """In this process on CPU: the weights are read shard by shard from the files, so
         no GPU ever holds the whole model."""
         checkpoint = open_checked(self.checkpoint, exp.model, "task.checkpoint")
@@ -59,4 +60,4 @@ class Export(Task):
         save_weights(model.state_dict(), out)
         params = sum(p.numel() for p in model.parameters())
         log.info("exported %s (step %d, %s parameters) to %s", checkpoint.path, checkpoint.step, f"{params:,}", out)
-        return {"exported": str(out), "checkpoint": str(checkpoint.path), "step": checkpoint.step, "params": params}
+        return ExportAnswer(exported=str(out), checkpoint=str(checkpoint.path), step=checkpoint.step, params=params)

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fsdp_exp.metrics.figures import MaxBatchAnswer
 from fsdp_exp.metrics.summary import NONE_FITS, PEAK_GB
 from fsdp_exp.tasks.wandb_record import log_record
 from fsdp_exp.tasks.max_batch.answer import answer_line
@@ -40,14 +41,15 @@ SUMMARY_FIGURES = ("max_batch_size", "recommended_batch_size", "bounded_by", "re
                    "searched_max_batch_size", "run_beyond_probe_gb")
 
 
-def summary_figures(record: MaxBatchRecord) -> dict:
-    figures = {"task": "max_batch", **{name: getattr(record, name) for name in SUMMARY_FIGURES},
-               "probes": record.probe_count, "verification": record.verification["status"]}
+def summary_figures(record: MaxBatchRecord) -> MaxBatchAnswer:
+    """The search's answer in its summary.json."""
+    answer = MaxBatchAnswer(task="max_batch", **{name: getattr(record, name) for name in SUMMARY_FIGURES},
+                            probes=record.probe_count, verification=record.verification["status"])
     if record.recommended_keeps_margin is False:  # as the answer's line says: none is recommended
-        figures["recommended_batch_size"] = None
+        answer.recommended_batch_size = None
     if record.max_batch_size == 0:  # an answer, but not a success a script should read as one
-        figures["status"] = NONE_FITS
-    return figures
+        answer.status = NONE_FITS
+    return answer
 
 
 PROBE_COLUMNS = ("batch_size", "status", "peak_under_limit_gb", "margin_gb", "within_noise", "predicted_peak_gb",

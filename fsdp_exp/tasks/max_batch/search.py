@@ -28,6 +28,7 @@ from fsdp_exp.metrics.environment import (
     read_device_record,
     write_device_record,
 )
+from fsdp_exp.metrics.figures import MaxBatchAnswer
 from fsdp_exp.metrics.summary import PEAK_GB, Summary
 from fsdp_exp.rank.worker import rank_log_path
 from fsdp_exp.run_context import RunContext
@@ -157,7 +158,7 @@ class MaxBatchSearch(Verifying):
         return min((p.batch_size for p in self.probes if not p.killed and p.batch_size not in small),
                    default=self.cfg.task.resolution)
 
-    def run(self) -> dict:
+    def run(self) -> MaxBatchAnswer:
         self.start_or_resume()
         while self.step():
             pass
@@ -195,7 +196,7 @@ class MaxBatchSearch(Verifying):
             self.save(None)
         return True
 
-    def finish(self) -> dict:
+    def finish(self) -> MaxBatchAnswer:
         """The answer, verified: max_batch.json, its plot, wandb and the log line; the summary's figures."""
         boundary = self.boundary()
         if not boundary:

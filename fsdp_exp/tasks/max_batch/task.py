@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_exp.errors import ConfigError
+from fsdp_exp.metrics.figures import MaxBatchAnswer
 from fsdp_exp.tasks import Task
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 from fsdp_exp.tasks.max_batch.settings import SearchSettings
@@ -25,7 +26,7 @@ class MaxBatch(SearchSettings, Task):
     def check(self, exp: Experiment) -> None:
         check_searchable(exp)
 
-    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> MaxBatchAnswer:
         return MaxBatchSearch(exp, run_dir, launcher, nproc, context).run()
 
 

@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fsdp_exp.metrics.figures import TuneAnswer
 from fsdp_exp.metrics.plots import plot_throughput_vs_memory
 from fsdp_exp.metrics.summary import NONE_FITS
 from fsdp_exp.tasks.wandb_record import log_record
@@ -166,7 +167,7 @@ def plot(record: dict, path: Path) -> list[str]:
                                      winner=best, limit_gb=limit)
 
 
-def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) -> dict:
+def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) -> TuneAnswer:
     """tune.md, tune.png, wandb and the log; the summary's figures."""
     tokens = bool(record["tokens_per_sample"])
     text = table(rows_of(record), tokens, confirmed=record["winner_confirmed"] is not False)
@@ -180,16 +181,16 @@ def report(exp: Experiment, context: RunContext, run_dir: Path, record: dict) ->
     return summary_of(record)
 
 
-def summary_of(record: dict) -> dict:
+def summary_of(record: dict) -> TuneAnswer:
     """The tune's figures in its summary.json: the winner's (its speed as its command line ran)."""
     keys = ("winner", "command", "batch_size", "max_batch_size", "grad_accum", "step_s", "samples_per_s",
             "probed_samples_per_s", "tokens_per_s", "peak_gb", "speed_noise", "confirmed", "winner_confirmed",
             "as_fast", "limit_gb", "world_size", "setups", "settled", "probes", "probes_reused", "stopped_by_budget")
-    figures = {"task": "tune", **{k: record.get(k) for k in keys}}
+    answer = TuneAnswer(task="tune", **{k: record.get(k) for k in keys})
     rows = record.get("rows") or []
     if rows and all(r.get("status") == "does not fit" for r in rows):  # no setup fits: the tune's answer
-        figures["status"] = NONE_FITS
-    return figures
+        answer.status = NONE_FITS
+    return answer
 
 
 SETUP_COLUMNS = ("setup", "status", "how", "batch_size", "grad_accum", "samples_per_s", "predicted_samples_per_s",

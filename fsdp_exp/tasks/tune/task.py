@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fsdp_exp.metrics.figures import TuneAnswer
 from fsdp_exp.tasks import Task
 from fsdp_exp.tasks.max_batch.task import check_searchable
 from fsdp_exp.tasks.tune.accumulation import check_divides
@@ -31,5 +32,5 @@ class Tune(TuneSettings, Task):
         if self.global_batch is not None:
             check_divides(self.global_batch, world_size)
 
-    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> TuneAnswer:
         return Tuner(exp, context, run_dir, launcher, nproc).run()

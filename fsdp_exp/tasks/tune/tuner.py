@@ -38,7 +38,7 @@ from fsdp_exp.driver.sweep import SideBySide
 from fsdp_exp.errors import ConfigError, one_line
 from fsdp_exp.launcher.core import RunFailed
 from fsdp_exp.files import write_json
-from fsdp_exp.metrics.summary import Summary
+from fsdp_exp.metrics.figures import TuneAnswer
 from fsdp_exp.run_context import RunContext
 from fsdp_exp.tasks.tune.report import RECORD, command_words, report, tune_record
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
@@ -103,7 +103,7 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
 
     # --- the three steps ---
 
-    def run(self) -> dict:
+    def run(self) -> TuneAnswer:
         nodes = max(1, self.nproc // max(1, self.launcher.ranks_per_node(self.nproc)))
         made = setups(self.space_to_try(), self.command, self.nproc, nodes, as_dict(self.exp))
         log.info("task=tune: %d setup(s) of %s on %d rank(s), budget %s", len(made),
@@ -312,7 +312,7 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
         search = entry.search
         assert search is not None
         try:
-            answer = Summary.of(search.finish())
+            answer = search.finish()
         except (RunFailed, ConfigError) as err:
             self.conclude(entry, "failed", one_line(err))
             return
@@ -425,7 +425,7 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
                     entry.row.how = (f"fastest of {entry.row.probes} probe(s) so far; {entry.row.how}, "
                                      "before its search ended")
 
-    def finish(self) -> dict:
+    def finish(self) -> TuneAnswer:
         self.stop_unfinished()
         return report(self.exp, self.context, self.run_dir, self.save())
 

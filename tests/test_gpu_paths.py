@@ -416,10 +416,10 @@ def test_max_batch_on_a_cluster_fits_in_rank_0s_gpu_not_the_drivers(monkeypatch:
     exp.device, exp.memory.limit_gb = Device.cuda, None
     launcher = ClusterLauncher()
     search = max_batch.MaxBatchSearch(exp, tmp_path, launcher, 2)
-    figures = search.run()
+    answer = search.run()
     assert launcher.batches[0] == exp.task.resolution
-    assert figures["limit_gb"] == pytest.approx(8.0 - ClusterLauncher.OUTSIDE_GB)
-    assert 560 <= figures["max_batch_size"] <= 575
+    assert answer.limit_gb == pytest.approx(8.0 - ClusterLauncher.OUTSIDE_GB)
+    assert 560 <= answer.max_batch_size <= 575
     record = json.loads((tmp_path / "max_batch.json").read_text())
     assert record["device_name"] == "NVIDIA H200"
     assert read_device_record(tmp_path) == H200

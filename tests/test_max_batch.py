@@ -419,8 +419,8 @@ def test_on_a_gpu_a_probe_that_trained_fits_though_its_reserved_peak_is_at_the_c
                                    "wandb.mode=disabled"]), 0).exp
     exp.device, exp.memory.limit_gb = Device.cuda, CappedGpu.CAP_GB
     gpu = CappedGpu()
-    figures = MaxBatchSearch(exp, tmp_path, gpu, 2).run()
-    assert (figures["max_batch_size"], figures["bounded_by"]) == (CappedGpu.BOUNDARY, "oom"), gpu.batches
+    answer = MaxBatchSearch(exp, tmp_path, gpu, 2).run()
+    assert (answer.max_batch_size, answer.bounded_by) == (CappedGpu.BOUNDARY, "oom"), gpu.batches
     record = read_json(tmp_path / "max_batch.json")
     at = {p["batch_size"]: p for p in record["probes"]}
     assert at[CappedGpu.BOUNDARY]["status"] == "ok" and at[CappedGpu.BOUNDARY + 1]["status"] == "oom"

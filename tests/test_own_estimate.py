@@ -184,8 +184,8 @@ def test_on_a_gpu_the_reserved_and_device_figures_are_checked_too() -> None:
 def test_an_estimate_is_written_and_read_back_as_one_record(tmp_path: Path) -> None:
     """estimate.json through `EstimateRecord`: figures in field order, one not known left out,
     a key it has no field for kept, a failed trace only its error, a damaged file no record."""
-    written = EstimateRecord(device="cpu", world_size=2, peak_mem_gb=0.4, limit_gb=None,
-                             batches=[{"batch_size": 8, "peak_under_limit_gb": 0.5}]).with_figures({"older": 1})
+    written = EstimateRecord.of({"device": "cpu", "world_size": 2, "peak_mem_gb": 0.4, "limit_gb": None,
+                                 "batches": [{"batch_size": 8, "peak_under_limit_gb": 0.5}], "older": 1})
     written.write(tmp_path)
     assert read_json(tmp_path / ESTIMATE_FILE) == {"device": "cpu", "world_size": 2, "peak_mem_gb": 0.4,
                                                    "batches": [{"batch_size": 8, "peak_under_limit_gb": 0.5}],

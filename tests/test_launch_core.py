@@ -53,6 +53,8 @@ def test_a_rank_killed_from_outside_explains_the_errors_of_the_peers_it_left() -
     assert str(plain) == "rank 0 was ended by SIGKILL (log: /runs/one/rank0.log)"
     only_peers = explain([RankOutcome(1, error=PEER, ended=3.0), RankOutcome(0, error=PEER, ended=2.0)], RUN)
     assert str(only_peers).startswith("rank 0 failed: RuntimeError: ")
+    # torch elastic reports one failure: a rank left by a peer that was killed, the peer unseen
+    assert only_peers.killed_by == "signal" and not only_peers.timed_out
 
 
 def test_a_rank_past_the_time_limit_is_timed_out_unless_an_error_came_first() -> None:

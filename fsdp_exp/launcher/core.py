@@ -179,7 +179,9 @@ def explain(outcomes: Sequence[RankOutcome], run_dir: Path, time_limit_s: float 
     3. a rank that ran past the time limit: ended by its own SIGALRM, or ended without an
        error after running that long (or `stopped_for_time`: the driver stopped it);
     4. a rank ended by a signal (killed from outside, or its node lost);
-    5. an error a rank got because a peer was gone (it was left in a collective with it).
+    5. an error a rank got because a peer was gone (it was left in a collective with it):
+       that peer ended without an error of its own, so by a signal, which torch elastic,
+       reporting one failure, may not have seen before this one (`killed_by` "signal").
     """
     failed = [o for o in outcomes if o.failed]
     assert failed, "explain() needs a failed rank"
@@ -217,7 +219,8 @@ def explain(outcomes: Sequence[RankOutcome], run_dir: Path, time_limit_s: float 
         how = o.how or f"was ended by {o.signal}"
         return RunFailed(f"rank {o.rank} {how} {where(o)}", killed_by=o.signal)
     o = earliest(errors)
-    return RunFailed(f"rank {o.rank} failed: {o.error} {where(o)}")
+    return RunFailed(f"rank {o.rank} failed: {o.error} {where(o)}; a rank it ran with ended without an error of "
+                     "its own (killed, or its process crashed)", killed_by="signal")
 
 
 def failure_line(message: Any) -> str:

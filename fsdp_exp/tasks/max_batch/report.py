@@ -60,4 +60,4 @@ PROBE_COLUMNS = ("batch_size", "status", "peak_under_limit_gb", "margin_gb", "wi
 def log_to_wandb(cfg: Experiment, context: RunContext, run_dir: Path, record: MaxBatchRecord, png: Path) -> None:
     """The probes as a wandb table, the plot as an image, the answer in the run summary."""
     log_record(cfg, context, run_dir, "probes", PROBE_COLUMNS, record.probes, {"max_batch": png},
-               summary_figures(record))
+               summary_figures(record).figures())

@@ -102,7 +102,7 @@ def test_the_answer_line_says_how_long_a_run_until_its_peak_settled_held():
                       length_check={"batch_size": 4, "beyond_probe_gb": 1.5 * MB, "counted_gb": 1.5 * MB})
     line = answer_line(bounded(60), LIMIT)
     assert "; verified: a run of the command at 652 held for 60 steps, its peak settled (no new high over its last " \
-           f"{VERIFY_WINDOW}); " in line
+           f"{VERIFY_WINDOW} steps); " in line
     assert ", a run of up to 100 steps holds 1.5 MB more than a probe (measured at batch 4, counted)" in line
     assert "; verified: a run of the command at 652 held for 100 steps, its peak still rising at the end " \
            "(task.verify_steps=<the run's steps> runs the whole length); " in answer_line(bounded(None), LIMIT)

@@ -177,7 +177,7 @@ def verified_words(record: MaxBatchRecord) -> str:
             return f"verified: a {check['steps']}-step run of the command at {done['batch_size']} completed{above}"
         held = f"verified: a run of the command at {done['batch_size']} held for {done['steps']} steps{above}"
         if done.get("settled_at_step") is not None:
-            return f"{held}, its peak settled (no new high over its last {VERIFY_WINDOW})"
+            return f"{held}, its peak settled (no new high over its last {VERIFY_WINDOW} steps)"
         return (f"{held}, its peak still rising at the end (task.verify_steps=<the run's steps> runs the "
                 "whole length)")
     if status == "failed":

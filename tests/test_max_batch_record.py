@@ -95,3 +95,21 @@ def test_a_probe_that_trained_reads_each_figure_its_run_summary_has_by_the_same_
     assert (probe.batch_size, probe.status, probe.settled_at_step, probe.startup_s) == (32, "ok", 13, 1.5)
     # the search's own figures are not the run's: its estimate and the probe's time from its launch
     assert (probe.estimate_ratio, probe.wall_s) == (None, 0.0)
+
+
+def test_the_answer_goes_to_wandb_as_its_figures(tmp_path: Path) -> None:
+    """The search's wandb run (offline) gets the probes as a table, the plot and the answer's
+    figures as its summary: the record a task answers with, read by its fields."""
+    from fsdp_exp.run_context import RunContext
+    from fsdp_exp.tasks.max_batch.plot import plot_max_batch
+    from fsdp_exp.tasks.max_batch.report import log_to_wandb
+
+    exp = prepare(compose_checked(["task=max_batch", "memory.limit_gb=0.6", "wandb.mode=offline"]), 0).exp
+    record = a_record(samples_per_s=410.0, recommended_batch_size=48)
+    png = tmp_path / "max_batch.png"
+    plot_max_batch(record, png)
+    log_to_wandb(exp, RunContext(), tmp_path, record, png)
+    (log_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    data = log_file.read_bytes()  # wandb's record log: protobuf strings are stored as-is
+    for key in (b"max_batch_size", b"recommended_batch_size", b"bounded_by", b"probes", b"max_batch"):
+        assert key in data, key

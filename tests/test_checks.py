@@ -274,6 +274,9 @@ def test_a_list_of_values_without_m_is_refused_as_a_sweep_and_runs_with_it(tmp_p
         assert refused.value.key == key
     refuse_a_sweep(["model.blocks=[torch.nn.Linear,torch.nn.Conv2d]", "train.steps=3"])  # one value each
     assert len(precheck(["-m", "sharding=ddp,full", "train.steps=2"])) == 2  # with -m, its two runs
+    from fsdp_exp.commands.experiment import multirun  # what counts as -m, where the refusal is skipped
+
+    assert multirun(["--multirun", "a=1"]) and multirun(["hydra.mode=MULTIRUN"]) and not multirun(["hydra.mode=RUN"])
 
 
 @pytest.mark.parametrize("refused", [True, False], ids=["refused", "valid"])

@@ -63,8 +63,7 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         check_search_path(sys.argv[1:])
-        if not any(a in ("-m", "--multirun") for a in sys.argv[1:]) and \
-                not any(a.startswith("hydra.mode=") for a in sys.argv[1:]):
+        if not multirun(sys.argv[1:]):
             refuse_a_sweep(overrides_of(sys.argv[1:]))
         shown = shown_config(sys.argv[1:])
         # CheckRun and the sweeper (conf/config.yaml) check each run before it starts;
@@ -116,10 +115,15 @@ def shown_config(argv: list[str]) -> bool:
     shown = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--cfg", "-c")), None)
     if shown not in ("job", "all"):
         return False
-    if any(a in ("-m", "--multirun") for a in argv):
+    if multirun(argv):
         raise ConfigError(f"--cfg {shown}: shows one run's config, not a -m sweep's; drop -m and give one value "
                           "of each key")
     return True
+
+
+def multirun(argv: list[str]) -> bool:
+    """Whether the command is a -m sweep (-m, --multirun, or hydra.mode=MULTIRUN)."""
+    return any(a in ("-m", "--multirun") or a.partition("=")[::2] == ("hydra.mode", "MULTIRUN") for a in argv)
 
 
 def overrides_of(argv: list[str]) -> list[str]:
@@ -142,7 +146,7 @@ def builder_key_error(error: ConfigError, argv: list[str]) -> ConfigError:
     take the key, the error says what it does take."""
     group = (error.key or "").partition(".")[0]
     if error.refusal != ConfigError.NEW_KEY or group not in ("model", "data") \
-            or any(a in ("-m", "--multirun") for a in argv):
+            or multirun(argv):
         return error
     given = next((a for a in argv if a.partition("=")[0] == error.key), None)
     if given is None:
@@ -178,7 +182,7 @@ def swept_group_hint(error: ConfigError, argv: list[str]) -> str:
     """For `-m checkpoint=dcp,dcp_async checkpoint.every=1`: Hydra composes a sweep's base
     config with each swept group's default first (checkpoint=none has no `every`), so a key
     of the group is refused there; `++` sets it all the same (hydra#2888)."""
-    if error.refusal != ConfigError.UNKNOWN_KEY or not any(a in ("-m", "--multirun") for a in argv):
+    if error.refusal != ConfigError.UNKNOWN_KEY or not multirun(argv):
         return ""
     group = (error.key or "").partition(".")[0]
     swept = any(a.startswith(f"{group}=") and "," in a for a in argv)

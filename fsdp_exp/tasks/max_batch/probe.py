@@ -22,7 +22,7 @@ from fsdp_exp.checkpoint import NoCheckpoint
 from fsdp_exp.config import Device, Experiment, as_dict
 from fsdp_exp.launcher.core import Launcher, RunFailed
 from fsdp_exp.metrics.wandb_sink import WandbMode
-from fsdp_exp.metrics.summary import NAMES as SUMMARY_NAMES, Summary
+from fsdp_exp.metrics.summary import Summary
 from fsdp_exp.profile import NoProfile
 from fsdp_exp.rank.train import train_rank
 from fsdp_exp.run_context import RunContext
@@ -107,7 +107,7 @@ class Probe:
         """A probe whose run trained: each figure its run's summary.json has by the same
         name, but those the search sets (OWN_FIGURES)."""
         read = {name: summary.get(name) for name in cls.__dataclass_fields__
-                if name in SUMMARY_NAMES and name not in OWN_FIGURES}
+                if name in Summary.names() and name not in OWN_FIGURES}
         return cls(batch_size, "ok", **read, outside_allocator_gb=outside_allocator_gb(summary), startup_s=startup_s,
                    settled_at_step=summary.peak_settled_at_step)
 

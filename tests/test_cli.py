@@ -132,7 +132,7 @@ def test_a_failed_run_under_hydras_submitit_launcher_fails_the_command(tmp_path:
     (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
     lines = result.stderr.strip().splitlines()
     assert lines[0] == "fsdp_exp: 1 of 2 runs failed:", result.stderr
-    assert lines[1].startswith(f"  {sweep / '0'}: rank 0 failed: OutOfMemory: ran out of memory under memory.limit_gb=0.6")
+    assert lines[1].startswith(f"  {sweep / '0'}: rank 0 failed: OutOfMemory: ") and "memory.limit_gb=0.6" in lines[1]
     assert read_json(sweep / "0" / "summary.json")["status"] == "oom"
     assert read_json(sweep / "1" / "summary.json")["status"] == "ok"
 
@@ -267,9 +267,7 @@ def test_a_key_of_a_swept_group_says_how_to_set_it(tmp_path: Path) -> None:
     (checkpoint=none has no `every`): the refusal names the way that works, `++`."""
     result = refused_here("-m", "checkpoint=dcp,dcp_async", "checkpoint.every=1", cwd=tmp_path)
     assert result.returncode == 2 and not (tmp_path / "outputs").exists()
-    assert result.stderr.strip() == (
-        "fsdp_exp: checkpoint.every: unknown key; checkpoint has: export_full (a -m sweep over checkpoint is first "
-        "composed with checkpoint's default; write ++checkpoint.every=1 to set it in every run of the sweep)")
+    names(result.stderr, "checkpoint.every", "checkpoint has: export_full", "++checkpoint.every=1")
 
 
 def test_the_installed_command_starts_as_python_m_fsdp_exp_does() -> None:

@@ -311,7 +311,7 @@ def test_estimate_for_a_gpu_on_a_machine_without_one(tmp_path):
     fitting = record["device_used_gb"] <= 39.39 and record["peak_reserved_gb"] <= 80
     assert record["gpu"] == "A100-40GB" and record["gpu_memory_gb"] == 39.39  # as torch reports it (40 GB sold)
     assert record["largest_batch_fitting"] == (record["batch_size"] if fitting else 0)
-    assert "the device also holds cuda context 0.50 GB, nccl 0.69 GB outside it" in result.stdout
+    assert "cuda context 0.50 GB, nccl 0.69 GB" in result.stdout
     result = refused_here("task=estimate", "device=cuda", "wandb.mode=disabled", cwd=tmp_path)
     assert result.returncode != 0 and "task.device=cuda" in result.stderr
 

@@ -124,7 +124,7 @@ def test_a_probe_past_its_timeout_is_recorded_as_failed(tmp_path: Path) -> None:
     # the estimate's first size, then the smallest: both ran past it
     probes = read_json(run_dir / "max_batch.json")["probes"]
     assert [p["batch_size"] for p in probes][-1] == 1 and len(probes) <= 2
-    assert all(p["status"] == "failed" and p["reason"] == "ran past task.probe_timeout=1 s" for p in probes)
+    assert all(p["status"] == "failed" and p["timed_out"] and "task.probe_timeout=1" in p["reason"] for p in probes)
 
 
 # ---- preemption, requeue and restarts --------------------------------------------------------
@@ -178,8 +178,8 @@ def test_a_preempted_job_with_no_requeue_left_fails_saying_so(tmp_path: Path) ->
     assert code == 1
     summary = read_json(out / "summary.json")
     assert summary["status"] == "failed"
-    assert summary["error"].startswith("rank 0 failed: RequeueRefused: the job was preempted or reached its time "
-                                       "limit, and launcher.max_restarts=0 allows no further requeue")
+    assert summary["error"].startswith("rank 0 failed: RequeueRefused: ")
+    assert "launcher.max_restarts=0" in summary["error"]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, precheck, read_json, read_jsonl, refused_here, run_cli, user_package
+from tests.conftest import REPO, names, precheck, read_json, read_jsonl, refused_here, run_cli, user_package
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
 
@@ -152,9 +152,7 @@ def test_a_segmentation_nets_logits_without_loss_class_dim_name_it(tmp_path: Pat
     user_package(tmp_path, monkeypatch, "seg", SEGMENTATION)
     with pytest.raises(ConfigError) as refusal:
         precheck([o for o in SEGMENT if o != "loss.class_dim=1"])
-    assert str(refusal.value) == (
-        "model: seg.UNetish returns logits of shape [2, 3, 16, 16] for targets of shape [2, 16, 16]: its classes are "
-        "on dimension 1 (a segmentation net's [batch, classes, *S]); set loss.class_dim=1")
+    names(str(refusal.value), "model", "seg.UNetish", "[2, 3, 16, 16]", "[2, 16, 16]", "loss.class_dim=1")
 
 
 @pytest.mark.parametrize("source, target, said", [
@@ -202,22 +200,21 @@ def test_a_segmentation_models_classes_are_checked_both_ways_against_the_datas(
 def test_a_key_the_users_data_builder_does_not_take_lists_the_keys_it_does(project: Path, typed: str) -> None:
     done = refused_here("model=mynet", "data=squares", typed, SEARCHPATH, cwd=project)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("fsdp_exp: data.num_sample: unknown key; data has: image_size, input_keys, "
-                                   "num_samples, num_workers, seed, target_key "
-                                   "(mypkg.data.squares takes num_samples, image_size, seed)")
+    names(done.stderr, "data.num_sample", "image_size, input_keys, num_samples, num_workers, seed, target_key",
+          "mypkg.data.squares takes num_samples, image_size, seed")
 
 
 def test_an_option_of_ones_own_without_the_search_path_names_it(project: Path, tmp_path: Path) -> None:
     here = refused_here("model=mynet", cwd=project)
-    assert here.returncode == 2 and here.stderr.strip().endswith(
-        "model=mynet: no such option; choose one of: cnn, custom, gpt, hf, hf_dir, resnet, vit; "
-        "./conf/model/mynet.yaml is here: add 'hydra.searchpath=[file://./conf]'")
+    assert here.returncode == 2
+    names(here.stderr, "model=mynet", "cnn, custom, gpt, hf, hf_dir, resnet, vit", "./conf/model/mynet.yaml",
+          "'hydra.searchpath=[file://./conf]'")
     elsewhere = refused_here("model=unet", cwd=tmp_path)
-    assert elsewhere.stderr.strip().endswith(
-        "; an option of your own is read from your config folder: add 'hydra.searchpath=[file://./conf]' "
-        "(the folder that holds model/unet.yaml)")
+    assert elsewhere.returncode == 2
+    names(elsewhere.stderr, "model=unet", "'hydra.searchpath=[file://./conf]'", "model/unet.yaml")
     searched = refused_here("model=unet", SEARCHPATH, cwd=project)  # the path given: no hint
-    assert searched.stderr.strip().endswith("choose one of: cnn, custom, gpt, hf, hf_dir, mynet, resnet, vit")
+    assert searched.returncode == 2 and "hydra.searchpath" not in searched.stderr
+    names(searched.stderr, "model=unet", "cnn, custom, gpt, hf, hf_dir, mynet, resnet, vit")
 
 
 def test_the_users_data_holds_out_samples_for_eval(project: Path) -> None:

@@ -43,8 +43,8 @@ def test_a_slurm_sweep_submits_every_run_first_and_lists_the_failed_one(tmp_path
     assert [read_json(r / "summary.json")["status"] for r in runs] == ["ok", "ok", "oom"]
     assert overlap(runs[0], runs[1]), "the two runs that trained did so at the same time"
     # The failed run is listed at the end, with its reason.
-    assert f"fsdp_exp: 1 of 3 runs failed:\n  {runs[2]}: rank 0 failed: OutOfMemory: ran out of memory under " \
-        "memory.limit_gb=0.5" in result.stderr
+    listed = result.stderr.split("fsdp_exp: 1 of 3 runs failed:\n")[1].splitlines()
+    assert listed[0].startswith(f"  {runs[2]}: rank 0 failed: OutOfMemory: ") and "memory.limit_gb=0.5" in listed[0]
     # The console names each run by what it sweeps and shows its job's state, not rank 0's lines.
     assert "run 0 (train.batch_size=4): job " in result.stdout and " RUNNING" in result.stdout
     assert "[rank0][INFO] step" not in result.stdout

@@ -126,14 +126,16 @@ class RunFailed(Exception):
     `timed_out`: the ranks ran past the launch's time limit.
     `killed_by`: the signal that ended the rank, when a signal did (e.g. "SIGKILL"; "signal"
     when the launcher cannot tell which).
+    `rank` and `log`: the rank whose failure explains the launch, and its log, where known.
     """
 
     def __init__(self, message: str, out_of_memory: bool = False, timed_out: bool = False,
-                 killed_by: str | None = None):
+                 killed_by: str | None = None, rank: int | None = None, log: Path | None = None):
         super().__init__(message)
         self.out_of_memory = out_of_memory
         self.timed_out = timed_out
         self.killed_by = killed_by
+        self.rank, self.log = rank, log
 
 
 def check_nproc(nproc_per_node: Any) -> None:
@@ -190,13 +192,14 @@ def explain(outcomes: Sequence[RankOutcome], run_dir: Path, time_limit_s: float 
     def earliest(some: list[RankOutcome]) -> RankOutcome:
         return min(some, key=lambda o: (o.ended if o.ended is not None else now, o.rank))
 
-    def where(o: RankOutcome) -> str:
-        return f"(log: {rank_log_path(run_dir, o.rank)})"
+    def failure(o: RankOutcome, what: str, after: str = "", **kind: Any) -> RunFailed:
+        log = rank_log_path(run_dir, o.rank)
+        return RunFailed(f"rank {o.rank} {what} (log: {log}){after}", rank=o.rank, log=log, **kind)
 
     oom = [o for o in failed if o.error and "OutOfMemory:" in o.error]
     if oom:
         o = earliest(oom)
-        return RunFailed(f"rank {o.rank} failed: {o.error} {where(o)}", out_of_memory=True)
+        return failure(o, f"failed: {o.error}", out_of_memory=True)
     errors = [o for o in failed if o.error is not None]
     own = [o for o in errors if not any(text in o.error for text in PEER_GONE)]
     died = [o for o in failed if o.error is None]
@@ -207,20 +210,19 @@ def explain(outcomes: Sequence[RankOutcome], run_dir: Path, time_limit_s: float 
     early = [o for o in own if (o.ended if o.ended is not None else now) < deadline] if late else own
     if early:
         o = earliest(early)
-        return RunFailed(f"rank {o.rank} failed: {o.error} {where(o)}")
+        return failure(o, f"failed: {o.error}")
     if late:
         o = earliest(late)
         stopped = " and did not end; the driver stopped it" if stopped_for_time else ""
         killed_by = o.signal if o.signal not in (None, "signal") else "SIGALRM"
-        return RunFailed(f"rank {o.rank} ran past the time limit of {time_limit_s:g} s{stopped} {where(o)}",
-                         timed_out=True, killed_by=killed_by)
+        return failure(o, f"ran past the time limit of {time_limit_s:g} s{stopped}", timed_out=True,
+                       killed_by=killed_by)
     if died:
         o = earliest(died)
-        how = o.how or f"was ended by {o.signal}"
-        return RunFailed(f"rank {o.rank} {how} {where(o)}", killed_by=o.signal)
+        return failure(o, o.how or f"was ended by {o.signal}", killed_by=o.signal)
     o = earliest(errors)
-    return RunFailed(f"rank {o.rank} failed: {o.error} {where(o)}; a rank it ran with ended without an error of "
-                     "its own (killed, or its process crashed)", killed_by="signal")
+    return failure(o, f"failed: {o.error}", "; a rank it ran with ended without an error of its own (killed, or "
+                   "its process crashed)", killed_by="signal")
 
 
 def failure_line(message: Any) -> str:

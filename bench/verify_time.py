@@ -4,8 +4,9 @@ grows with train.steps: each setup searched twice into fresh run directories, wi
 
 The table: per search, the probes' and the verification's seconds (max_batch.json's
 `probe_wall_s` and `verify_wall_s`: every run of the command, which also measures what a run
-holds beyond a probe), the steps each run of the command trained, the answer, and the ratio
-verifying / probing (goal: at most 1, and the same for both train.steps).
+holds beyond a probe), the steps each run of the command trained (`*`: a probe run as the
+command, at the size the search expected to answer, whose seconds are probing), the answer,
+and the ratio verifying / probing (goal: at most 1, and the same for both train.steps).
 
     python bench/verify_time.py                 # every setup
     python bench/verify_time.py vit             # some of them
@@ -48,7 +49,8 @@ def search(name: str, train_steps: int, out: Path) -> dict:
         raise SystemExit(f"{name}, train.steps={train_steps}: exit {result.returncode}\n{result.stderr[-2000:]}")
     record = json.loads((out / "max_batch.json").read_text())
     runs = (record["verification"] or {}).get("runs", [])
-    steps = [r.get("steps") if r.get("status") == "ok" else r.get("status") for r in runs]
+    steps = [(f"{r.get('steps')}*" if r.get("as_command") else r.get("steps")) if r.get("status") == "ok"
+             else r.get("status") for r in runs]
     return {"wall_s": wall, "probe_s": record["probe_wall_s"], "verify_s": record["verify_wall_s"],
             "probes": record["probe_count"], "answer": record["max_batch_size"], "run_steps": steps}
 

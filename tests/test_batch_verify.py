@@ -353,3 +353,70 @@ def test_one_run_of_the_command_verifies_and_what_it_held_beyond_its_probe_bring
     record = search.save(380)
     assert (record.verification["status"], record.bounded_by, record.searched_max_batch_size) == (
         "stepped down", "verification", 396)
+
+
+def test_a_probe_at_the_size_the_search_expects_to_answer_runs_as_the_command(tmp_path: Path) -> None:
+    """MaxBatchSearch.answers_at: a probe runs as the command, and verifies the answer as it
+    probes, where a size that fits there closes the bracket, or where the estimate's curve
+    puts the boundary less than one step of task.resolution above it; not when the answer
+    runs task.verify_steps steps, is not verified, or a run of the command completed."""
+    from fsdp_exp.driver.plan import prepare
+    from fsdp_exp.commands.experiment import compose_checked
+    from fsdp_exp.tasks.max_batch.probe import Probe
+    from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
+
+    def search_of(*overrides: str) -> MaxBatchSearch:
+        plan = prepare(compose_checked(["task=max_batch", "memory.limit_gb=0.6", "model.num_layers=2",
+                                        "wandb.mode=disabled", "task.estimate=false", "task.resolution=4",
+                                        *overrides]), 0)
+        return MaxBatchSearch(plan.exp, tmp_path / "search", plan.launcher, 2)
+
+    search = search_of()
+    assert not search.answers_at(4)  # nothing known: no estimate, no probe
+    search.estimated = {"peaks_gb": [[4, 0.40], [64, 0.64]]}  # 4 MB a sample
+    crossing = 4 + (0.6 - search.noise_gb() - 0.40) / 0.004  # where the room the probes aim at is reached: 53.7
+    assert 52 < crossing < 56
+    assert search.answers_at(48) and not search.answers_at(44)  # within one step of 4 below it, or not
+    search.estimated = None
+    search.probes = [Probe(40, "ok", peak_under_limit_gb=0.56, peak_under_limit_gb_per_rank=[0.56, 0.56]),
+                     Probe(48, "oom")]
+    assert search.answers_at(44) and not search.answers_at(40 - 4)  # 44 fitting closes (40, 48); 36 does not
+    search.verification.runs.append(replace(search.probes[0], as_command=True))
+    assert not search.answers_at(44)  # a run of the command completed: the later probes are probes
+    for length in ("task.verify_steps=10", "task.verify_steps=0"):
+        exact = search_of(length)
+        exact.probes = search.probes
+        assert not exact.answers_at(44)
+
+
+def test_a_search_that_probes_only_its_answer_verifies_it_with_that_probe(tmp_path: Path) -> None:
+    """task.search_up_to=8 on the resolution's grid of 8: the first probe, at 8, closes the
+    search if it fits, so it runs as the command, until its peak settles, and is both the
+    search's one probe and the run of the command that verifies its answer: no second run."""
+    out = tmp_path / "search"
+    result = run_cli("task=max_batch", "memory.limit_gb=0.6", "model.num_layers=2", "wandb.mode=disabled",
+                     "task.estimate=false", "task.resolution=8", "task.search_up_to=8", f"hydra.run.dir={out}",
+                     cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = read_json(out / "max_batch.json")
+    (probe,) = record["probes"]
+    check = record["verification"]
+    assert (probe["batch_size"], probe["status"], probe["as_command"]) == (8, "ok", True)
+    assert (check["status"], record["max_batch_size"], record["bounded_by"]) == ("completed", 8, "search_up_to")
+    assert check["runs"] == [probe] and probe["dir"].startswith("probes/") and not (out / "verify").exists()
+    # run as the command: until its peak settled, read at step 3 and VERIFY_WINDOW steps later
+    assert probe["settled_at_step"] == probe["steps"] == 3 + VERIFY_WINDOW
+    assert read_json(out / probe["dir"] / "summary.json")["steps"] == 3 + VERIFY_WINDOW
+    # its seconds are probing, said once; nothing beyond a probe is counted (it was the probe)
+    assert record["verify_wall_s"] == 0 and record["probe_wall_s"] == pytest.approx(probe["wall_s"])
+    assert record["length_check"] is None and record["run_beyond_probe_gb"] is None
+    line = next(x for x in result.stdout.splitlines() if "max batch: " in x)
+    assert f"verified: the probe at 8, run as the command, held for {3 + VERIFY_WINDOW} steps" in line
+    assert "s verifying" not in line
+    # run again into the same folder, the record is reused as it is: nothing more runs
+    again = run_cli("task=max_batch", "memory.limit_gb=0.6", "model.num_layers=2", "wandb.mode=disabled",
+                    "task.estimate=false", "task.resolution=8", "task.search_up_to=8", f"hydra.run.dir={out}",
+                    cwd=REPO, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert read_json(out / "max_batch.json")["verification"]["runs"] == [probe]
+    assert sorted(p.name for p in (out / "probes").iterdir()) == ["01_b8"]

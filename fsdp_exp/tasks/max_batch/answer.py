@@ -119,7 +119,7 @@ def answer_line(record: MaxBatchRecord, limit_gb: float | None) -> str:
     count = record.probe_count
     cost = f"{count} probe{'s' if count != 1 else ''}, {record.probe_wall_s:.0f} s of probing"
     check = record.verification or {}
-    if check.get("runs"):
+    if any(not run.get("as_command") for run in check.get("runs", [])):  # a probe run as the command is probing
         cost += f", {record.verify_wall_s:.0f} s verifying"
     size, ranks, step = record.max_batch_size, record.world_size, record.resolution
     small = too_small_words(record)
@@ -176,6 +176,10 @@ def verified_words(record: MaxBatchRecord) -> str:
         if not check.get("until_settled"):
             return f"verified: a {check['steps']}-step run of the command at {done['batch_size']} completed{above}"
         held = f"verified: a run of the command at {done['batch_size']} held for {done['steps']} steps{above}"
+        if done.get("as_command"):  # the search's probe there (MaxBatchSearch.answers_at)
+            above = "" if done["batch_size"] <= size else f" (above {size}: it left less than the noise band free)"
+            held = (f"verified: the probe at {done['batch_size']}, run as the command, held for {done['steps']} "
+                    f"steps{above}")
         if done.get("settled_at_step") is not None:
             return f"{held}, its peak settled (no new high over its last {VERIFY_WINDOW} steps)"
         return (f"{held}, its peak still rising at the end (task.verify_steps=<the run's steps> runs the "

@@ -69,6 +69,9 @@ class Probe:
     timed_out: bool = False  # ran past task.probe_timeout (a larger batch would not train sooner)
     steps: int | None = None  # the steps it trained: a probe trains on until its peak settles
     settled_at_step: int | None = None  # the step at which its peak was found settled (None: it ran its steps)
+    # run as the command at a size the search expected to answer (MaxBatchSearch.answers_at): it
+    # verifies that answer too, as a run of the command (fsdp_exp.tasks.max_batch.verify)
+    as_command: bool = False
 
     def limited_peak_gb(self) -> float | None:
         """The peak that the memory limit caps: reserved memory on GPU, the limit's own

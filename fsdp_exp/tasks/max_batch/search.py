@@ -188,10 +188,11 @@ class MaxBatchSearch(Verifying):
         if small and len(small) == len([p for p in self.probes if not p.killed]):
             log.info("batch %d failed for a reason other than memory; trying %d, in case it is too small to "
                      "train (as BatchNorm is with one value per channel)", small[-1].batch_size, size)
-        probe = self.probe(size, for_fastest=for_fastest)
+        as_command = not for_fastest and self.answers_at(size)
+        probe = self.probe(size, for_fastest=for_fastest, as_command=as_command)
         if probe.killed:  # stopped from outside: the batch may well fit; try it once more
             log.warning("batch %d was killed from outside; trying it once more", size)
-            retry = self.probe(size, for_fastest=for_fastest)
+            retry = self.probe(size, for_fastest=for_fastest, as_command=as_command)
             retry.killed = False  # a second kill counts as a failure at this size
             self.save(None)
         return True
@@ -205,13 +206,26 @@ class MaxBatchSearch(Verifying):
         report(self.cfg, self.context, self.run_dir, record, self.own_wandb_run)
         return summary_figures(record)
 
-    def probe(self, size: int, limit_gb: Any = "same", for_fastest: bool = False) -> Probe:
+    def probe(self, size: int, limit_gb: Any = "same", for_fastest: bool = False, as_command: bool = False) -> Probe:
+        """A probe at `size`; `as_command`: at a size the search expects to answer (`answers_at`),
+        run as the command, which verifies that answer too where it completes."""
         probe_dir = self.run_dir / "probes" / f"{len(self.probe_dirs()) + 1:02d}_b{size}"
-        # Before the first probe has told the device's memory (no memory.limit_gb on a GPU), there
-        # is no noise band to settle within: that probe, at task.resolution, runs its steps.
-        settle_gb = self.noise_gb() if self.limit_gb is not None else None
-        probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s, limit_gb,
-                          settle_gb=settle_gb)
+        if as_command:
+            log.info("batch %d is where the search expects its answer: its probe runs as the command (its data, "
+                     "wandb and checkpoints), %s, and verifies it", size,
+                     VerifyLength(self.verification.steps, self.verification.until_settled).words())
+            if self.probes_before_verifying is None:
+                self.probes_before_verifying = len(self.probes)
+            probe = self.command_run(size, probe_dir)
+            probe.as_command = True
+            if probe.status == "ok":
+                self.verification.runs.append(probe)
+        else:
+            # Before the first probe has told the device's memory (no memory.limit_gb on a GPU), there
+            # is no noise band to settle within: that probe, at task.resolution, runs its steps.
+            settle_gb = self.noise_gb() if self.limit_gb is not None else None
+            probe = run_probe(self.cfg, size, probe_dir, self.launcher, self.nproc, self.steps, self.timeout_s,
+                              limit_gb, settle_gb=settle_gb)
         probe.for_fastest = for_fastest
         probe.set_estimate(self.estimated_peak_under_limit_gb(size))
         self.tell_units(probe_dir)
@@ -358,7 +372,7 @@ class MaxBatchSearch(Verifying):
             next((p for p in reversed(self.probes) if boundary and p.batch_size == boundary and p.status == "ok"), None)
         searched = self.boundary() if boundary is not None else None
         past = {p.status for p in self.probes if p.batch_size == hi and not p.killed}
-        timed = [*self.probes, *([verified] if verified is not None else [])]  # the verification's 50 steps too
+        timed = [*self.probes, *([verified] if verified is not None and not verified.as_command else [])]
         fastest_size, fastest_speed, near_fastest = fastest(timed, boundary) if boundary else (None,) * 3
         margin = max(settings.margin, noise / self.limit_gb)
         length = self.held_beyond()

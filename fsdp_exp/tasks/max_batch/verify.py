@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fsdp_exp.tasks.max_batch.answer import MB, SETTLE_FLOOR, run_words
 from fsdp_exp.tasks.max_batch.policy import fit_memory
@@ -73,7 +74,8 @@ class Verification:
         return [r.batch_size for r in self.runs if r.status == "oom"]
 
     def wall_s(self) -> float:
-        return sum(r.wall_s for r in self.runs)
+        """The seconds of its own runs: a probe run as the command counts as probing."""
+        return sum(r.wall_s for r in self.runs if not r.as_command)
 
     def to_json(self) -> dict:
         return {"steps": self.steps, "until_settled": self.until_settled, "status": self.status(),
@@ -152,6 +154,8 @@ class Verifying:
         if not done:
             return None
         run = max(done, key=lambda r: r.batch_size)
+        if run.as_command:  # the search's own probe there was the run of the command: nothing beyond it to count
+            return None
         probe = next((p for p in reversed(self.probes) if p.batch_size == run.batch_size and p.status == "ok"
                       and not p.killed and p.judged_peak_gb() is not None), None)
         if probe is not None:
@@ -220,15 +224,41 @@ class Verifying:
             return boundary
         return min(boundary, max((r.batch_size for r in runs if r.status == "ok"), default=0))
 
+    def command_run(self, size: int, run_dir: Path) -> Probe:
+        """The command at `size`, run as it runs, for the verification's steps, in `run_dir`."""
+        check = self.verification
+        timeout_s = self.timeout_s * max(1.0, check.steps / self.steps)
+        return run_probe(self.cfg, size, run_dir, self.launcher, self.nproc, check.steps, timeout_s,
+                         as_command="verify", until_settled=self.settle_within_gb())
+
+    def answers_at(self, size: int) -> bool:
+        """Whether the search expects `size` to be its answer, so that its probe runs as the
+        command (`command_run`) and verifies the answer as it probes it, in place of a probe
+        and then a run of the command at the same size: where a size that fits there closes
+        the bracket, or where the estimate's curve puts the boundary of the room the probes aim
+        at less than one step of task.resolution above it (as it does where a sample takes a
+        large share of the limit: the estimate's first probe is then at the answer or next to
+        it, and the probe past it is expected to fail). Only when the
+        answer is verified until its peak settles (a run of task.verify_steps steps could be
+        long, for a size that may not be the answer), and until a run of the command completed.
+        Where the search goes on past it, the run cost a few steps more than a probe."""
+        check = self.verification
+        if not (check.steps and check.until_settled) or self.limit_gb is None or check.completed() is not None:
+            return False
+        search, r = self.search(), self.cfg.task.resolution
+        _, hi = search.bracket(self.outcomes())
+        if (hi if hi is not None else search.up_to + r) - size <= r:
+            return True
+        curve = self.estimate()
+        return curve is not None and curve.crossing(self.room_gb() - self.noise_gb()) < size + 2 * r
+
     def verify_run(self, size: int) -> Probe:
         """The command at `size`, run as it runs, for the verification's steps."""
         check = self.verification
         run_dir = self.run_dir / "verify" / f"{len(check.runs) + 1:02d}_b{size}"
         log.info("verifying batch %d: the command as it runs (its data, wandb and checkpoints), %s",
                  size, VerifyLength(check.steps, check.until_settled).words())
-        timeout_s = self.timeout_s * max(1.0, check.steps / self.steps)
-        run = run_probe(self.cfg, size, run_dir, self.launcher, self.nproc, check.steps, timeout_s,
-                        as_command="verify", until_settled=self.settle_within_gb())
+        run = self.command_run(size, run_dir)
         log.info("verify %d: %s", len(check.runs) + 1, run.line())
         check.runs.append(run)
         self.save(None)

@@ -420,3 +420,42 @@ def test_a_search_that_probes_only_its_answer_verifies_it_with_that_probe(tmp_pa
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_json(out / "max_batch.json")["verification"]["runs"] == [probe]
     assert sorted(p.name for p in (out / "probes").iterdir()) == ["01_b8"]
+
+
+@pytest.mark.parametrize("plain", ["ok", "failed"])
+def test_a_probe_that_failed_as_the_command_is_probed_plain_and_counts_where_the_failure_was(
+        plain: str, tmp_path: Path) -> None:
+    """A probe run as the command that failed, not for lack of memory, is probed again as the
+    probes run: where that trains, the failure was the command's own (its wandb, its
+    checkpoints), which leaves the answer not verified with its reason, and the plain probe
+    stands for the size; where it fails too, the size does not train, and both are probes."""
+    from fsdp_exp.commands.experiment import compose_checked
+    from fsdp_exp.driver.plan import prepare
+    from fsdp_exp.tasks.max_batch.probe import Probe
+    from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
+
+    class Outcomes(MaxBatchSearch):
+        """The search's bookkeeping, with each launch's outcome given: as the command, a failure."""
+
+        def probe(self, size, limit_gb="same", for_fastest=False, as_command=False):  # noqa: ANN001, ANN202
+            status = "failed" if as_command else plain
+            run = Probe(size, status, reason="disk full" if as_command else None, as_command=as_command,
+                        peak_under_limit_gb=0.5 if status == "ok" else None)
+            self.probes.append(run)
+            return run
+
+    plan = prepare(compose_checked(["task=max_batch", "memory.limit_gb=0.6", "model.num_layers=2",
+                                    "wandb.mode=disabled", "task.estimate=false", "task.resolution=8",
+                                    "task.search_up_to=8"]), 0)
+    search = Outcomes(plan.exp, tmp_path / "search", plan.launcher, 2)
+    search.run_dir.mkdir()  # where a launch would have made it
+    assert search.step()  # the only size, 8, closes the search: run as the command, then plain
+    assert [(p.status, p.as_command) for p in search.probes] == (
+        [("ok", False)] if plain == "ok" else [("failed", True), ("failed", False)])
+    runs = search.verification.runs
+    if plain == "ok":
+        assert [(r.status, r.reason) for r in runs] == [("failed", "disk full")]
+        assert search.boundary() == 8 and search.verification.status() == "failed"
+        assert not search.verify_step() and search.verify(8) == 8  # not verified: said so, with the reason
+    else:
+        assert runs == [] and search.boundary() == 0

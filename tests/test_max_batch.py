@@ -53,12 +53,19 @@ def test_the_documented_answer_trains_in_a_plain_run_with_the_defaults_and_past_
     size, noise, check = record["max_batch_size"], record["noise_band_gb"], record["verification"]
     assert size is not None and size > 64 and size % 4 == 0
     assert 0 < noise < 0.005
-    # one run of the command (until its peak settled) at the size the probes found verifies the answer: what
-    # it held beyond its probe, counted against every probe, leaves that size or one just below it
+    # one run of the command (until its peak settled) verifies the answer: the probe at the size the search
+    # expected to answer, run as the command; or a run at the size the probes found, where what it held beyond
+    # its probe, counted against every probe, leaves that size or one just below it
     assert (check["steps"], check["until_settled"], check["status"]) == (100, True, "completed")
     (verified,) = check["runs"]
-    assert 0 < record["run_beyond_probe_gb"] < 0.01 and record["length_check"]["batch_size"] == verified["batch_size"]
-    assert size <= verified["batch_size"] and record["verify_wall_s"] == verified["wall_s"]
+    if verified["as_command"]:
+        assert verified in record["probes"] and record["length_check"] is None and record["verify_wall_s"] == 0
+        beyond, said = 0.0, f"verified: the probe at {verified['batch_size']}, run as the command, held for "
+    else:
+        assert 0 < record["run_beyond_probe_gb"] < 0.01 and record["length_check"]["batch_size"] == verified["batch_size"]
+        assert record["verify_wall_s"] == verified["wall_s"]
+        beyond, said = record["run_beyond_probe_gb"], f"verified: a run of the command at {verified['batch_size']} held for "
+    assert size <= verified["batch_size"]
     searched = record["searched_max_batch_size"]
     at = [p for p in record["probes"] if p["batch_size"] == searched]
     assert at and all(p["status"] == "ok" and p["margin_gb"] >= noise for p in at)
@@ -81,7 +88,7 @@ def test_the_documented_answer_trains_in_a_plain_run_with_the_defaults_and_past_
     assert summary["status"] == "ok" and summary["max_batch_size"] == size
     assert summary["peak_under_limit_gb"] == record["peak_under_limit_gb"]
     assert f"max batch: {size} per rank on 2 rank(s) (" in found.stdout
-    assert f"verified: a run of the command at {verified['batch_size']} held for {verified['steps']} steps" in found.stdout
+    assert f"{said}{verified['steps']} steps" in found.stdout
     tables = list((run_dir / "wandb").glob("offline-run-*/files/media/table/probes_*.table.json"))
     assert len(tables) == 1 and str(searched) in tables[0].read_text()
 
@@ -95,9 +102,8 @@ def test_the_documented_answer_trains_in_a_plain_run_with_the_defaults_and_past_
     # A probe and a run of the same command at the same size hold the same peak, within the noise band, with
     # what a run holds beyond a probe counted (measured by the run that verified)
     (probe,) = [p for p in record["probes"] if p["batch_size"] == size]
-    length = record["length_check"]
-    assert 0.6 - length["probe_peak_gb"] <= 0.05 * 0.6 and 3 + VERIFY_WINDOW <= length["run"]["steps"] <= 100
-    counted = probe["peak_under_limit_gb"] + record["run_beyond_probe_gb"]
+    assert 0.6 - probe["peak_under_limit_gb"] <= 0.05 * 0.6 and 3 + VERIFY_WINDOW <= verified["steps"] <= 100
+    counted = probe["peak_under_limit_gb"] + beyond
     assert abs(trained["peak_under_limit_gb"] - counted) <= noise, (trained["peak_under_limit_gb"], counted, noise)
     # Past it, the same command runs out of memory: where the probes' line, raised by what the
     # run held beyond it at the answer, is over the limit by more than the noise band. (At the
@@ -106,7 +112,6 @@ def test_the_documented_answer_trains_in_a_plain_run_with_the_defaults_and_past_
     def line(b: int) -> float:
         return model["intercept_gb"] + model["slope_gb_per_sample"] * b
 
-    beyond = record["run_beyond_probe_gb"]
     over = next(b for b in range(size + 4, 10 * size, 4) if line(b) + beyond > 0.6 + noise)
     past_run = run_cli(LIMIT, "model.num_layers=2", f"train.batch_size={over}", f"hydra.run.dir={tmp_path / 'past'}",
                        cwd=tmp_path, timeout=600)

@@ -199,19 +199,6 @@ class MaxBatchSearch(Verifying):
             self.save(None)
         return True
 
-    def failed_as_command(self, run: Probe, for_fastest: bool) -> None:
-        """A probe run as the command failed, not for lack of memory: a failure of the command's
-        own (its wandb, its checkpoints, its export), which leaves the answer not verified, as
-        a run of the command that fails after the probes does; or of any run at this size (too
-        small to train). A plain probe at the size tells which, and stands as the probe there."""
-        log.warning("batch %d failed as the command, not for lack of memory (%s); probing it as the probes run",
-                    run.batch_size, run.reason)
-        plain = self.probe(run.batch_size, for_fastest=for_fastest)
-        if plain.status != "failed":  # the command's own failure: a run of the command, not a probe
-            self.probes.remove(run)
-            self.verification.runs.append(run)
-            self.save(None)
-
     def finish(self) -> MaxBatchAnswer:
         """The answer, verified: max_batch.json, its plot, wandb and the log line; the summary's figures."""
         boundary = self.boundary()

@@ -193,8 +193,8 @@ def explain(outcomes: Sequence[RankOutcome], run_dir: Path, time_limit_s: float 
         return min(some, key=lambda o: (o.ended if o.ended is not None else now, o.rank))
 
     def failure(o: RankOutcome, what: str, after: str = "", **kind: Any) -> RunFailed:
-        log = rank_log_path(run_dir, o.rank)
-        return RunFailed(f"rank {o.rank} {what} (log: {log}){after}", rank=o.rank, log=log, **kind)
+        path = rank_log_path(run_dir, o.rank)
+        return RunFailed(f"rank {o.rank} {what} (log: {path}){after}", rank=o.rank, log=path, **kind)
 
     oom = [o for o in failed if o.error and "OutOfMemory:" in o.error]
     if oom:

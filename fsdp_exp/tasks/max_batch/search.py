@@ -53,7 +53,6 @@ from fsdp_exp.tasks.max_batch.policy import (
 from fsdp_exp.tasks.max_batch.probe import Probe, fingerprint, probe_config, probes_log_wandb, run_probe
 from fsdp_exp.tasks.max_batch.record import RECORD, MaxBatchRecord
 from fsdp_exp.tasks.max_batch.report import report, summary_figures
-from fsdp_exp.tasks.max_batch.settings import VerifyLength
 from fsdp_exp.tasks.max_batch.verify import Verification, Verifying
 
 
@@ -214,10 +213,7 @@ class MaxBatchSearch(Verifying):
         probe_dir = self.run_dir / "probes" / f"{len(self.probe_dirs()) + 1:02d}_b{size}"
         if as_command:
             log.info("batch %d is where the search expects its answer: its probe runs as the command (its data, "
-                     "wandb and checkpoints), %s, and verifies it", size,
-                     VerifyLength(self.verification.steps, self.verification.until_settled).words())
-            if self.probes_before_verifying is None:
-                self.probes_before_verifying = len(self.probes)
+                     "wandb and checkpoints), %s, and verifies it", size, self.verification.length().words())
             probe = self.command_run(size, probe_dir)
             probe.as_command = True
             if probe.status == "ok":
@@ -314,8 +310,7 @@ class MaxBatchSearch(Verifying):
         if self.limit_gb is None:  # the device's memory then, should its probes not say it
             self.limit_gb = earlier.limit_gb
         self.estimated = earlier.estimate if self.cfg.task.estimate else None
-        length = VerifyLength(self.verification.steps, self.verification.until_settled)
-        self.verification = Verification.from_json(earlier.verification, length)
+        self.verification = Verification.from_json(earlier.verification, self.verification.length())
         self.probes_before_verifying = earlier.probes_before_verifying
         if earlier.smallest_batch_need_probe:
             self.need = Probe.from_json(earlier.smallest_batch_need_probe)

@@ -52,6 +52,9 @@ class Verification:
     def of(cls, length: VerifyLength) -> Verification:
         return cls(length.steps, until_settled=length.until_settled)
 
+    def length(self) -> VerifyLength:
+        return VerifyLength(self.steps, self.until_settled)
+
     def run_words(self) -> str:
         """Its runs, in words: "a 10-step run", or "a run of up to 100 steps"."""
         return run_words({"steps": self.steps, "until_settled": self.until_settled})
@@ -144,8 +147,7 @@ class Verifying:
     their boundary (`verify_step`), and the answer they leave (`verify`)."""
 
     def settle_within_gb(self) -> float | None:
-        length = VerifyLength(self.verification.steps, self.verification.until_settled)
-        return settle_within_gb(length, self.limit_gb)
+        return settle_within_gb(self.verification.length(), self.limit_gb)
 
     def held_beyond(self) -> LengthCheck | None:
         """What the run that verified held beyond a probe at its size (LengthCheck); None
@@ -198,8 +200,6 @@ class Verifying:
         if size is None:
             return False
         check = self.verification
-        if self.probes_before_verifying is None:
-            self.probes_before_verifying = len(self.probes)
         if check.ran_out():
             log.info("%s of the command ran out of memory at batch %d; stepping down to %d",
                      check.run_words(), min(check.ran_out()), size)
@@ -227,6 +227,8 @@ class Verifying:
     def command_run(self, size: int, run_dir: Path) -> Probe:
         """The command at `size`, run as it runs, for the verification's steps, in `run_dir`."""
         check = self.verification
+        if self.probes_before_verifying is None:  # the first run of the command
+            self.probes_before_verifying = len(self.probes)
         timeout_s = self.timeout_s * max(1.0, check.steps / self.steps)
         return run_probe(self.cfg, size, run_dir, self.launcher, self.nproc, check.steps, timeout_s,
                          as_command="verify", until_settled=self.settle_within_gb())
@@ -270,7 +272,7 @@ class Verifying:
         check = self.verification
         run_dir = self.run_dir / "verify" / f"{len(check.runs) + 1:02d}_b{size}"
         log.info("verifying batch %d: the command as it runs (its data, wandb and checkpoints), %s",
-                 size, VerifyLength(check.steps, check.until_settled).words())
+                 size, check.length().words())
         run = self.command_run(size, run_dir)
         log.info("verify %d: %s", len(check.runs) + 1, run.line())
         check.runs.append(run)

@@ -156,9 +156,8 @@ def test_a_running_thread_of_gloos_workers_name_does_not_hold_up_a_read() -> Non
     busy outside the GIL, in libc's memset)."""
     import ctypes
     import threading
-    import time
 
-    from fsdp_exp.metrics.peaks import GLOO_WORKER, SETTLE_S, GlooWorkers
+    from fsdp_exp.metrics.peaks import GLOO_WORKER, GlooWorkers
 
     libc = ctypes.CDLL("libc.so.6")
     buffer, stop, named = ctypes.create_string_buffer(8 * 2**20), threading.Event(), threading.Event()
@@ -176,14 +175,12 @@ def test_a_running_thread_of_gloos_workers_name_does_not_hold_up_a_read() -> Non
     named.wait()
     try:
         workers = GlooWorkers()
-        start = time.perf_counter()
         workers.settled_heap_in_use_bytes()
-        took = time.perf_counter() - start
     finally:
         stop.set()
         thread.join()
     assert tid[0] in workers.workers and workers.spinning == set(tid), (workers.workers, workers.spinning, tid)
-    assert took < SETTLE_S, took
+    assert workers.settled  # the read ended once it saw the thread spin, not at its deadline of SETTLE_S
 
 
 def _collectives(rank: int, init_dir: str, found: dict) -> None:

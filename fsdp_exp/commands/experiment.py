@@ -14,10 +14,12 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
 import hydra
+from hydra.core.utils import JobReturn
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -35,6 +37,7 @@ from fsdp_exp.driver.check import (
 )
 from fsdp_exp.driver.compose import CONF_DIR, check_search_path, compose_config
 from fsdp_exp.driver.external_torchrun import run_as_worker
+from fsdp_exp.driver.outcomes import RunOutcomes
 from fsdp_exp.driver.plan import RunPlan
 from fsdp_exp.driver.run import run_experiment
 from fsdp_exp.driver.sweep import SideBySide
@@ -58,6 +61,7 @@ def main() -> None:
         sys.exit(run_as_worker(sys.argv[1:], compose_config))
     stop_on_signals()
     side_by_side = SideBySide()
+    task = RunTask(side_by_side)
     # Hydra then raises what composing the config found, rather than printing it, so that it
     # too ends as one line (and Hydra's callbacks and sweeper see the config composed once).
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -66,12 +70,13 @@ def main() -> None:
         if not multirun(sys.argv[1:]):
             refuse_a_sweep(overrides_of(sys.argv[1:]))
         shown = shown_config(sys.argv[1:])
-        # CheckRun and the sweeper (conf/config.yaml) check each run before it starts;
-        # RunOutcomes ends the process with EXIT_RUN_FAILED when a run failed (EXIT_NONE_FITS: a search
-        # found that nothing fits).
-        hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(RunTask(side_by_side))()
+        # CheckRun and the sweeper (conf/config.yaml) check each run before it starts
+        hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(task)()
         if shown:  # Hydra printed it without the checks a run makes: a refused one ends in its line
             check_run(compose_config(overrides_of(sys.argv[1:])))
+        code = task.outcomes.exit_code()  # EXIT_RUN_FAILED when a run failed; EXIT_NONE_FITS: a search found that nothing fits
+        if code:
+            sys.exit(code)
     except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
         if isinstance(err, BadInput):
             error = err.error
@@ -198,22 +203,33 @@ class RunTask:
     (fsdp_exp.driver.check: `CheckRun` for a single run, the sweeper for a -m sweep);
     checked here only where the check did not see the run (a run that Hydra's launcher
     plugin starts in another process). A sweep's run on a launcher with `max_parallel` > 1
-    starts beside the others (fsdp_exp.driver.sweep): its future summary is what it returns."""
+    starts beside the others (fsdp_exp.driver.sweep): its future summary is what it returns.
+    How each run ended is kept in `outcomes`, which the command's exit code is made of."""
 
     def __init__(self, side_by_side: SideBySide) -> None:
         self.side_by_side = side_by_side
         self.plans: dict[tuple[str, ...], RunPlan | Refused] = {}
         self.swept: set[str] = set()  # the keys a sweep varies, which name its runs
+        self.outcomes = RunOutcomes()
 
     def take_plans(self, plans: Plans, swept: set[str]) -> None:
         self.plans.update(plans)
         self.swept = swept or self.swept
 
+    def take_outcomes(self, results: Sequence[JobReturn]) -> None:
+        self.outcomes.launched(results)
+
     def __getstate__(self) -> dict:
-        """To a launcher plugin's process, which checks its run there again: without the plans."""
-        return {**self.__dict__, "plans": {}}
+        """To a launcher plugin's process, which checks its run there again: without the plans
+        and the outcomes, which are the driver's."""
+        return {**self.__dict__, "plans": {}, "outcomes": RunOutcomes()}
 
     def __call__(self, cfg: DictConfig) -> Summary | Future:
+        run_dir, summary = self.run(cfg)
+        self.outcomes.ran(str(run_dir), summary)
+        return summary
+
+    def run(self, cfg: DictConfig) -> tuple[Path, Summary | Future]:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
@@ -230,18 +246,18 @@ class RunTask:
         if isinstance(plan, Refused):  # one bad combination of a sweep: a row of its own, the others run
             summary = Summary(status="refused", error=plan.reason, overrides=overrides, choices=choices)
             summary.write(run_dir)
-            return summary
+            return run_dir, summary
         startup = {"command": process_started(), "imported": IMPORTED, "composed": time.time()}
         launcher = plan.launcher
         if plan.task.runs_in_driver or not (sweep and launcher.max_parallel > 1
                                             and str(hc.launcher._target_).endswith(".BasicLauncher")):
-            return run_experiment(plan, run_dir, overrides, choices, group, startup=startup)
+            return run_dir, run_experiment(plan, run_dir, overrides, choices, group, startup=startup)
         launcher.connect(plan.nproc, launcher.max_parallel)
         shown = swept_values(overrides, self.swept)
         name = f"run {hc.job.num} ({' '.join(shown)})" if shown else f"run {hc.job.num}"
-        return self.side_by_side.start(name, run_dir, launcher.max_parallel,
-                                       lambda: run_experiment(plan, run_dir, overrides, choices, group,
-                                                              startup=startup))
+        return run_dir, self.side_by_side.start(name, run_dir, launcher.max_parallel,
+                                                lambda: run_experiment(plan, run_dir, overrides, choices, group,
+                                                                       startup=startup))
 
 
 def compose_checked(overrides: list[str], config_name: str = "config") -> DictConfig:

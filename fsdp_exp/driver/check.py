@@ -72,9 +72,12 @@ class CheckedSweep:
 @runtime_checkable
 class TakesPlans(Protocol):
     """A task function that runs the plans the check made (fsdp_exp.commands.experiment's `RunTask`); a run
-    whose plan it was not handed (a launcher plugin's, in another process) it checks itself."""
+    whose plan it was not handed (a launcher plugin's, in another process) it checks itself.
+    After a sweep it is handed what the launcher returned for each run (`take_outcomes`)."""
 
     def take_plans(self, plans: Plans, swept: set[str]) -> None: ...
+
+    def take_outcomes(self, results: Sequence[Any]) -> None: ...
 
 
 def run_key(overrides: Sequence[str]) -> tuple[str, ...]:

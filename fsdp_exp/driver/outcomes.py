@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import re
 import sys
-import time
+from collections.abc import Sequence
 from concurrent.futures import Future
-from pathlib import Path
-from typing import Any
 
-from hydra.core.utils import JobStatus
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from hydra.core.utils import JobReturn
 
 from fsdp_exp.errors import one_line
 from fsdp_exp.metrics.summary import ANSWERED, NONE_FITS, Summary
@@ -28,36 +23,39 @@ def exit_code(summaries: list[Summary]) -> int:
     return EXIT_NONE_FITS if any(s.status == NONE_FITS for s in summaries) else 0
 
 
-class RunOutcomes(Callback):
-    """The outcome of the command (conf/config.yaml sets this callback): it exits with
-    EXIT_RUN_FAILED when a run failed, and after a sweep lists the runs that failed; with
-    EXIT_NONE_FITS when none failed and a search found that nothing fits.
+class RunOutcomes:
+    """The runs of the command as they end, and the exit code they make: EXIT_RUN_FAILED
+    when a run failed (after a sweep, with the list of the failed ones), else EXIT_NONE_FITS
+    when a search found that nothing fits.
 
-    The runs Hydra ran in this process report their summaries as they end (`on_job_end`),
-    or, for runs side by side (fsdp_exp.driver.sweep), the futures of their summaries, which
-    the end of the sweep waits for.
-    A sweep that Hydra's launcher plugin ran in other processes (hydra/launcher=
-    submitit_local, submitit_slurm) is read from the summary.json each of its runs wrote."""
+    The task function (fsdp_exp.commands.experiment's `RunTask`) records each run it ran in
+    this process as it ends (`ran`): its summary, or for runs side by side
+    (fsdp_exp.driver.sweep) the future of it, which `exit_code` waits for. After a -m sweep,
+    fsdp_exp's sweeper hands over what Hydra's launcher returned for every run (`launched`),
+    which holds the summaries of runs a launcher plugin ran in other processes too
+    (hydra/launcher=submitit_local, submitit_slurm)."""
 
     def __init__(self) -> None:
-        self.ended: list[tuple[str, Summary | Future]] = []  # (run directory, summary) of the runs that ran here
-        self.start = time.time()
+        self.ended: dict[str, Summary | Future] = {}  # by run directory, in the order the runs ended
+        self.ran_here: set[str] = set()  # those this process ran, which have said why they failed
+        self.swept = False
 
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.start = time.time() - 1  # file times may be whole seconds
+    def ran(self, run_dir: str, summary: Summary | Future) -> None:
+        self.ended[run_dir] = summary
+        self.ran_here.add(run_dir)
 
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if job_return.status == JobStatus.COMPLETED:
-            self.ended.append((config.hydra.runtime.output_dir, job_return.return_value))
+    def launched(self, results: Sequence[JobReturn]) -> None:
+        """A sweep's runs, as Hydra's launcher returned them (each a completed job)."""
+        self.swept = True
+        self.ended = {str(r.hydra_cfg.hydra.runtime.output_dir): r.return_value for r in results}
 
-    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        code = exit_code([summary for _, summary in self.ended])
-        if code:  # the run has said why
-            sys.exit(code)
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        ended = [(run_dir, outcome(summary)) for run_dir, summary in self.ended] or \
-            self.ended_elsewhere(Path(config.hydra.sweep.dir).absolute())
+    def exit_code(self) -> int:
+        """The command's exit code; after a sweep, its refused, failed and none-fits runs
+        said first."""
+        ended = [(run_dir, outcome(summary)) for run_dir, summary in self.ended.items()]
+        code = exit_code([summary for _, summary in ended if summary.status != "refused"])
+        if not self.swept:
+            return code  # the run has said why
         failed = [f"{run_dir}: {summary.error or summary.status}"
                   for run_dir, summary in ended if summary.status not in (*ANSWERED, "refused")]
         none_fits = [run_dir for run_dir, summary in ended if summary.status == NONE_FITS]
@@ -65,28 +63,15 @@ class RunOutcomes(Callback):
         if refused:  # each was named, with its reason, before the sweep started
             print(f"fsdp_exp: {len(refused)} of {len(ended)} runs refused by their check (status refused): "
                   f"{', '.join(refused)}", file=sys.stderr)
-        if failed and (len(ended) > 1 or not self.ended):  # a single run here has already said why
-            print(f"fsdp_exp: {len(failed)} of {len(ended)} runs failed:", file=sys.stderr)
-            for line in failed:
-                print(f"  {line}", file=sys.stderr)
         if failed:
-            sys.exit(EXIT_RUN_FAILED)
-        if none_fits:
+            if len(ended) > 1 or not set(self.ended) <= self.ran_here:  # a single run here has said why
+                print(f"fsdp_exp: {len(failed)} of {len(ended)} runs failed:", file=sys.stderr)
+                for line in failed:
+                    print(f"  {line}", file=sys.stderr)
+        elif none_fits:
             print(f"fsdp_exp: {len(none_fits)} of {len(ended)} searches found that nothing fits (status none_fits): "
                   f"{', '.join(none_fits)}", file=sys.stderr)
-            sys.exit(EXIT_NONE_FITS)
-
-    def ended_elsewhere(self, sweep: Path) -> list[tuple[str, Summary]]:
-        made = [p.parent for p in [*sweep.glob("*/.hydra"), *sweep.glob("*/*/.hydra")] if p.stat().st_mtime >= self.start]
-        ended = []
-        for run_dir in sorted(made, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]):
-            summary = Summary.read(run_dir)
-            if summary is not None:
-                ended.append((str(run_dir), summary))
-            else:
-                ended.append((str(run_dir), Summary(status="failed", error="no summary.json: the run did not "
-                                                    "finish (see the launcher's logs)")))
-        return ended
+        return code
 
 
 def outcome(summary: Summary | Future) -> Summary:

@@ -4,8 +4,8 @@ Hydra's sweep calls the run function once per combination, one after the other. 
 launcher whose `max_parallel` is above 1 (launcher=slurm, launcher=ray), the run function
 starts the run's driver side in a thread and returns at once, so every combination is
 submitted before any has finished; a new one waits while `max_parallel` are in flight.
-Each run keeps its own run directory, summary.json and log file. `RunOutcomes` (Hydra's
-callback) waits for them at the end of the sweep and lists the failed ones.
+Each run keeps its own run directory, summary.json and log file. The command waits for
+them at the end of the sweep and lists the failed ones (fsdp_exp.driver.outcomes).
 
 Launchers (fsdp_exp.launcher.core.watch) see the run's `Alongside` and print one line per
 change of its job's state instead of echoing rank 0's lines, which would interleave.

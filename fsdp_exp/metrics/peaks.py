@@ -89,6 +89,7 @@ class GlooWorkers:
         self.tasks: set[str] = set()
         self.workers: list[str] = []
         self.spinning: set[str] = set()  # of the last read: runnable and running all along
+        self.settled = True  # whether the last read ended with its workers settled, not at its deadline
 
     def runnable(self) -> dict[str, int]:
         """The workers that are running or waiting to run, and the CPU time each has had
@@ -118,6 +119,7 @@ class GlooWorkers:
             ran_on = {t for t, ns in runnable.items() if t in waiting and ns - waiting[t] > SETTLE_STEP_S * 1e9 / 2}
             self.spinning |= ran_on
             waiting = runnable
+        self.settled = not (freed or waiting.keys() - self.spinning)
         return now
 
 

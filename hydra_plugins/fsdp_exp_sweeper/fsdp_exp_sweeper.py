@@ -1,6 +1,7 @@
 """hydra/sweeper=fsdp_exp: a -m sweep whose every run is composed and checked before the
 first starts (fsdp_exp.driver.check), then handed to Hydra's launcher as one batch; the
-plans the check made go to the task function (fsdp_exp.commands.experiment's `RunTask`), which runs them.
+plans the check made go to the task function (fsdp_exp.commands.experiment's `RunTask`), which runs them,
+and what the launcher returned for each run goes to it after the launch (the command's exit code).
 
 Hydra finds sweepers in the hydra_plugins namespace package (and loads this module
 outside sys.modules, so its annotations are not postponed); this one is the default of
@@ -101,4 +102,6 @@ class CheckingSweeper(Sweeper):
         results = self.launcher.launch(checked.launch, initial_job_idx=0)
         for result in results:
             _ = result.return_value  # raises a run's exception, as Hydra's basic sweeper does
+        if isinstance(self.task_function, TakesPlans):  # how each run ended, wherever the launcher ran it
+            self.task_function.take_outcomes(results)
         return [results]

@@ -1,6 +1,6 @@
 """The parts of summary.json (fsdp_exp.metrics.summary.Summary, composed of them): how a run
 ended, what training measured, the run's own estimate, and each task's answer. A task makes
-its answer as its record (`MaxBatchAnswer`, `TuneAnswer`, `EstimateAnswer`, `EvalAnswer`,
+its answer as its record (`TrainAnswer`, `MaxBatchAnswer`, `TuneAnswer`, `EstimateAnswer`, `EvalAnswer`,
 `ExportAnswer`): a name it has no field for is an error where it is made. The figures more
 than one task answers with (a batch, its speed and peak) are `Answer`'s, which each answer
 extends; each figure is declared once, here."""
@@ -148,6 +148,13 @@ class OwnEstimate(Figures):
     estimate_ratio_peak_under_limit: float | None = None
     estimate_ratio_peak_reserved: float | None = None
     estimate_ratio_device_used: float | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+@composed_of(Training, OwnEstimate)
+class TrainAnswer(Answer):
+    """task=train's figures (fsdp_exp.tasks.train): what training measured on its ranks
+    (fsdp_exp.rank.report) and its own estimate beside them."""
 
 
 @dataclass(kw_only=True, slots=True)

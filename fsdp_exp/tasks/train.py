@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_exp.checkpoint.resume import resolve_resume
 from fsdp_exp.estimate.beside import EstimateBeside, checked, wait_for_estimate
+from fsdp_exp.metrics.figures import TrainAnswer
 from fsdp_exp.metrics.summary import ESTIMATE_LATER, Summary, estimate_line
 from fsdp_exp.rank.train import train_rank
 from fsdp_exp.tasks import Task
@@ -41,7 +42,8 @@ class Train(Task):
         if context.resume:
             log.info("resuming from %s", context.resume)
 
-    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher, nproc: int) -> dict:
+    def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher,
+            nproc: int) -> TrainAnswer:
         self.find_resume(exp, context, run_dir)
         beside = EstimateBeside(exp, nproc, run_dir, launcher.ranks_per_node(nproc)) if exp.memory.estimate else None
         if beside is not None and launcher.runs_here:  # rank 0 sees the file and holds the trace; else the driver adds it
@@ -55,10 +57,10 @@ class Train(Task):
             if beside is not None:
                 beside.stop()  # the run failed or was stopped: so is its trace
             raise
-        if beside is None:
-            return figures
-        beside.go_on()  # should rank 0 have ended while it held the trace
-        return beside.add_to(figures)
+        if beside is not None:
+            beside.go_on()  # should rank 0 have ended while it held the trace
+            figures = beside.add_to(figures)
+        return TrainAnswer(**figures)
 
 
 def estimate_checked(summary: Summary, path: Path) -> dict:

@@ -25,7 +25,6 @@ from fsdp_exp.metrics.environment import (
     rank_environment,
     read_device_record,
 )
-from fsdp_exp.metrics.figures import Figures
 from fsdp_exp.metrics.sinks import METRICS, JsonLines, figures_so_far
 from fsdp_exp.metrics.summary import SUMMARY, Summary, summary_table
 from fsdp_exp.run_context import RunContext
@@ -59,7 +58,7 @@ def run_experiment(
     start = time.perf_counter()
     try:
         figures = exp.task.run(exp, context, run_dir, exp.launcher, nproc)
-        summary = Summary(status="ok").with_figures(figures.figures() if isinstance(figures, Figures) else figures)
+        summary = Summary(status="ok").with_figures(figures.figures())
     except RunFailed as err:
         log.error("%s", err)
         summary = Summary(status="oom" if err.out_of_memory else "failed", error=str(err), world_size=nproc)

@@ -37,9 +37,8 @@ class Task(TaskOption):
         """Refuse what the task cannot do on this many ranks, in one ConfigError line."""
 
     def run(self, exp: Experiment, context: RunContext, run_dir: Path, launcher: Launcher,
-            nproc: int) -> Figures | dict:
-        """Do the task; returns the run's figures for summary.json: its answer's record
-        (fsdp_exp.metrics.figures), or a training run's figures as its rank 0 sent them."""
+            nproc: int) -> Figures:
+        """Do the task; returns its answer's record for summary.json (fsdp_exp.metrics.figures)."""
         raise NotImplementedError
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from omegaconf import OmegaConf
 
 from fsdp_exp.commands.experiment import compose_checked
-from fsdp_exp.driver.check import refuse_a_sweep
+from fsdp_exp.driver.check import check_sweeper, refuse_a_sweep
 from fsdp_exp.driver.compose import CONF_DIR, compose_config
 from tests.conftest import names, precheck, refused_here, run_cli
 from fsdp_exp.errors import ConfigError
@@ -171,6 +171,18 @@ def test_hydras_launcher_plugins_are_checked_with_the_runs(
     with pytest.raises(ConfigError) as err:
         precheck(["-m", *overrides, "sharding=full,ddp"])
     assert str(err.value) == expected
+
+
+def test_another_sweeper_is_refused_where_a_launcher_plugin_would_run_its_runs_unseen(tmp_path: Path) -> None:
+    """How a sweep's runs ended comes back through fsdp_exp's sweeper: Hydra's basic sweeper
+    with the submitit plugin is refused before anything is written; with Hydra's own
+    launcher, whose runs end in this process, it runs."""
+    refused = refused_here("-m", "hydra/sweeper=basic", "hydra/launcher=submitit_local", "sharding=full,ddp",
+                           cwd=tmp_path)
+    assert refused.returncode == 2
+    names(refused.stderr, "hydra/sweeper=basic", "hydra/launcher=submitit_local", "hydra/sweeper")
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
+    check_sweeper(compose_config(["hydra/sweeper=basic"]).hydra)  # the basic launcher: its runs end here
 
 
 def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:

@@ -19,8 +19,10 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -226,13 +228,10 @@ class RunTask:
 
     def __call__(self, cfg: DictConfig) -> Summary | Future:
         run_dir, summary = self.run(cfg)
-        self.outcomes.ran(str(run_dir), summary)
+        self.outcomes.ran(str(run_dir), summary, in_sweep=HydraConfig.get().mode == RunMode.MULTIRUN)
         return summary
 
     def run(self, cfg: DictConfig) -> tuple[Path, Summary | Future]:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
         hc = HydraConfig.get()
         sweep = hc.mode == RunMode.MULTIRUN
         choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")}

@@ -139,7 +139,8 @@ def check_sweep(runs: Sequence[Sequence[str]], compose: Callable[[list[str]], Di
 
 class CheckRun(Callback):
     """Hydra's callback (conf/config.yaml): a single run is checked before Hydra makes its
-    directory, and its plan handed to the task function when the job starts."""
+    directory, and its plan handed to the task function when the job starts; a -m sweep's
+    sweeper and launcher before the sweep starts (`check_sweeper`)."""
 
     def __init__(self) -> None:
         self.checked: dict[tuple[str, ...], RunPlan] = {}
@@ -147,6 +148,12 @@ class CheckRun(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             self.checked = {run_key(list(config.hydra.overrides.task)): check_run(config)}
+        except ConfigError as err:
+            raise BadInput(err) from None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_sweeper(config.hydra)
         except ConfigError as err:
             raise BadInput(err) from None
 
@@ -190,6 +197,20 @@ def check_launcher_plugin(hydra: DictConfig) -> None:
     if plugin.endswith(".SlurmLauncher") and shutil.which("srun") is None:  # else a traceback from submitit
         raise ConfigError("hydra/launcher=submitit_slurm: no SLURM here (srun not found); "
                           "use hydra/launcher=submitit_local to try it on this machine")
+
+
+def check_sweeper(hydra: DictConfig) -> None:
+    """A -m sweep whose runs a launcher plugin runs in other processes: how each ended comes
+    back to the command through fsdp_exp's sweeper (hydra/sweeper=fsdp_exp, the default), so
+    under another sweeper those runs would end unseen by the command's exit code."""
+    sweeper = str(OmegaConf.select(hydra, "sweeper._target_", default=""))
+    launcher = str(OmegaConf.select(hydra, "launcher._target_", default=""))
+    if sweeper.startswith("hydra_plugins.fsdp_exp_sweeper.") or launcher.endswith(".BasicLauncher"):
+        return
+    choices = hydra.runtime.choices
+    raise ConfigError(f"hydra/sweeper={choices.get('hydra/sweeper')}: with hydra/launcher={choices.get('hydra/launcher')} "
+                      "the runs end in other processes, and only fsdp_exp's sweeper (the default) hands back how "
+                      "they ended; drop hydra/sweeper and list the values (key=a,b,c)")
 
 
 # ---- composition errors as one line ---------------------------------------------------------

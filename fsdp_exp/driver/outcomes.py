@@ -36,26 +36,30 @@ class RunOutcomes:
     (hydra/launcher=submitit_local, submitit_slurm)."""
 
     def __init__(self) -> None:
-        self.ended: dict[str, Summary | Future] = {}  # by run directory, in the order the runs ended
-        self.ran_here: set[str] = set()  # those this process ran, which have said why they failed
-        self.swept = False
+        self.ended: list[tuple[str, Summary | Future]] = []  # (run directory, summary) of each run
+        self.ran_here: set[str] = set()  # the runs this process ran, which have said why they failed
+        self.swept = False  # a -m sweep
 
-    def ran(self, run_dir: str, summary: Summary | Future) -> None:
-        self.ended[run_dir] = summary
+    def ran(self, run_dir: str, summary: Summary | Future, in_sweep: bool) -> None:
+        self.ended.append((run_dir, summary))
         self.ran_here.add(run_dir)
+        self.swept |= in_sweep
 
     def launched(self, results: Sequence[JobReturn]) -> None:
-        """A sweep's runs, as Hydra's launcher returned them (each a completed job)."""
+        """A sweep's runs, as Hydra's launcher returned them (each a completed job), in the
+        order it launched them."""
         self.swept = True
-        self.ended = {str(r.hydra_cfg.hydra.runtime.output_dir): r.return_value for r in results}
+        self.ended = [(str(r.hydra_cfg.hydra.runtime.output_dir), r.return_value) for r in results]
 
     def exit_code(self) -> int:
         """The command's exit code; after a sweep, its refused, failed and none-fits runs
         said first."""
-        ended = [(run_dir, outcome(summary)) for run_dir, summary in self.ended.items()]
-        code = exit_code([summary for _, summary in ended if summary.status != "refused"])
-        if not self.swept:
-            return code  # the run has said why
+        ended = [(run_dir, outcome(summary)) for run_dir, summary in self.ended]
+        if not self.swept:  # the run has said why, but one refused by its own check (no CheckRun before it)
+            for _, summary in ended:
+                if summary.status == "refused":
+                    print(f"fsdp_exp: {summary.error}", file=sys.stderr)
+            return exit_code([summary for _, summary in ended])
         failed = [f"{run_dir}: {summary.error or summary.status}"
                   for run_dir, summary in ended if summary.status not in (*ANSWERED, "refused")]
         none_fits = [run_dir for run_dir, summary in ended if summary.status == NONE_FITS]
@@ -64,14 +68,14 @@ class RunOutcomes:
             print(f"fsdp_exp: {len(refused)} of {len(ended)} runs refused by their check (status refused): "
                   f"{', '.join(refused)}", file=sys.stderr)
         if failed:
-            if len(ended) > 1 or not set(self.ended) <= self.ran_here:  # a single run here has said why
+            if len(ended) > 1 or ended[0][0] not in self.ran_here:  # a single run here has said why
                 print(f"fsdp_exp: {len(failed)} of {len(ended)} runs failed:", file=sys.stderr)
                 for line in failed:
                     print(f"  {line}", file=sys.stderr)
         elif none_fits:
             print(f"fsdp_exp: {len(none_fits)} of {len(ended)} searches found that nothing fits (status none_fits): "
                   f"{', '.join(none_fits)}", file=sys.stderr)
-        return code
+        return exit_code([summary for _, summary in ended if summary.status != "refused"])
 
 
 def outcome(summary: Summary | Future) -> Summary:

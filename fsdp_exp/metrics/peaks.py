@@ -107,7 +107,7 @@ class GlooWorkers:
         while this read holds it; a thread that ran for half a step and is still runnable
         spins, and is not waited for."""
         now, waiting = heap_in_use_bytes(), self.runnable()
-        self.spinning = set()
+        self.spinning, self.settled = set(), True
         if now is None or not self.workers:
             return now
         deadline, freed = time.perf_counter() + SETTLE_S, True

@@ -79,7 +79,7 @@ def fsdp_exp_args(line: list[str]) -> list[str]:
     return line[line.index("fsdp_exp") + 1:]
 
 
-@pytest.mark.parametrize("setup", [GPU, CPU], ids=["cuda", "cpu"])
+@pytest.mark.parametrize("setup", [GPU, pytest.param(CPU, marks=pytest.mark.slow)], ids=["cuda", "cpu"])
 def test_every_run_composes_and_passes_the_plan(setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What `python -m fsdp_exp` checks before it starts a rank, for each run of the check:
     on a (pretended) 2-GPU machine with 80 GB each, and on CPU."""

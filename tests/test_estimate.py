@@ -356,6 +356,25 @@ def test_max_batch_searches_without_the_estimate_when_it_cannot_trace(caplog):
     assert "the search places its probes without it" in caplog.text
 
 
+def normed_over_the_batch() -> nn.Module:
+    """BatchNorm over the batch: a step of one sample does not train (one value per channel)."""
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH))
+
+
+def test_a_model_that_cannot_train_on_one_sample_is_traced_from_two(caplog):
+    """task=max_batch's estimate of a BatchNorm net that a batch of 1 cannot train: traced
+    again from 2, as its search probes 2 after 1 failed, so it still places the probes."""
+    from fsdp_exp.tasks.max_batch.prior import estimate_curve, prior
+
+    stack = [o.replace("linear_stack", "normed_over_the_batch") for o in STACK]
+    exp = prepare(compose_checked([*stack, "task=max_batch", "memory.limit_gb=1", "task.search_up_to=2"]), 0).exp
+    with caplog.at_level("INFO", logger="fsdp_exp"):
+        record = estimate_curve(exp, 2, limit_gb=1.0)
+    assert "error" not in record, record
+    assert [b for b, _ in record["peaks_gb"]] == [2] and prior(record) is not None
+    assert "Expected more than 1 value per channel" in caplog.text  # the first trace's failure, then from 2
+
+
 def test_the_trace_of_a_gpu_run_asks_for_foreach_and_leaves_the_runs_settings_as_they_were() -> None:
     """On a GPU torch's AdamW takes its foreach kernels, whose temporaries the trace (on the
     CPU) must see, so the traced experiment asks for them; it is derived with `replace`, so

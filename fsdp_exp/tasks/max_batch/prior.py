@@ -2,7 +2,7 @@
 
 One task=estimate trace (`fsdp_exp.estimate.predict`, on fake tensors, nothing allocated) at
 doubling sizes from task.resolution, up to the first predicted to peak above the
-memory limit. The search moves the curve through its probes, so its
+memory limit (from 2 when a trace from 1 fails: a model that cannot train on one sample). The search moves the curve through its probes, so its
 level need not be right, only its shape; each probe shows the estimate beside its peak.
 """
 
@@ -36,9 +36,16 @@ def estimate_curve(cfg: Experiment, world_size: int, limit_gb: float) -> dict:
     settings = cfg.task
     start = time.perf_counter()
     on_gpu = cfg.device == "cuda"
+    sizes = doubling(settings.resolution, settings.search_up_to)
     try:
-        record = estimate(cfg, world_size, doubling(settings.resolution, settings.search_up_to), on_gpu,
-                          stop_above_gb=limit_gb)
+        try:
+            record = estimate(cfg, world_size, sizes, on_gpu, stop_above_gb=limit_gb)
+        except RunFailed as err:
+            if sizes[0] != 1 or len(sizes) < 2:
+                raise
+            # as the search does: a model may not train on one sample (BatchNorm with one value per channel)
+            log.info("%s; tracing again from batch %d, in case 1 is too small to train", err, sizes[1])
+            record = estimate(cfg, world_size, sizes[1:], on_gpu, stop_above_gb=limit_gb)
     except RunFailed as err:
         log.warning("%s; the search places its probes without it (task.estimate=false skips it)", err)
         return {"error": str(err), "wall_s": time.perf_counter() - start}

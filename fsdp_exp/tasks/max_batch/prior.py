@@ -2,8 +2,9 @@
 
 One task=estimate trace (`fsdp_exp.estimate.predict`, on fake tensors, nothing allocated) at
 doubling sizes from task.resolution, up to the first predicted to peak above the
-memory limit (from 2 when a trace from 1 fails: a model that cannot train on one sample). The search moves the curve through its probes, so its
-level need not be right, only its shape; each probe shows the estimate beside its peak.
+memory limit (from 2 when the traced step of 1 fails: a model that cannot train on one
+sample). The search moves the curve through its probes, so its level need not be right,
+only its shape; each probe shows the estimate beside its peak.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from fsdp_exp.estimate.curve import PeakCurve
-from fsdp_exp.estimate.predict import estimate
+from fsdp_exp.estimate.predict import CannotTrace, estimate
 from fsdp_exp.launcher.core import RunFailed
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def estimate_curve(cfg: Experiment, world_size: int, limit_gb: float) -> dict:
     try:
         try:
             record = estimate(cfg, world_size, sizes, on_gpu, stop_above_gb=limit_gb)
-        except RunFailed as err:
+        except CannotTrace as err:  # the traced step itself failed (not its time, nor its process)
             if sizes[0] != 1 or len(sizes) < 2:
                 raise
             # as the search does: a model may not train on one sample (BatchNorm with one value per channel)

@@ -10,11 +10,12 @@ writes estimate.json in the run directory and keeps it for the setup's later run
 (fsdp_exp.estimate.earlier): a setup traced before, by a run or by task=estimate, starts no
 trace, and its estimate.json is there from the start.
 
-Rank 0, once the last step is measured, looks for estimate.json for at most WAIT_S and
-records the estimate beside what it measured (`checked`): in summary.json, its log line and
-wandb. Where rank 0 cannot see the driver's files, the driver adds it. A trace not done
-when the run ends is stopped with it: the summary says `estimate: not ready`, the command
-ends within about a second, and nothing it started goes on writing.
+Rank 0, once the last step is measured, records the estimate beside what it measured
+(`checked`): in summary.json, its log line and wandb. Where rank 0 cannot see the driver's
+files, the driver adds it. A trace not done when the run ends is stopped with it: the
+summary says `estimate: not ready`, and nothing it started goes on writing. Only a trace
+that is done (TRACED_FILE) and writing its record is waited for, at most WAIT_S: one still
+tracing needs seconds more (a traced step in a fresh process), so the command ends at once.
 
 What it costs: nothing of the timed steps; the trace's CPU time (the record's `trace_s` also
 counts the time it was held or waited for the CPU), taken from what the start-up and the
@@ -44,8 +45,9 @@ if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
 
 SETUP_FILE = ".estimate_setup.pickle"  # the setup, from the driver to the tracing process
-WAIT_S = 0.8  # rank 0's look for the record at the run's end: under a second
-LAST_LOOK_S = 0.2  # the driver's, after the ranks ended: a trace that is about to write
+TRACED_FILE = ".estimate_traced"  # the tracing process's trace is done: its record is being worked out
+WAIT_S = 0.8  # rank 0's look for the record of a trace that is done: under a second
+LAST_LOOK_S = 0.2  # the driver's, after the ranks ended
 POLL_S = 0.1
 
 
@@ -68,7 +70,7 @@ class EstimateBeside:
     def add_to(self, summary: dict) -> dict:
         """`summary` (the ranks' figures) with the estimate checked against it, unless rank 0
         did so. A trace still running is given LAST_LOOK_S, then stopped: `estimate: not ready`."""
-        if self.process is not None:
+        if self.process is not None and traced(self.path):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(LAST_LOOK_S)
         self.stop()
@@ -93,6 +95,7 @@ class EstimateBeside:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         (self.run_dir / SETUP_FILE).unlink(missing_ok=True)  # if it was stopped before it read it
+        (self.run_dir / TRACED_FILE).unlink(missing_ok=True)
         for left in self.run_dir.glob(f".{ESTIMATE_FILE}*.tmp"):
             left.unlink(missing_ok=True)
         trace_log = self.run_dir / "estimate.log"
@@ -139,14 +142,19 @@ def at_idle_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
+def traced(path: Path) -> bool:
+    """Whether the trace whose record goes to `path` is done (the record may be on its way)."""
+    return (path.parent / TRACED_FILE).exists()
+
+
 def wait_for_estimate(path: Path, wait_s: float = WAIT_S) -> tuple[EstimateRecord | None, float]:
-    """Rank 0: the driver's estimate record if it is written within `wait_s`, and how long
-    it looked."""
+    """Rank 0: the driver's estimate record if it is written, or its trace is done and it is
+    written within `wait_s`; and how long it looked."""
     start = time.perf_counter()
     while True:
         record = EstimateRecord.read_from(path)
         waited = time.perf_counter() - start
-        if record is not None or waited >= wait_s:
+        if record is not None or waited >= wait_s or not traced(path):
             return record, waited
         time.sleep(min(POLL_S, wait_s - waited))
 
@@ -160,7 +168,8 @@ def main() -> None:
     setup.unlink()
     failed: Exception | None = None
     try:
-        record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node)
+        record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node,
+                          when_traced=(run_dir / TRACED_FILE).touch)
     except Exception as err:  # noqa: BLE001 - recorded in one line; the run goes on
         record, failed = EstimateRecord(error=one_line(err, limit=300)), err
     if failed is None or isinstance(failed, CannotTrace):  # the setup's own failure is kept too, not its process's

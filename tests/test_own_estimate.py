@@ -22,12 +22,14 @@ from torch.utils.data import Dataset
 from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.commands.compare import main as compare
 from fsdp_exp.driver.plan import prepare
-from fsdp_exp.estimate.beside import EstimateBeside, at_idle_priority, checked
+from fsdp_exp.estimate.beside import TRACED_FILE, WAIT_S, EstimateBeside, at_idle_priority, checked, wait_for_estimate
 from fsdp_exp.estimate.earlier import setup_key
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
 from fsdp_exp.metrics.summary import NOT_READY, Summary
 from tests.conftest import REPO, SMALL_VIT, estimated_first, read_json, run_and_list_left, run_cli, user_package
 from tests.test_estimate import STACK
+
+pytestmark = pytest.mark.processes  # its tests start the command or ranks
 
 RUN = [*SMALL_VIT, "device=cpu", "train.steps=3", "train.log_every=1", "metrics.warmup_steps=1"]
 
@@ -127,6 +129,19 @@ def test_a_trace_not_done_when_the_run_ends_is_stopped_and_the_summary_says_not_
     assert figures["estimate"] == NOT_READY  # a trace takes seconds: it cannot be done yet
     assert beside.process.returncode == -signal.SIGKILL
     assert not (tmp_path / ESTIMATE_FILE).exists() and not list(tmp_path.glob(".estimate*"))
+
+
+def test_rank_0_waits_only_for_a_trace_that_is_done(tmp_path: Path) -> None:
+    """At the run's end rank 0 reads a record that is there; it waits, at most WAIT_S, only for
+    the record of a trace that is done; a trace still tracing (seconds more) is not waited for."""
+    path = tmp_path / ESTIMATE_FILE
+    assert wait_for_estimate(path)[0] is None and wait_for_estimate(path)[1] < WAIT_S / 4  # still tracing
+    (tmp_path / TRACED_FILE).touch()
+    record, waited = wait_for_estimate(path)
+    assert record is None and waited >= WAIT_S  # done, and its record did not come: looked the whole while
+    EstimateRecord(error="traced, and refused").write_to(path)
+    record, waited = wait_for_estimate(path)
+    assert record.error == "traced, and refused" and waited < WAIT_S / 4
 
 
 def test_a_setup_traced_once_has_its_estimate_at_once_in_its_later_runs(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,12 +49,40 @@ def names(line: str, key: str, *allowed: str) -> None:
     assert not missing, f"{line!r} lacks {missing}"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`make test` runs the suite on two workers (pytest-xdist, `--dist loadgroup`): the tests
+    marked `processes` (they start the command or ranks) one at a time on one of them, the
+    others beside them. Two launches of 2 ranks at once on 2 cores would time each other out."""
+    for item in items:
+        if item.get_closest_marker("processes") is not None:
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
+RUNNING: list[pytest.Item] = []  # the test running now
+
+
+@pytest.fixture(autouse=True)
+def running_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    RUNNING[:] = [request.node]
+    yield
+    RUNNING.clear()
+
+
+def starts_processes() -> None:
+    """A test of the fast suite that starts the command is marked `processes`
+    (pytest_collection_modifyitems); `make test-slow` runs one test at a time."""
+    marked = RUNNING and any(RUNNING[0].get_closest_marker(m) is not None for m in ("processes", "slow"))
+    if RUNNING and not marked:
+        raise AssertionError(f"{RUNNING[0].nodeid} starts the command: mark it `processes`")
+
+
 def run_cli(*args: str, cwd: Path, timeout: float = 240, extra_env: dict | None = None,
             module: tuple[str, ...] = ("-m", "fsdp_exp"), estimate: bool = False) -> subprocess.CompletedProcess:
     """`python -m fsdp_exp ARGS` in `cwd`, as a user would type it; output captured.
     `estimate`: a training run traces its own estimate beside it, as by default
     (memory.estimate). Off unless asked for, or set in ARGS: its trace would add seconds to
     each of the suite's runs (tests/test_own_estimate.py tests it)."""
+    starts_processes()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
     env.update(extra_env or {})
     if module == ("-m", "fsdp_exp") and not estimate and not any(a.startswith("memory.estimate") for a in args):
@@ -185,6 +214,7 @@ def run_and_list_left(*args: str, cwd: Path, timeout: float = 240) -> tuple[subp
     """`python -m fsdp_exp ARGS` (as run_cli) under a process that adopts whatever it leaves
     running (Linux's child subreaper): its result, and the command lines of the processes
     still alive when it exited (then stopped)."""
+    starts_processes()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
     done = subprocess.run([sys.executable, str(REPO / "tests" / "left_running.py"), sys.executable, "-m", "fsdp_exp",
                            *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -44,6 +44,8 @@ from fsdp_exp.driver.plan import prepare
 from fsdp_exp.metrics.summary import Summary
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.processes  # its tests start the command or ranks
+
 GPU = setup_for("cuda", gpus=2)
 ONE_GPU = setup_for("cuda", gpus=1)
 CPU = setup_for("cpu", gpus=0)

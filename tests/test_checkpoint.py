@@ -37,6 +37,8 @@ from fsdp_exp.run_context import RunContext
 from tests import rank_tasks
 from tests.test_data import make_dataset
 
+pytestmark = pytest.mark.processes  # its tests start the command or ranks
+
 STEPS, EVERY = 24, 6
 COMMON = [*SMALL_VIT, f"train.steps={STEPS}", "train.log_every=1", "train.lr_schedule=cosine",
           "train.lr_warmup_steps=3", f"checkpoint.every={EVERY}"]

@@ -22,6 +22,8 @@ from hydra_plugins.fsdp_exp_sweeper.fsdp_exp_sweeper import ComposedOnce
 from fsdp_exp.errors import ConfigError
 from tests.conftest import REPO, SMALL_VIT, names, read_json, read_jsonl, refused_here, run_cli
 
+pytestmark = pytest.mark.processes  # its tests start the command or ranks
+
 
 @pytest.mark.slow  # 50 steps of the default ViT: 33 s of the fast suite's 15 minutes
 def test_default_experiment_trains_to_the_end(tmp_path: Path) -> None:

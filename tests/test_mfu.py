@@ -30,6 +30,8 @@ from fsdp_exp.precision import Precision
 from tests.conftest import SMALL_VIT, read_json, run_cli
 from tests.counting import count_step_flops
 
+pytestmark = pytest.mark.processes  # its tests start the command or ranks
+
 # --- the peak table -------------------------------------------------------------------
 
 A100 = (312, 156, 19.5)

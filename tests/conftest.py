@@ -77,16 +77,12 @@ def starts_processes() -> None:
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 240, extra_env: dict | None = None,
-            module: tuple[str, ...] = ("-m", "fsdp_exp"), estimate: bool = False) -> subprocess.CompletedProcess:
-    """`python -m fsdp_exp ARGS` in `cwd`, as a user would type it; output captured.
-    `estimate`: a training run traces its own estimate beside it, as by default
-    (memory.estimate). Off unless asked for, or set in ARGS: its trace would add seconds to
-    each of the suite's runs (tests/test_own_estimate.py tests it)."""
+            module: tuple[str, ...] = ("-m", "fsdp_exp")) -> subprocess.CompletedProcess:
+    """`python -m fsdp_exp ARGS` in `cwd`, as a user would type it (a training run traces its
+    own estimate beside it, as by default: memory.estimate); output captured."""
     starts_processes()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
     env.update(extra_env or {})
-    if module == ("-m", "fsdp_exp") and not estimate and not any(a.startswith("memory.estimate") for a in args):
-        args = (*args, "memory.estimate=false")
     return subprocess.run(
         [sys.executable, *module, *args], cwd=cwd, env=env, capture_output=True, text=True,
         timeout=timeout,
@@ -130,7 +126,7 @@ def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
     sys.modules.update(dict.fromkeys(missing))
     os.environ.update(extra_env or {})
     os.chdir(cwd)
-    sys.argv = ["fsdp_exp", *args, "memory.estimate=false"]  # as run_cli: a run it failed to refuse traces nothing
+    sys.argv = ["fsdp_exp", *args, "memory.estimate=false"]  # a run it failed to refuse traces nothing
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             main()

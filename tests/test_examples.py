@@ -34,8 +34,7 @@ def test_each_example_trains_and_peaks_within_a_tenth_of_its_own_estimate(name: 
     folder, env = example(name, tmp_path)
     run = tmp_path / "run"
     estimated_first(*EXAMPLES[name], *SHORT, cwd=folder, where=tmp_path / "estimate", extra_env=env)
-    result = run_cli(*EXAMPLES[name], *SHORT, f"hydra.run.dir={run}", cwd=folder, extra_env=env, estimate=True,
-                     timeout=600)
+    result = run_cli(*EXAMPLES[name], *SHORT, f"hydra.run.dir={run}", cwd=folder, extra_env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [r["loss"] for r in read_jsonl(run / "metrics.jsonl")]
     assert losses[-1] < losses[0], losses

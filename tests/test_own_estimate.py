@@ -94,7 +94,7 @@ def test_under_a_cpu_limit_rank_0s_wandb_run_is_in_the_estimate_and_grows_nothin
     starts nothing that grows rank 0 beyond what the other rank grows while training."""
     out, setup = tmp_path / "run", [*RUN, "train.steps=6", "wandb.mode=offline", "memory.limit_gb=2"]
     estimated_first(*setup, cwd=tmp_path, where=tmp_path / "estimate")
-    result = run_cli(*setup, f"hydra.run.dir={out}", cwd=tmp_path, timeout=300, estimate=True)
+    result = run_cli(*setup, f"hydra.run.dir={out}", cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_json(out / "summary.json")
     assert abs(summary["estimate_ratio_peak_under_limit"] - 1) <= 0.03, summary  # without wandb's run: 0.95
@@ -111,7 +111,7 @@ def test_a_model_the_estimate_cannot_trace_still_trains_and_says_why(tmp_path: P
     out = tmp_path / "run"
     tried = run_cli(*stack, "task=estimate", f"hydra.run.dir={tmp_path / 'estimate'}", cwd=REPO)
     assert tried.returncode == 1 and "could not trace this setup" in tried.stdout + tried.stderr, tried.stderr[-2000:]
-    result = run_cli(*stack, "train.steps=2", f"hydra.run.dir={out}", cwd=REPO, estimate=True)  # kept: said at once
+    result = run_cli(*stack, "train.steps=2", f"hydra.run.dir={out}", cwd=REPO)  # kept: said at once
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_json(out / "summary.json")
     assert summary["status"] == "ok" and summary["peak_mem_gb"] > 0
@@ -245,7 +245,7 @@ def test_under_a_cpu_limit_the_estimate_is_within_5_percent_for_fsdp_and_ddp(tmp
     DDP's estimate was 13% low)."""
     sweep, setups = tmp_path / "sweep", ["-m", "sharding=full,ddp", *RUN, "memory.limit_gb=4"]
     estimated_first(*setups, cwd=tmp_path, where=tmp_path / "estimates")
-    result = run_cli(*setups, f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=400, estimate=True)
+    result = run_cli(*setups, f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     for run in ("0", "1"):
         summary = read_json(sweep / run / "summary.json")
@@ -313,7 +313,7 @@ def test_a_checkpoint_save_that_outgrows_the_step_is_named_and_counted(tmp_path:
     sweep = tmp_path / "sweep"
     setups = ["-m", "checkpoint=dcp_async_pinned,dcp", *WIDE_RUN, "++checkpoint.every=1"]
     estimated_first(*setups, cwd=REPO, where=tmp_path / "estimates")
-    result = run_cli(*setups, f"hydra.sweep.dir={sweep}", cwd=REPO, timeout=400, estimate=True)
+    result = run_cli(*setups, f"hydra.sweep.dir={sweep}", cwd=REPO, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     pinned, sync = (read_json(sweep / run / "summary.json") for run in ("0", "1"))
     staged, plain = (read_json(sweep / run / ESTIMATE_FILE) for run in ("0", "1"))

@@ -71,8 +71,7 @@ def running_test(request: pytest.FixtureRequest) -> Iterator[None]:
 def starts_processes() -> None:
     """A test of the fast suite that starts the command is marked `processes`
     (pytest_collection_modifyitems); `make test-slow` runs one test at a time."""
-    marked = RUNNING and any(RUNNING[0].get_closest_marker(m) is not None for m in ("processes", "slow"))
-    if RUNNING and not marked:
+    if RUNNING and not any(RUNNING[0].get_closest_marker(m) is not None for m in ("processes", "slow")):
         raise AssertionError(f"{RUNNING[0].nodeid} starts the command: mark it `processes`")
 
 

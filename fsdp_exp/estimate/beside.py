@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 SETUP_FILE = ".estimate_setup.pickle"  # the setup, from the driver to the tracing process
 TRACED_FILE = ".estimate_traced"  # the tracing process's trace is done: its record is being worked out
 WAIT_S = 0.8  # rank 0's look for the record of a trace that is done: under a second
-LAST_LOOK_S = 0.2  # the driver's, after the ranks ended
+LAST_LOOK_S = 0.2  # the driver's, after the ranks ended, for a trace that is done
 POLL_S = 0.1
 
 
@@ -69,7 +69,8 @@ class EstimateBeside:
 
     def add_to(self, summary: dict) -> dict:
         """`summary` (the ranks' figures) with the estimate checked against it, unless rank 0
-        did so. A trace still running is given LAST_LOOK_S, then stopped: `estimate: not ready`."""
+        did so. A trace that is done is given LAST_LOOK_S to write its record; then the trace is
+        stopped, and without a record the figures say `estimate: not ready`."""
         if self.process is not None and traced(self.path):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(LAST_LOOK_S)

@@ -154,6 +154,9 @@ def test_a_setup_traced_once_has_its_estimate_at_once_in_its_later_runs(tmp_path
     first = EstimateBeside(exp, 2, tmp_path / "first")
     assert first.process.wait(timeout=120) == 0, (tmp_path / "first" / "estimate.log").read_text()
     record = read_json(tmp_path / "first" / ESTIMATE_FILE)
+    assert (tmp_path / "first" / TRACED_FILE).exists()  # the trace said it was done: its record is waited for
+    first.stop()
+    assert not list((tmp_path / "first").glob(".estimate*"))  # nothing of the trace's left in the run directory
     again = prepare(compose_checked([*STACK, "train.steps=7", "seed=3"]), 0).exp
     second = EstimateBeside(again, 2, tmp_path / "second")
     assert second.process is None and read_json(second.path)["peak_mem_gb"] == record["peak_mem_gb"] > 0

@@ -9,8 +9,8 @@ install:  ## make .venv and install the package editable with its dev extras
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[dev]'
 
-test:  ## the fast suite on two workers, the tests that start processes one at a time (about 10 to 13 minutes on 2 CPU cores); its 20 slowest tests at the end
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=20
+test:  ## the fast suite on two workers, a test file to each at a time (about 10 minutes on 2 CPU cores); its 20 slowest tests at the end
+	$(BIN)/python -m pytest -n 2 --dist loadscope --durations=20
 
 test-slow:  ## the longer end-to-end checks
 	$(BIN)/python -m pytest -m slow --durations=20

@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,17 +24,13 @@ def precheck(argv: list[str]) -> dict:
     of each run launched (a RunPlan, or Refused for a run of a sweep). A refusal of the
     command as the ConfigError whose line it prints."""
     from fsdp_exp.commands.experiment import compose_config
-    from fsdp_exp.driver.check import BadInput, check_run, check_sweep, combinations, parse_overrides, run_key
-    from fsdp_exp.errors import ConfigError
+    from fsdp_exp.driver.check import check_run, check_sweep, combinations, parse_overrides, run_key
 
     multirun = any(a in ("-m", "--multirun") for a in argv)
     args = [a for a in argv if a not in ("-m", "--multirun")]
     if not multirun:
         return {run_key(args): check_run(compose_config(args))}
-    try:
-        checked = check_sweep(combinations(parse_overrides(args)), compose_config)
-    except BadInput as err:
-        raise ConfigError(str(err)) from None
+    checked = check_sweep(combinations(parse_overrides(args)), compose_config)
     return {run_key(run): checked.plans.get(run_key(run)) for run in checked.launch}
 
 
@@ -49,37 +44,10 @@ def names(line: str, key: str, *allowed: str) -> None:
     assert not missing, f"{line!r} lacks {missing}"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` runs the suite on two workers (pytest-xdist, `--dist loadgroup`): the tests
-    marked `processes` (they start the command or ranks) one at a time on one of them, the
-    others beside them. Two launches of 2 ranks at once on 2 cores would time each other out."""
-    for item in items:
-        if item.get_closest_marker("processes") is not None:
-            item.add_marker(pytest.mark.xdist_group("processes"))
-
-
-RUNNING: list[pytest.Item] = []  # the test running now
-
-
-@pytest.fixture(autouse=True)
-def running_test(request: pytest.FixtureRequest) -> Iterator[None]:
-    RUNNING[:] = [request.node]
-    yield
-    RUNNING.clear()
-
-
-def starts_processes() -> None:
-    """A test of the fast suite that starts the command is marked `processes`
-    (pytest_collection_modifyitems); `make test-slow` runs one test at a time."""
-    if RUNNING and not any(RUNNING[0].get_closest_marker(m) is not None for m in ("processes", "slow")):
-        raise AssertionError(f"{RUNNING[0].nodeid} starts the command: mark it `processes`")
-
-
 def run_cli(*args: str, cwd: Path, timeout: float = 240, extra_env: dict | None = None,
             module: tuple[str, ...] = ("-m", "fsdp_exp")) -> subprocess.CompletedProcess:
     """`python -m fsdp_exp ARGS` in `cwd`, as a user would type it (a training run traces its
     own estimate beside it, as by default: memory.estimate); output captured."""
-    starts_processes()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
     env.update(extra_env or {})
     return subprocess.run(
@@ -209,7 +177,6 @@ def run_and_list_left(*args: str, cwd: Path, timeout: float = 240) -> tuple[subp
     """`python -m fsdp_exp ARGS` (as run_cli) under a process that adopts whatever it leaves
     running (Linux's child subreaper): its result, and the command lines of the processes
     still alive when it exited (then stopped)."""
-    starts_processes()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC"))}
     done = subprocess.run([sys.executable, str(REPO / "tests" / "left_running.py"), sys.executable, "-m", "fsdp_exp",
                            *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

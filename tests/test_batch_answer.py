@@ -160,7 +160,6 @@ def test_each_step_down_is_twice_the_last_on_the_resolutions_grid_and_stops_at_t
     assert step_down(12, 1, 4, 12) is None
 
 
-
 def test_a_probe_that_failed_otherwise_above_the_boundary_is_named_with_its_reason_not_memory():
     refused = {"batch_size": 656, "status": "failed",
                "reason": "rank 0 failed: ConfigError: train.batch_size=656: larger than this rank's share of the data "

@@ -16,8 +16,6 @@ from fsdp_exp.tasks.max_batch.settings import VERIFY_WINDOW
 
 from tests.conftest import REPO, read_json, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 KEPT_PER_SAMPLE = 4096  # floats kept per sample of every training forward: 16 KB
 
 

@@ -17,8 +17,6 @@ from fsdp_exp.errors import ConfigError
 from fsdp_exp.loss import ModelLoss, returned_loss
 from tests.conftest import PARITY_RUN, PARITY_STEPS, RESIDUAL_BLOCK, user_package, names, precheck, read_json, read_jsonl, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 # A user's two-input model: a 4 x 4 image and 6 tokens in, 4 values out; its blocks are
 # FSDP units. Items are dicts, with an id string the model never reads.
 PACKAGE = '''

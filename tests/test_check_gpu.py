@@ -44,8 +44,6 @@ from fsdp_exp.driver.plan import prepare
 from fsdp_exp.metrics.summary import Summary
 from tests.conftest import run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 GPU = setup_for("cuda", gpus=2)
 ONE_GPU = setup_for("cuda", gpus=1)
 CPU = setup_for("cpu", gpus=0)
@@ -394,11 +392,22 @@ def test_every_check_passes_on_two_cpu_ranks(tmp_path: Path) -> None:
     assert len(rows) == len(checks(setup_for("cpu", 0))) and all(" | pass | " in row for row in rows), rows
 
 
-@pytest.mark.parametrize("memory_gb", [pytest.param(80, marks=pytest.mark.slow), 8, pytest.param(5, marks=pytest.mark.slow)])
-def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a card or MIG slice of any size, every run's limit is one the plan accepts, the
-    run meant to fit leaves room under it, and the MFU run fits the card, by task=estimate's
-    figures for GPT-2 small (GPT2_SMALL_*_GB)."""
+@pytest.mark.slow  # test_every_run_composes_and_passes_the_plan prepares every run for 80 GB in the fast suite
+def test_every_runs_limit_on_a_small_card_is_one_the_plan_accepts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an 8 GB card, every run of the check composes and its plan accepts its limit (a
+    limit above the card is refused)."""
+    monkeypatch.setattr(memory, "device_memory_gb", lambda device: 8.0)
+    made = {"max_batch": RunResult(tmp_path, Summary(status="ok", max_batch_size=3), {}, [])}
+    for name, overrides in runs(setup_for("cuda", gpus=2, memory_gb=8), tmp_path).items():
+        overrides = overrides(made) if callable(overrides) else overrides
+        prepare(compose_config(fsdp_exp_args(command(overrides, tmp_path / name))), 2)
+
+
+@pytest.mark.parametrize("memory_gb", [80, 8, 5])
+def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path) -> None:
+    """On a card or MIG slice of any size, every run's limit is at most the rank's share of
+    the card, the run meant to fit leaves room under it, and the MFU run fits the card, by
+    task=estimate's figures for GPT-2 small (GPT2_SMALL_*_GB)."""
     from fsdp_exp.commands.gpu_checks import (
         GPT2_SMALL_BF16_GB,
         GPT2_SMALL_FP32_GB,
@@ -406,13 +415,8 @@ def test_the_checks_fit_the_gpu_they_run_on(memory_gb: float, tmp_path: Path, mo
         gpt2_small_fp32_gb,
     )
 
-    monkeypatch.setattr(memory, "device_memory_gb", lambda device: float(memory_gb))
     setup = setup_for("cuda", gpus=2, memory_gb=memory_gb)
     plan = runs(setup, tmp_path)
-    made = {"max_batch": RunResult(tmp_path, Summary(status="ok", max_batch_size=3), {}, [])}
-    for name, overrides in plan.items():
-        overrides = overrides(made) if callable(overrides) else overrides
-        prepare(compose_config(fsdp_exp_args(command(overrides, tmp_path / name))), 2)  # a limit above the card is refused
     assert setup.limit_gb <= memory_gb / 2
     if "model.size=small" in plan["under_limit"]:
         assert GPT2_SMALL_FP32_GB[setup.limit_batch] <= 0.875 * setup.limit_gb

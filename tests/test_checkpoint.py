@@ -37,8 +37,6 @@ from fsdp_exp.run_context import RunContext
 from tests import rank_tasks
 from tests.test_data import make_dataset
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 STEPS, EVERY = 24, 6
 COMMON = [*SMALL_VIT, f"train.steps={STEPS}", "train.log_every=1", "train.lr_schedule=cosine",
           "train.lr_warmup_steps=3", f"checkpoint.every={EVERY}"]
@@ -152,7 +150,6 @@ def test_a_killed_rank_restarts_from_the_latest_checkpoint_and_ends_the_same(
     assert len(events) == 1 and events[0]["step"] in range(EVERY, killed_at + 1, EVERY), events
     final = read_json(out / "summary.json")["final_loss"]
     assert abs(final - read_json(reference / "summary.json")["final_loss"]) <= 1e-6
-
 
 
 @pytest.mark.slow

@@ -196,7 +196,6 @@ def test_every_run_of_a_sweep_is_checked_before_any_starts() -> None:
     assert len(plans) == 4
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize(
     "args",
     [["sharding=bogus"], ["-m", "sharding=full,grad_op", "train.batch_size=0"], ["train.nope=1"],

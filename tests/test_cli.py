@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-import logging
+import os
 import pickle
 import tomllib
 import subprocess
@@ -15,15 +15,12 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from fsdp_exp.commands.experiment import CONF_DIR, RunTask, compose_config
-from fsdp_exp.driver.check import CheckRun, check_sweep, combinations, parse_overrides, run_key
+from fsdp_exp.commands.experiment import CONF_DIR, RunTask
+from fsdp_exp.driver.check import check_sweep, combinations, parse_overrides, run_key
 from fsdp_exp.driver.sweep import SideBySide
 from hydra_plugins.fsdp_exp_sweeper.fsdp_exp_sweeper import ComposedOnce
 from fsdp_exp.errors import ConfigError
 from tests.conftest import REPO, SMALL_VIT, names, read_json, read_jsonl, refused_here, run_cli
-
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 
 @pytest.mark.slow  # 50 steps of the default ViT: 33 s of the fast suite's 15 minutes
 def test_default_experiment_trains_to_the_end(tmp_path: Path) -> None:
@@ -188,25 +185,53 @@ def test_the_sweeper_hands_the_launcher_each_run_as_the_check_composed_it() -> N
         assert pickle.loads(pickle.dumps(ComposedOnce(None))).composed == {}  # a launcher plugin pickles it
 
 
-def test_a_single_runs_plan_is_handed_to_the_task_function_as_its_check_made_it() -> None:
-    """Hydra's callback checks the run before its directory is made, then hands the plan to
-    the task function when the job starts; nothing of it stays behind in the callback."""
-    cfg = compose_config([*SMALL_VIT, "train.steps=7"])
-    check, task = CheckRun(), RunTask(SideBySide())
+def test_a_single_run_its_check_refuses_leaves_nothing_of_it_and_no_file_of_the_users_goes(tmp_path: Path) -> None:
+    """A single run is checked by the task function, after Hydra has made its folder: the
+    refusal is one line and exit 2, and what Hydra wrote for it (.hydra/, its log file, the
+    folders it made) is taken back; a folder of the user's, and what is in it, stays."""
+    refused = ["sharding=ddp", "offload=true"]  # DDP keeps a whole replica: nothing to offload
+    result = refused_here(*refused, cwd=tmp_path)
+    assert result.returncode == 2 and not (tmp_path / "outputs").exists(), result.stderr
+    names(result.stderr.strip().splitlines()[-1], "offload=true", "sharding=full")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for run_dir in ("mine", "mine/run", "."):
+        result = refused_here(*refused, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["mine", "mine/notes.txt"]
+
+
+def test_hydra_raises_only_while_the_command_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HYDRA_FULL_ERROR (Hydra's own switch: raise what composing found, do not print it) is
+    set while the command runs, and the user's own setting is back after it, set or not."""
+    from fsdp_exp.commands.experiment import hydra_raises
+
+    for users in (None, "0"):
+        if users is None:
+            monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+        else:
+            monkeypatch.setenv("HYDRA_FULL_ERROR", users)
+        with pytest.raises(ConfigError), hydra_raises():
+            assert os.environ["HYDRA_FULL_ERROR"] == "1"
+            raise ConfigError("refused")
+        assert os.environ.get("HYDRA_FULL_ERROR") == users
+
+
+def test_a_launcher_plugins_process_gets_the_task_function_without_the_drivers_plans() -> None:
+    """A launcher plugin pickles the task function to its process, which checks its run
+    there again: the plans and the outcomes are the driver's, and stay with it."""
+    from fsdp_exp.driver.check import Refused
+
+    task = RunTask(SideBySide())
+    task.take_plans({run_key(["sharding=ddp"]): Refused("kept")}, {"sharding"})
+    elsewhere = pickle.loads(pickle.dumps(task))
     try:
-        check.on_run_start(cfg)
-        (plan,) = check.checked.values()
-        assert plan.exp.train.steps == 7
-        check.on_job_start(cfg, task_function=task)
-        assert task.plans == {run_key(list(cfg.hydra.overrides.task)): plan} and check.checked == {}
-        assert task.plans[run_key(list(cfg.hydra.overrides.task))] is plan
-        # a launcher plugin's process checks its run there again: the plans do not travel with it
-        elsewhere = pickle.loads(pickle.dumps(task))
-        assert elsewhere.plans == {}
-        elsewhere.side_by_side.close()
+        assert elsewhere.plans == {} and elsewhere.swept == {"sharding"}
+        assert task.plans == {("sharding=ddp",): Refused("kept")}
     finally:
         task.side_by_side.close()
-    assert not logging.getLogger("fsdp_exp").filters  # closed, it names no run's lines
+        elsewhere.side_by_side.close()
 
 
 DRIVER = """

@@ -296,7 +296,6 @@ def test_same_overrides_everywhere_are_all_shown(tmp_path: Path) -> None:
     assert code == 0 and rows[0]["setup"] == "sharding=ddp train.steps=5"
 
 
-@pytest.mark.processes
 @pytest.mark.parametrize(("make", "message"), [
     (lambda tmp: tmp / "missing", "{path}: no such directory"),
     (lambda tmp: (tmp / "empty" / "sub").mkdir(parents=True) or tmp / "empty",
@@ -317,7 +316,6 @@ def test_nothing_usable_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.processes
 def test_wandb_without_a_key_is_one_clear_line(tmp_path: Path) -> None:
     """The project and entity default to WANDB_PROJECT and WANDB_ENTITY, as for the runs."""
     result = run_cli("--wandb", "somegroup", cwd=tmp_path, module=COMPARE, timeout=120,

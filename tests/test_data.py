@@ -14,9 +14,6 @@ from fsdp_exp.data.images import _NORMALIZE, SyntheticImages, TorchvisionImages
 from fsdp_exp.errors import ConfigError
 from tests.conftest import REPO, read_json, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
-
 def write_idx(raw: Path, split: str, images: torch.Tensor, labels: torch.Tensor) -> None:
     """The IDX files torchvision's MNIST and FashionMNIST read: big-endian header, uint8 body."""
     raw.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,6 @@ from fsdp_exp.estimate.allocator import cuda_block
 from fsdp_exp.estimate.trace import for_tracing, trace
 from tests.conftest import REPO, read_json, refused_here, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 WIDTH, DEPTH, FP32, INT64 = 256, 4, 4, 8
 LAYER = WIDTH * WIDTH * FP32  # one Linear's weight: 262,144 bytes
 

@@ -20,8 +20,6 @@ from fsdp_exp.estimate.traced import StepTrace, TracedPeak
 from fsdp_exp.sharding import FullyShard, HybridShard
 from tests.counting import least_cap
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 MIB = 2**20
 
 

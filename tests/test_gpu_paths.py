@@ -30,8 +30,6 @@ from fsdp_exp.rank.report import DeviceUsed
 from fsdp_exp.rank.trainer import Hooks, OptimizerStep, Trainer, TrainerSettings
 from tests.conftest import names
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 # ---- a CPU tensor in a GPU run's process group --------------------------------------------
 
 def _cuda_only_backend(store, rank, size, timeout):  # noqa: ANN001, ANN202 (torch's creator signature)

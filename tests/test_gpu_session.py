@@ -22,8 +22,6 @@ from fsdp_exp.metrics.summary import Summary
 from tests.conftest import REPO, run_cli
 from tests.test_check_gpu import fsdp_exp_args, passing_runs, result
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 GPU = setup_for("cuda", gpus=1, memory_gb=80.0)
 
 

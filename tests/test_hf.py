@@ -33,8 +33,6 @@ from fsdp_exp.sharding.wrap import select_units
 from fsdp_exp.tasks.export import plain_model
 from tests.counting import count_step_flops
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 172,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 512, "tie_word_embeddings": True}

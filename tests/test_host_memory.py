@@ -19,8 +19,6 @@ from fsdp_exp.estimate.trace import trace
 from tests.conftest import REPO, estimated_first, names, read_json, refused_here, run_cli
 from tests.test_estimate import DEPTH, FP32, INT64, LAYER, STACK, WIDTH
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 SAMPLE = WIDTH * FP32 + INT64  # a sample of Vectors and its class index
 
 

@@ -8,11 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import fsdp_exp
-
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
 
 PACKAGE = Path(fsdp_exp.__file__).parent
 

@@ -9,11 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import REPO, read_json, run_cli
-
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
 
 # What the build reads. It runs on a copy, so the checkout gets no build/ or egg-info.
 BUILD_INPUTS = ["pyproject.toml", "setup.py", "README.md", "fsdp_exp", "conf", "hydra_plugins"]

@@ -17,8 +17,6 @@ import pytest
 
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, rank_pid, wait_for_step
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 # Trains far longer than any test waits: only the signal ends it.
 ENDLESS = [*SMALL_VIT, "train.steps=100000", "train.log_every=1", "train.batch_size=8"]
 

@@ -19,9 +19,6 @@ from fsdp_exp.launcher.local import LocalLauncher
 from tests import rank_tasks
 from tests.conftest import REPO, SMALL_VIT, names, read_json, read_jsonl, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
-
 def test_local_launcher_returns_rank0_result(tmp_path: Path) -> None:
     result = LocalLauncher().launch(rank_tasks.report_rank, {"x": 1}, tmp_path, nproc=2)
     assert result == {"rank": 0, "world_size": 2, "x": 1}

@@ -24,8 +24,6 @@ import pytest
 from fsdp_exp.checkpoint.files import step_name
 from tests.conftest import SMALL_VIT, names, rank_pid, read_json, read_jsonl, refused_here, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 RAY = ["launcher=ray"]
 # 4 steps, a record and a checkpoint every 2: the Ray run reports 4 records and 2 checkpoints.
 SHORT = [*SMALL_VIT, "train.steps=4", "train.log_every=1", "checkpoint=dcp", "checkpoint.every=2"]

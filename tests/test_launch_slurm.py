@@ -22,8 +22,6 @@ from fsdp_exp.errors import ConfigError
 from fsdp_exp.launcher.slurm import SlurmLauncher
 from tests.conftest import REPO, SMALL_VIT, names, read_json, read_jsonl, refused_here, run_cli, signal_at_step
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 SLURM_LOCAL = ["launcher=slurm", "launcher.cluster=local"]
 
 

@@ -13,9 +13,6 @@ from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.driver.plan import prepare
 from tests.conftest import SMALL_VIT, names, read_json, read_jsonl, refused_here, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
-
 def test_wandb_is_the_default_tracker_and_logger_names_the_others() -> None:
     def trackers(*overrides: str) -> tuple[list[str], str]:
         exp = prepare(compose_checked(list(overrides)), 0).exp

@@ -16,8 +16,6 @@ from fsdp_exp.errors import ConfigError
 from fsdp_exp.loss import CrossEntropy, MeanSquaredError
 from tests.conftest import PARITY_RUN, PARITY_STEPS, RESIDUAL_BLOCK, user_package, SMALL_VIT, names, precheck, read_json, read_jsonl, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 # A user's regression: 8 features, 4 targets, a small MLP whose blocks are FSDP units.
 PACKAGE = '''
 import torch

@@ -16,9 +16,6 @@ from fsdp_exp.tasks.max_batch.probe import OWN_FIGURES, Probe
 from fsdp_exp.tasks.max_batch.record import RECORD, MaxBatchRecord
 from fsdp_exp.tasks.max_batch.search import MaxBatchSearch
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
-
 def a_record(**changes) -> MaxBatchRecord:
     probe = Probe(64, "ok", peak_mem_gb=0.5, peak_under_limit_gb=0.48, samples_per_s=410.0).to_json()
     return MaxBatchRecord(**{

@@ -16,8 +16,6 @@ from fsdp_exp.driver.plan import prepare
 from fsdp_exp.launcher.local import LocalLauncher
 from tests import rank_tasks
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 MODEL = ["model=custom", "model._target_=tests.rank_tasks.BufferedNet", "model.blocks=[torch.nn.BatchNorm2d]", "wandb.mode=disabled", "device=cpu"]
 
 

@@ -26,9 +26,6 @@ from fsdp_exp.metrics.startup import MARKS
 from fsdp_exp.rank.trainer import Hooks, OptimizerStep, Trainer, TrainerSettings
 from tests.conftest import SMALL_VIT, names, read_json, read_jsonl, refused_here, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
-
 @pytest.fixture(scope="module")
 def one_rank_group():
     """A real 1-rank gloo process group in this process."""

@@ -29,8 +29,6 @@ from fsdp_exp.metrics.summary import NOT_READY, Summary
 from tests.conftest import REPO, SMALL_VIT, estimated_first, read_json, run_and_list_left, run_cli, user_package
 from tests.test_estimate import STACK
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 RUN = [*SMALL_VIT, "device=cpu", "train.steps=3", "train.log_every=1", "metrics.warmup_steps=1"]
 
 

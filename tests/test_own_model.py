@@ -30,7 +30,6 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         del sys.modules[name]
 
 
-@pytest.mark.processes
 def test_the_example_project_trains_as_its_readme_shows(project: Path) -> None:
     assert f"'{SEARCHPATH}'" in (EXAMPLE / "README.md").read_text()
     out = project / "run"

@@ -22,8 +22,6 @@ from fsdp_exp.driver.plan import prepare
 from fsdp_exp.driver.run import run_experiment
 from tests.conftest import PARITY_RUN, PARITY_STEPS, names, precheck, read_jsonl
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 TINY_LLAMA = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
               "tie_word_embeddings": True}

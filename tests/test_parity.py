@@ -18,8 +18,6 @@ from safetensors.torch import load_file
 
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 STEPS = 6
 COMMON = [
     *SMALL_VIT,

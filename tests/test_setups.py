@@ -9,9 +9,6 @@ import pytest
 
 from tests.conftest import SMALL_VIT, read_json, read_jsonl, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
-
 @pytest.mark.slow
 def test_every_sharding_option_reaches_the_same_final_loss(tmp_path: Path) -> None:
     result = run_cli(

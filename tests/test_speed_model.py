@@ -21,8 +21,6 @@ from fsdp_exp.estimate.speed import (PARTS, Measured, Rates, StepWork, calibrate
 from tests.conftest import SMALL_VIT, read_json, run_cli
 from tests.test_estimate import DEPTH, FP32, WIDTH, traced
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 # seconds per FLOP, per byte sent, per byte offloaded, per parameter stepped, per step
 TRUE = (1 / 50e9, 1 / 1e9, 0.0, 1 / 2e9, 3e-3)
 

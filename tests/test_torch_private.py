@@ -12,9 +12,6 @@ import pytest
 from fsdp_exp import torch_private
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
-
 def test_every_private_use_is_where_torch_kept_it_and_takes_what_it_took() -> None:
     """Fails naming the call (and what changed) when a torch release moves or changes one."""
     assert torch_private.changed() == []

@@ -22,8 +22,6 @@ from fsdp_exp.tasks.max_batch.settings import VERIFY_WINDOW
 from fsdp_exp.tasks.tune.confirm import step_spread
 from tests.conftest import REPO, read_json, refused_here, run_cli
 
-pytestmark = pytest.mark.processes  # its tests start the command or ranks
-
 # --- the space ---
 
 

@@ -1,20 +1,22 @@
 """`python -m fsdp_exp`: the command line, through Hydra's own `@hydra.main`.
 
-Hydra composes each run once. Before it makes a run's output directory, the run is
-checked on that config (fsdp_exp.driver.check: Hydra's callback at the start of a run, or
-fsdp_exp's sweeper, which checks every run of a -m sweep before the first starts); the
-plan made by that check is the one the run uses. Bad input ends in one line and exit 2,
+Hydra composes each run once, and the run is checked on that config (fsdp_exp.driver.check):
+a -m sweep by fsdp_exp's sweeper, which checks every run before the first starts and hands
+the plans it made to the task function; a single run by the task function, which takes back
+what Hydra wrote for it when its check refuses it. Bad input ends in one line and exit 2,
 and leaves nothing behind. A process that already has RANK and WORLD_SIZE (started by an
 external torchrun) acts as one worker instead.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -28,11 +30,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_exp import config, options
 from fsdp_exp.driver.check import (
-    BadInput,
     Plans,
     Refused,
     check_run,
+    check_sweeper,
     config_error,
+    parse_overrides,
     refuse_a_sweep,
     run_key,
     swept_values,
@@ -64,26 +67,24 @@ def main() -> None:
     stop_on_signals()
     side_by_side = SideBySide()
     task = RunTask(side_by_side)
-    # Hydra then raises what composing the config found, rather than printing it, so that it
-    # too ends as one line (and Hydra's callbacks and sweeper see the config composed once).
-    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         check_search_path(sys.argv[1:])
-        if not multirun(sys.argv[1:]):
+        if multirun(sys.argv[1:]):
+            check_another_sweeper(overrides_of(sys.argv[1:]))
+        else:
             refuse_a_sweep(overrides_of(sys.argv[1:]))
         shown = shown_config(sys.argv[1:])
-        # CheckRun and the sweeper (conf/config.yaml) check each run before it starts
-        hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(task)()
+        with hydra_raises():  # the sweeper (conf/config.yaml) or the task function checks each run
+            hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(task)()
+        if task.refused is not None:
+            raise task.refused
         if shown:  # Hydra printed it without the checks a run makes: a refused one ends in its line
             check_run(compose_config(overrides_of(sys.argv[1:])))
         code = task.outcomes.exit_code()  # EXIT_RUN_FAILED when a run failed; EXIT_NONE_FITS: a search found that nothing fits
         if code:
             sys.exit(code)
-    except (ConfigError, BadInput, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
-        if isinstance(err, BadInput):
-            error = err.error
-        else:
-            error = err if isinstance(err, ConfigError) else config_error(err, overrides_of(sys.argv[1:]))
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:  # nothing has run yet
+        error = err if isinstance(err, ConfigError) else config_error(err, overrides_of(sys.argv[1:]))
         error = builder_key_error(error, sys.argv[1:])
         print(f"fsdp_exp: {error}{swept_group_hint(error, sys.argv[1:])}{search_path_hint(error, sys.argv[1:])}",
               file=sys.stderr)
@@ -107,6 +108,34 @@ def command() -> int:
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)
         return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+
+
+@contextmanager
+def hydra_raises() -> Iterator[None]:
+    """Hydra's own switch (HYDRA_FULL_ERROR, as Hydra documents it) while the command runs:
+    what composing a run found, and a check's refusal, reach `main` as the typed exceptions
+    they are (read by their fields: fsdp_exp.driver.check's `config_error`), where Hydra
+    would print them and exit 1. The user's own setting is back when the command ends."""
+    users = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    finally:
+        if users is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = users
+
+
+def check_another_sweeper(overrides: list[str]) -> None:
+    """`-m hydra/sweeper=<another>`: that sweeper launches the runs, so fsdp_exp's does not
+    check them; what it cannot do with a launcher plugin (fsdp_exp.driver.check's
+    `check_sweeper`) is refused here, on the sweep's config without its swept values."""
+    chosen = {o.partition("=")[0].lstrip("+"): o.partition("=")[2] for o in overrides}
+    if chosen.get("hydra/sweeper", "fsdp_exp") == "fsdp_exp":
+        return
+    fixed = [o.input_line for o in parse_overrides(overrides) if not o.is_sweep_override()]
+    check_sweeper(compose_config(fixed).hydra)
 
 
 # Hydra's flags that take a value, and those that do not: what is left are the overrides
@@ -201,10 +230,11 @@ def swept_group_hint(error: ConfigError, argv: list[str]) -> str:
 
 
 class RunTask:
-    """Hydra's task function: one run, from the plan its check made and handed over
-    (fsdp_exp.driver.check: `CheckRun` for a single run, the sweeper for a -m sweep);
-    checked here only where the check did not see the run (a run that Hydra's launcher
-    plugin starts in another process). A sweep's run on a launcher with `max_parallel` > 1
+    """Hydra's task function: one run, from the plan the sweeper's check made and handed
+    over (a -m sweep), or checked here: a single run, and a sweep's run that Hydra's launcher
+    plugin starts in another process. A single run its check refuses is not run: what Hydra
+    wrote for it is taken back (`unwrite`), and its ConfigError kept in `refused`, which
+    `main` prints as the command's one line. A sweep's run on a launcher with `max_parallel` > 1
     starts beside the others (fsdp_exp.driver.sweep): its future summary is what it returns.
     How each run ended is kept in `outcomes`, which the command's exit code is made of."""
 
@@ -213,6 +243,7 @@ class RunTask:
         self.plans: dict[tuple[str, ...], RunPlan | Refused] = {}
         self.swept: set[str] = set()  # the keys a sweep varies, which name its runs
         self.outcomes = RunOutcomes()
+        self.refused: ConfigError | None = None  # the single run's check refused it: the command's one line
 
     def take_plans(self, plans: Plans, swept: set[str]) -> None:
         self.plans.update(plans)
@@ -226,12 +257,13 @@ class RunTask:
         and the outcomes, which are the driver's."""
         return {**self.__dict__, "plans": {}, "outcomes": RunOutcomes()}
 
-    def __call__(self, cfg: DictConfig) -> Summary | Future:
+    def __call__(self, cfg: DictConfig) -> Summary | Future | None:
         run_dir, summary = self.run(cfg)
-        self.outcomes.ran(str(run_dir), summary, in_sweep=HydraConfig.get().mode == RunMode.MULTIRUN)
+        if summary is not None:
+            self.outcomes.ran(str(run_dir), summary, in_sweep=HydraConfig.get().mode == RunMode.MULTIRUN)
         return summary
 
-    def run(self, cfg: DictConfig) -> tuple[Path, Summary | Future]:
+    def run(self, cfg: DictConfig) -> tuple[Path, Summary | Future | None]:
         hc = HydraConfig.get()
         sweep = hc.mode == RunMode.MULTIRUN
         choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")}
@@ -241,6 +273,10 @@ class RunTask:
         try:
             plan = self.plans.pop(run_key(overrides), None) or check_run(cfg, hydra=hc)
         except ConfigError as err:
+            if not sweep:  # the command's one run: refused in one line (main), with nothing left of it
+                unwrite(run_dir, hc)
+                self.refused = err
+                return run_dir, None
             plan = Refused(str(err))
         if isinstance(plan, Refused):  # one bad combination of a sweep: a row of its own, the others run
             summary = Summary(status="refused", error=plan.reason, overrides=overrides, choices=choices)
@@ -257,6 +293,32 @@ class RunTask:
         return run_dir, self.side_by_side.start(name, run_dir, launcher.max_parallel,
                                                 lambda: run_experiment(plan, run_dir, overrides, choices, group,
                                                                        startup=startup))
+
+
+def unwrite(run_dir: Path, hydra: DictConfig) -> None:
+    """Takes back what Hydra wrote for a run before the task function began (its config
+    under `hydra.output_subdir`, its log file) and the folders it made for them: each while
+    empty, up to the folder the command started in. A file of anyone else's stays."""
+    for handler in logging.getLogger().handlers[:]:
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+            Path(handler.baseFilename).unlink(missing_ok=True)
+    folders = [run_dir, *run_dir.parents]
+    if hydra.output_subdir is not None:
+        saved = run_dir / str(hydra.output_subdir)
+        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+            (saved / name).unlink(missing_ok=True)
+        folders.insert(0, saved)
+    started_in = Path(hydra.runtime.cwd)
+    for folder in folders:
+        mine = folder == run_dir or run_dir in folder.parents or started_in in folder.parents
+        if folder == started_in or not mine:
+            break
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            break
 
 
 def compose_checked(overrides: list[str], config_name: str = "config") -> DictConfig:

@@ -1,13 +1,12 @@
 """Every run is checked before the first starts, on the config Hydra composed for it.
 
 Hydra composes each run once; the check builds its plan (fsdp_exp.driver.plan) from that
-config and hands it to the task function, which runs it. A single run is checked by
-`CheckRun`, Hydra's callback at the start of a run, before Hydra makes its directory; the
-callback hands the plan over when the job starts (`on_job_start` is given the task
-function). A -m sweep is checked by its sweeper (hydra_plugins/fsdp_exp_sweeper), which
+config. A -m sweep is checked by its sweeper (hydra_plugins/fsdp_exp_sweeper), which
 composes every combination, checks it before it hands any to the launcher, and hands the
-plans to the task function it was given. Bad input ends the command with one line and
-exit 2 (fsdp_exp.commands.experiment), and nothing is written.
+plans to the task function it was given, which runs them. A single run is checked by the
+task function (fsdp_exp.commands.experiment's `RunTask`), which takes back what Hydra wrote
+for it when the check refuses it. Bad input ends the command with one line and exit 2
+(fsdp_exp.commands.experiment), and nothing is left of it.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -38,16 +36,6 @@ from fsdp_exp.driver.plan import RunPlan, prepare
 from fsdp_exp.errors import ConfigError
 
 T = TypeVar("T")
-
-class BadInput(BaseException):
-    """A run's ConfigError on its way out of Hydra to the command line (fsdp_exp.commands.experiment), which
-    prints it as one line and exits 2. A BaseException, because Hydra's callbacks turn an
-    Exception into a warning and carry on."""
-
-    def __init__(self, error: ConfigError):
-        super().__init__(str(error))
-        self.error = error
-
 
 @dataclass(frozen=True)
 class Refused:
@@ -113,7 +101,7 @@ def check_run(cfg: DictConfig, hydra: DictConfig | None = None) -> RunPlan:
 def check_sweep(runs: Sequence[Sequence[str]], compose: Callable[[list[str]], DictConfig]) -> CheckedSweep:
     """Compose (`compose`) and check every run of a sweep. A run whose check refused it is
     launched too, as a row of its own (`Refused`); one that does not compose is named here
-    and left out. When every run is refused: BadInput, with the first one's reason."""
+    and left out. When every run is refused: the first one's ConfigError."""
     refused: list[tuple[Sequence[str], ConfigError]] = []
     checked = CheckedSweep(swept=swept_keys(runs))
     for overrides in runs:
@@ -129,38 +117,12 @@ def check_sweep(runs: Sequence[Sequence[str]], compose: Callable[[list[str]], Di
             checked.plans[run_key(overrides)] = Refused(str(err))
             refused.append((overrides, err))
     if len(refused) == len(runs):
-        raise BadInput(refused[0][1])
+        raise refused[0][1]
     for overrides, err in refused:
         shown = " ".join(swept_values(overrides, checked.swept))
         print(f"fsdp_exp: refused {shown}: {err}; the sweep runs the other {len(runs) - len(refused)}",
               file=sys.stderr)
     return checked
-
-
-class CheckRun(Callback):
-    """Hydra's callback (conf/config.yaml): a single run is checked before Hydra makes its
-    directory, and its plan handed to the task function when the job starts; a -m sweep's
-    sweeper and launcher before the sweep starts (`check_sweeper`)."""
-
-    def __init__(self) -> None:
-        self.checked: dict[tuple[str, ...], RunPlan] = {}
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        try:
-            self.checked = {run_key(list(config.hydra.overrides.task)): check_run(config)}
-        except ConfigError as err:
-            raise BadInput(err) from None
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        try:
-            check_sweeper(config.hydra)
-        except ConfigError as err:
-            raise BadInput(err) from None
-
-    def on_job_start(self, config: DictConfig, *, task_function: Any, **kwargs: Any) -> None:
-        if self.checked and isinstance(task_function, TakesPlans):  # a sweep's plans come from its sweeper
-            task_function.take_plans(self.checked, set())
-        self.checked = {}
 
 
 def parse_overrides(texts: Sequence[str], config_loader: Any = None) -> list[Override]:

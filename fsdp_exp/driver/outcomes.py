@@ -55,10 +55,7 @@ class RunOutcomes:
         """The command's exit code; after a sweep, its refused, failed and none-fits runs
         said first."""
         ended = [(run_dir, outcome(summary)) for run_dir, summary in self.ended]
-        if not self.swept:  # the run has said why, but one refused by its own check (no CheckRun before it)
-            for _, summary in ended:
-                if summary.status == "refused":
-                    print(f"fsdp_exp: {summary.error}", file=sys.stderr)
+        if not self.swept:  # the run has said why
             return exit_code([summary for _, summary in ended])
         failed = [f"{run_dir}: {summary.error or summary.status}"
                   for run_dir, summary in ended if summary.status not in (*ANSWERED, "refused")]

@@ -94,11 +94,15 @@ def test_a_grid_sweep_runs_its_valid_runs_and_shows_the_invalid_one_as_refused(g
     result, summaries, _ = grid
     refused_lines = [line for line in result.stderr.splitlines() if line.startswith("fsdp_exp: refused ")]
     assert len(refused_lines) == 2, result.stderr[-3000:]
-    assert all("offload=true: sharding=ddp keeps a full replica on every rank" in line for line in refused_lines)
-    assert "fsdp_exp: 2 of 8 runs refused by their check" in result.stderr
+    for line in refused_lines:  # the run named by its swept values, then its check's line
+        shown, _, reason = line.removeprefix("fsdp_exp: refused ").partition(": ")
+        assert set(shown.lower().split()) >= {"sharding=ddp", "offload=true"}  # as Hydra writes a swept value: True
+        names(reason, "offload=true", "sharding=full")
+    assert "fsdp_exp: 2 of 8 runs" in result.stderr
     for precision in ("bf16", "fp16"):
         refused = summaries[("ddp", "true", precision)]
-        assert refused["status"] == "refused" and "sharding=ddp keeps a full replica" in refused["error"]
+        assert refused["status"] == "refused"
+        names(refused["error"], "offload=true", "sharding=full")
 
 
 # Hydra's submitit launcher plugin, on this machine; one rank per run keeps it small.

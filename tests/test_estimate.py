@@ -352,8 +352,8 @@ def test_max_batch_searches_without_the_estimate_when_it_cannot_trace(caplog):
     exp = prepare(compose_checked([*stack, "task=max_batch", "memory.limit_gb=1"]), 0).exp
     with caplog.at_level("WARNING", logger="fsdp_exp"):
         record = estimate_curve(exp, 2, limit_gb=1.0)
-    assert "could not trace this setup" in record["error"] and prior(record) is None
-    assert "the search places its probes without it" in caplog.text
+    assert record["error"] and prior(record) is None  # no curve: the search places its probes without one
+    assert [r.levelname for r in caplog.records if r.name.startswith("fsdp_exp")] == ["WARNING"]
 
 
 def normed_over_the_batch() -> nn.Module:

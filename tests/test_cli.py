@@ -192,7 +192,8 @@ def test_the_sweeper_hands_the_launcher_each_run_as_the_check_composed_it() -> N
 def test_a_single_run_its_check_refuses_leaves_nothing_of_it_and_no_file_of_the_users_goes(tmp_path: Path) -> None:
     """A single run is checked by the task function, after Hydra has made its folder: the
     refusal is one line and exit 2, and what Hydra wrote for it (.hydra/, its log file, the
-    folders it made) is taken back; a folder of the user's, and what is in it, stays."""
+    folders it made) is taken back; a folder of the user's, and what is in it, stays, and
+    so do an earlier run's files in its folder."""
     refused = ["sharding=ddp", "offload=true"]  # DDP keeps a whole replica: nothing to offload
     result = refused_here(*refused, cwd=tmp_path)
     assert result.returncode == 2 and not (tmp_path / "outputs").exists(), result.stderr
@@ -204,6 +205,14 @@ def test_a_single_run_its_check_refuses_leaves_nothing_of_it_and_no_file_of_the_
         result = refused_here(*refused, f"hydra.run.dir={run_dir}", cwd=tmp_path)
         assert result.returncode == 2, result.stderr
         assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["mine", "mine/notes.txt"]
+    earlier = tmp_path / "earlier"  # the folder of an earlier run: its files and its log's lines stay
+    (earlier / ".hydra").mkdir(parents=True)
+    (earlier / "summary.json").write_text('{"status": "ok"}')
+    (earlier / "fsdp_exp.log").write_text("[10:00:00][INFO] step 1\n")
+    result = refused_here(*refused, f"hydra.run.dir={earlier}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert (earlier / "summary.json").read_text() == '{"status": "ok"}'
+    assert (earlier / "fsdp_exp.log").read_text() == "[10:00:00][INFO] step 1\n"
 
 
 def test_hydra_raises_only_while_the_command_runs(monkeypatch: pytest.MonkeyPatch) -> None:

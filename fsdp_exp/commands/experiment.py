@@ -296,16 +296,25 @@ class RunTask:
 
 
 def unwrite(run_dir: Path, hydra: DictConfig) -> None:
-    """Takes back what Hydra wrote for a run before the task function began (its config
-    under `hydra.output_subdir`, its log file) and the folders it made for them: each while
-    empty, up to the folder the command started in. A file of anyone else's stays."""
-    for handler in logging.getLogger().handlers[:]:
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
-            logging.getLogger().removeHandler(handler)
-            handler.close()
-            Path(handler.baseFilename).unlink(missing_ok=True)
+    """Takes back what Hydra wrote for a run before the task function began: its log file
+    while empty (Hydra appends to one that is there), its config under `hydra.output_subdir`,
+    and the folders it made, each while empty, up to the folder the command started in. A
+    file of anyone else's stays. In the folder of an earlier run (its summary.json, or a log
+    with lines in it) the config Hydra wrote over the earlier one's stays too, as after any
+    run there: the earlier one's is gone once Hydra has written."""
+    logs = [handler for handler in logging.getLogger().handlers
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir]
+    earlier = (run_dir / "summary.json").exists()
+    for handler in logs:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+        log = Path(handler.baseFilename)
+        if log.exists() and log.stat().st_size > 0:
+            earlier = True
+        else:
+            log.unlink(missing_ok=True)
     folders = [run_dir, *run_dir.parents]
-    if hydra.output_subdir is not None:
+    if hydra.output_subdir is not None and not earlier:
         saved = run_dir / str(hydra.output_subdir)
         for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
             (saved / name).unlink(missing_ok=True)

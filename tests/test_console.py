@@ -46,7 +46,8 @@ def test_a_search_shows_its_fsdp_units_once_and_each_probe_in_one_line(tmp_path:
     for probe in probes:
         log = (run_dir / probe["dir"] / "rank0.log").read_text()
         settled = re.search(r"the peak settled at step (\d+): ", log)
-        assert "FSDP units:" in log and settled and re.search(rf"step +{settled[1]}/20 ", log)
+        # a probe of task.probe_steps (20); the one at the expected answer runs as the command would
+        assert "FSDP units:" in log and settled and re.search(rf"step +{settled[1]}/\d+ ", log)
         assert int(settled[1]) == probe["steps"] >= 5
 
 

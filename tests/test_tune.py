@@ -485,6 +485,49 @@ def test_with_its_estimate_a_setup_is_measured_by_a_probe_near_its_largest_batch
     assert not searched.at_estimate(other) and searched.near_largest(other) is None  # its search goes on
 
 
+
+def test_the_speed_models_first_setup_runs_again_at_half_its_batch_and_both_calibrate(tmp_path):
+    """The first calibrating setup's second size is half the batch its probe trained at
+    (real ranks, beside its search, in `half/`), not its search's next probe a sample away:
+    the model's two runs of it are that far apart, and so is the range it was fitted in. A
+    tune run again reuses the run; a setup that trained at its smallest batch goes on with
+    its search instead."""
+    from fsdp_exp.tasks.max_batch.probe import Probe
+
+    args = ("task.space.sharding=[full,ddp]", "task.space.train.activation_checkpointing=[false]",
+            "task.space.offload=[false]", "task.steps_per_probe=2", "task.resolution=4")
+    tune = tuner(tmp_path, *args)
+    first, _ = tune.entries = [tune.prepare(s) for s in setups(tune.settings.space, tune.command, tune.nproc, 1,
+                                                               as_dict(tune.exp))]
+    work = {"batch_size": 8, "flops": 8e9, "wire_bytes": 1e7, "offload_bytes": 0.0, "optimizer_params": 1e6,
+            "world_size": 2}
+    first.search.estimated = {"step_work": work}
+    first.search.probes.append(Probe(70, "ok", samples_per_s=500.0, peak_under_limit_gb=0.55))
+    tune.second_size(first)
+    (ran,) = (tmp_path / first.row.dir / "half").iterdir()
+    assert ran.name == "b32x1" and read_json(ran / "summary.json")["status"] == "ok"  # 70 // 2, to task.resolution
+    assert len(first.search.probes) == 1 and first.extra_probes == 1 and tune.probes_run == 1
+    assert sorted(m.batch_size for m in tune.measured_runs()) == [32, 70]
+    assert tune.speed_model()["batches"] == [32, 70]
+
+    again = tuner(tmp_path, *args)
+    entry, _ = again.entries = [again.prepare(s) for s in setups(again.settings.space, again.command, again.nproc, 1,
+                                                                 as_dict(again.exp))]
+    entry.search.estimated = {"step_work": work}
+    entry.search.probes.append(Probe(70, "ok", samples_per_s=500.0, peak_under_limit_gb=0.55))
+    again.second_size(entry)
+    assert again.probes_run == 0 and entry.readings == first.readings
+
+    (tmp_path / "smallest").mkdir()
+    smallest = tuner(tmp_path / "smallest", *args)
+    entry, _ = smallest.entries = [smallest.prepare(s) for s in setups(smallest.settings.space, smallest.command,
+                                                                       smallest.nproc, 1, as_dict(smallest.exp))]
+    entry.search.probes.append(Probe(4, "ok", samples_per_s=50.0, peak_under_limit_gb=0.55))
+    searched = []
+    entry.search.step = lambda: searched.append(1) or True  # its search's next probe, not run here
+    smallest.second_size(entry)
+    assert searched == [1] and not (tmp_path / "smallest" / entry.row.dir / "half").exists()
+
 @pytest.mark.parametrize("args, message", [
     ([], "memory.limit_gb: task=tune on CPU needs a per-rank limit"),
     (["memory.limit_gb=1", "resume=auto"], "resume=auto: task=tune starts every probe fresh"),

@@ -3,8 +3,8 @@ every probe that trained is a measured run of the speed model (fsdp_exp.estimate
 priced by what its setup's trace counts of a step.
 
 - Calibration: the fewest setups that pin the rates are probed first (`calibration`): the
-  one the estimate lets reach the largest batch, at two sizes, and the most promising of
-  those whose step sends other bytes.
+  one the estimate lets reach the largest batch, at two sizes (near its largest, and half
+  that), and the most promising of those whose step sends other bytes.
 - Measure only what can win: a setup not yet probed is bounded by the model's samples/s at
   the largest batch it can reach, widened by the model's error (`predicted_bound`); one
   whose bound cannot reach the best measured is a `predicted` row, without a probe.
@@ -40,13 +40,16 @@ class Predicting:
         return None if search is None else StepWork.from_json((search.estimated or {}).get("step_work"))
 
     def measured_runs(self) -> list[Measured]:
-        """Every probe that trained, of each setup whose step was traced."""
+        """Every probe that trained, of each setup whose step was traced: its search's, and
+        those beside it at the traced accumulation (a size for the model, a probe run again)."""
         runs = []
         for entry in self.entries:
             work = self.step_work(entry)
             if work is not None:
                 runs += [Measured(entry.setup.name, work, p.batch_size, p.samples_per_s)
                          for p in self.trained(entry)]  # type: ignore[attr-defined]
+                runs += [Measured(entry.setup.name, work, batch, speed)
+                         for (batch, accum), speed in entry.readings if accum == entry.plan.exp.train.grad_accum]
         return runs
 
     def predict_rows(self) -> None:

@@ -119,7 +119,7 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
         self.side_by_side(calibration, self.first_speed, self.parallel, self.runs())
         first = calibration[0] if calibration else None
         if first is not None and len(calibration) < len(self.unsettled()) and not first.done and not self.stopped \
-                and len({p.batch_size for p in self.trained(first)}) == 1:
+                and len({p.batch_size for p in self.trained(first)}) == 1 and not first.readings:
             self.second_size(first)
         self.search_those_that_can_win()
         self.stop_unfinished()
@@ -190,9 +190,16 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
                 return
 
     def second_size(self, entry: TunedSetup) -> None:
-        """The setup's search's next probe, at another size: the speed model's cost of the
-        FLOPs apart from its cost of a step."""
-        if not self.step(entry) and not self.stopped:
+        """The setup again at half its batch, beside its search (`half/` in its folder): the
+        speed model's cost of the FLOPs apart from its cost of a step, told apart over a
+        range (two batches a sample apart, where a search's next probe lands, leave the split
+        to chance). A setup measured at its smallest batch: its search's next probe."""
+        accum = entry.plan.exp.train.grad_accum
+        r = math.lcm(self.settings.resolution, accum)  # a rank's batch: `accum` micro-batches, as the search's
+        half = self.trained(entry)[0].batch_size // 2 // r * r
+        if half >= r and not self.budget_spent():
+            self.extra_probe(entry, "half", half // accum, accum)
+        elif not self.step(entry) and not self.stopped:
             self.settle_searched(entry)
 
     def search_those_that_can_win(self) -> None:
@@ -337,8 +344,9 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
 
     def extra_probe(self, entry: TunedSetup, kind: str, micro: int, accum: int) -> Probe:
         """A probe of `micro` at train.grad_accum=`accum` beside the setup's search (`kind`:
-        "split", task.global_batch's; "repeat", a probe run again; "rematch<n>", a near-tie's runs
-        in turns; "confirm", the winner's command line), in `<setup>/<kind>/`,
+        "split", task.global_batch's; "repeat", a probe run again; "half", the first setup at half its
+        batch, for the speed model; "rematch<n>", a near-tie's runs in turns; "confirm", the
+        winner's command line), in `<setup>/<kind>/`,
         recorded in the setup's folder (extra_probes.json) and reused from there by a tune run
         again."""
         search, plan = entry.search, entry.plan

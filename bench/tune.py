@@ -52,7 +52,7 @@ MODELS = [
     Model("vit", ["model.num_layers=2"], 0.6),
     Model("cnn", ["model=cnn"], 0.6),
     Model("gpt-small", ["model=gpt", "model.size=small", "data=synthetic_tokens"], 2.2),
-    # not one of the repository's models: the example project's BatchNorm net from its own
+    # not one of the repository's models: the example project's residual MLP from its own
     # package and config folder, wide enough and its data large enough that memory bounds it
     Model("my_project", ["model=mynet", "hydra.searchpath=[file://./conf]", "model.width=512", "model.depth=8",
                          "data.num_samples=65536"], 0.8, REPO / "examples" / "my_project"),

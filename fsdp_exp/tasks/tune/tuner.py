@@ -119,7 +119,7 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
         self.side_by_side(calibration, self.first_speed, self.parallel, self.runs())
         first = calibration[0] if calibration else None
         if first is not None and len(calibration) < len(self.unsettled()) and not first.done and not self.stopped \
-                and len({p.batch_size for p in self.trained(first)}) == 1 and not first.readings:
+                and len({p.batch_size for p in self.trained(first)}) == 1:
             self.second_size(first)
         self.search_those_that_can_win()
         self.stop_unfinished()

@@ -73,8 +73,10 @@ def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
     seconds a fresh interpreter spends importing torch. Every refusal takes the same way out
     of `main()` (one line, exit 2); tests/test_checks.py runs it in a fresh process too, rank
     server included. `missing`: packages whose import fails meanwhile, as when they are not
-    installed (Python's own way: None in sys.modules). Hydra's, logging's, the signals' and
-    the process's state are put back."""
+    installed (Python's own way: None in sys.modules). The checks a command makes in a fork of
+    its rank server run here, where those imports fail, even after an earlier test in this
+    process started a server (`launcher.local.elastic_run`). Hydra's, logging's, the signals'
+    and the process's state are put back."""
     import contextlib
     import io
     import logging
@@ -83,6 +85,7 @@ def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
     from hydra.core.global_hydra import GlobalHydra
 
     from fsdp_exp.commands.experiment import main
+    from fsdp_exp.launcher import rank_server
 
     saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
@@ -91,6 +94,7 @@ def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
     out, err, code = io.StringIO(), io.StringIO(), 0
     hidden = {name: sys.modules.get(name) for name in missing}
     sys.modules.update(dict.fromkeys(missing))
+    server_started, rank_server.started = rank_server.started, False
     os.environ.update(extra_env or {})
     os.chdir(cwd)
     sys.argv = ["fsdp_exp", *args, "memory.estimate=false"]  # a run it failed to refuse traces nothing
@@ -100,6 +104,7 @@ def refused_here(*args: str, cwd: Path, extra_env: dict | None = None,
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
     finally:
+        rank_server.started = server_started
         os.chdir(saved_cwd)
         sys.argv = saved_argv
         os.environ.clear()

@@ -108,6 +108,11 @@ def test_the_answer_goes_to_wandb_as_its_figures(tmp_path: Path) -> None:
     png = tmp_path / "max_batch.png"
     plot_max_batch(record, png)
     log_to_wandb(exp, RunContext(), tmp_path, record, png)
+    import wandb
+
+    # the run's record log is written out by wandb's service when the run's stream closes, which
+    # run.finish() only asks for; a command's exit waits for it (wandb's atexit teardown), as here
+    wandb.teardown()
     (log_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     data = log_file.read_bytes()  # wandb's record log: protobuf strings are stored as-is
     for key in (b"max_batch_size", b"recommended_batch_size", b"bounded_by", b"probes", b"max_batch"):

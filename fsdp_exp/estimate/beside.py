@@ -11,16 +11,17 @@ writes estimate.json in the run directory and keeps it for the setup's later run
 trace, and its estimate.json is there from the start.
 
 Rank 0, once the last step is measured, records the estimate beside what it measured
-(`checked`): in summary.json, its log line and wandb. Where rank 0 cannot see the driver's
-files, the driver adds it. A trace not done when the run ends is stopped with it: the
-summary says `estimate: not ready`, and nothing it started goes on writing. Only a trace
-that is done (TRACED_FILE) and writing its record is waited for, at most WAIT_S: one still
-tracing needs seconds more (a traced step in a fresh process), so the command ends at once.
+(`checked`): in summary.json, its log line and wandb. A trace still going then (on a busy CPU
+the start-up and the warm-up leave it little) is waited for: once a setup, since the setup's
+later runs have it at once, and at most as long as the run took or FIRST_TRACE_S, whichever
+is longer. Where rank 0 cannot see the driver's files, the driver adds it and waits the same
+way. A trace that needs longer still is stopped with the run: the summary says `estimate: not
+ready`, and nothing it started goes on writing.
 
 What it costs: nothing of the timed steps; the trace's CPU time (the record's `trace_s` also
 counts the time it was held or waited for the CPU), taken from what the start-up and the
-warm-up leave idle, and at most WAIT_S at the run's end. memory.estimate=false starts
-no trace. Ctrl-C stops it with the run.
+warm-up leave idle, and on a setup's first run what remains of it after the last step.
+memory.estimate=false starts no trace. Ctrl-C stops it with the run.
 """
 
 from __future__ import annotations
@@ -45,9 +46,7 @@ if TYPE_CHECKING:
     from fsdp_exp.config import Experiment
 
 SETUP_FILE = ".estimate_setup.pickle"  # the setup, from the driver to the tracing process
-TRACED_FILE = ".estimate_traced"  # the tracing process's trace is done: its record is being worked out
-WAIT_S = 0.8  # rank 0's look for the record of a trace that is done: under a second
-LAST_LOOK_S = 0.2  # the driver's, after the ranks ended, for a trace that is done
+FIRST_TRACE_S = 30.0  # the least a run waits at its end for its setup's trace (longer runs: as long as they took)
 POLL_S = 0.1
 
 
@@ -67,13 +66,13 @@ class EstimateBeside:
         else:
             self.process = start_tracing(self.run_dir, (exp, nproc, ranks_per_node, key))
 
-    def add_to(self, summary: dict) -> dict:
-        """`summary` (the ranks' figures) with the estimate checked against it, unless rank 0
-        did so. A trace that is done is given LAST_LOOK_S to write its record; then the trace is
+    def add_to(self, summary: dict, run_s: float) -> dict:
+        """`summary` (the ranks' figures, after `run_s` seconds) with the estimate checked
+        against it, unless rank 0 did so. Where rank 0 did not look (its ranks elsewhere), a
+        trace still going is waited for as rank 0 would (`wait_for_estimate`); then it is
         stopped, and without a record the figures say `estimate: not ready`."""
-        if self.process is not None and traced(self.path):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(LAST_LOOK_S)
+        if "estimate_wait_s" not in summary and self.process is not None:
+            wait_for_estimate(self.path, self.process.pid, longest_wait_s(run_s))
         self.stop()
         if "estimate_ratio" in summary or "estimate_failed" in summary:
             return summary
@@ -96,7 +95,6 @@ class EstimateBeside:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         (self.run_dir / SETUP_FILE).unlink(missing_ok=True)  # if it was stopped before it read it
-        (self.run_dir / TRACED_FILE).unlink(missing_ok=True)
         for left in self.run_dir.glob(f".{ESTIMATE_FILE}*.tmp"):
             left.unlink(missing_ok=True)
         trace_log = self.run_dir / "estimate.log"
@@ -143,21 +141,40 @@ def at_idle_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-def traced(path: Path) -> bool:
-    """Whether the trace whose record goes to `path` is done (the record may be on its way)."""
-    return (path.parent / TRACED_FILE).exists()
+def longest_wait_s(run_s: float) -> float:
+    """How long a run that took `run_s` waits at its end for its trace."""
+    return max(FIRST_TRACE_S, run_s)
 
 
-def wait_for_estimate(path: Path, wait_s: float = WAIT_S) -> tuple[EstimateRecord | None, float]:
-    """Rank 0: the driver's estimate record if it is written, or its trace is done and it is
-    written within `wait_s`; and how long it looked."""
+def tracing(pid: int | None) -> bool:
+    """Whether the tracing process `pid` still runs (an ended one not yet waited for by the
+    driver is a zombie: ended)."""
+    if pid is None:
+        return False
+    if Path("/proc/self/stat").exists():
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    try:  # no /proc: whether the process is there at all
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_for_estimate(path: Path, pid: int | None, longest_s: float) -> tuple[EstimateRecord | None, float]:
+    """The run's estimate record, and how long it was waited for: at once when it is written
+    (kept from an earlier trace, or traced during the run); else while its tracing process
+    (`pid`) runs, at most `longest_s`. None when the trace ended without one or needs longer."""
     start = time.perf_counter()
     while True:
-        record = EstimateRecord.read_from(path)
+        going = tracing(pid)
+        record = EstimateRecord.read_from(path)  # read after the look: a trace that ended has written it
         waited = time.perf_counter() - start
-        if record is not None or waited >= wait_s or not traced(path):
+        if record is not None or not going or waited >= longest_s:
             return record, waited
-        time.sleep(min(POLL_S, wait_s - waited))
+        time.sleep(min(POLL_S, longest_s - waited))
 
 
 def main() -> None:
@@ -169,8 +186,7 @@ def main() -> None:
     setup.unlink()
     failed: Exception | None = None
     try:
-        record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node,
-                          when_traced=(run_dir / TRACED_FILE).touch)
+        record = estimate(exp, nproc, [exp.train.batch_size], exp.device == "cuda", ranks_per_node=ranks_per_node)
     except Exception as err:  # noqa: BLE001 - recorded in one line; the run goes on
         record, failed = EstimateRecord(error=one_line(err, limit=300)), err
     if failed is None or isinstance(failed, CannotTrace):  # the setup's own failure is kept too, not its process's

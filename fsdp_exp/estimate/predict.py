@@ -27,8 +27,6 @@ from fsdp_exp.memory import set_for_measuring
 from fsdp_exp.metrics.wandb_sink import Wandb, WandbMode
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from fsdp_exp.config import Experiment
     from fsdp_exp.estimate.traced import Trace
 
@@ -37,12 +35,11 @@ TIME_LIMIT_S = 900  # a trace past this is stopped: something in it does not run
 
 def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
              baseline_gb: float | None = None, stop_above_gb: float | None = None, gpu: Gpu | None = None,
-             ranks_per_node: int | None = None, when_traced: Callable[[], object] | None = None) -> EstimateRecord:
+             ranks_per_node: int | None = None) -> EstimateRecord:
     """The estimate record, traced in a fresh process (see `trace_in_child`). With
     `stop_above_gb`, the sizes are traced in order up to the first whose step is predicted
     to peak above it. On a GPU, `gpu` (task.gpu) names the device whose memory it must fit in.
-    The host's memory is per node of `ranks_per_node` ranks (default: all on one).
-    `when_traced` is called once the trace is done, before the record is worked out from it."""
+    The host's memory is per node of `ranks_per_node` ranks (default: all on one)."""
     start = time.perf_counter()
     own_gb = anonymous_bytes() / GB  # this command's: as the launching command's and its rank server's, and task=eval's
     outside = outside_allocator_gb(world_size, exp.sharding.groups(world_size), gpu) if on_gpu else {}
@@ -51,8 +48,6 @@ def estimate(exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: b
     cap_gb = allocator_cap_gb(exp.memory.limit_gb, gpu, outside_gb) if on_gpu else None
     traced = trace_in_child(exp, world_size, batch_sizes, on_gpu, baseline_gb, stop_above_gb, outside, workspaces,
                             None if cap_gb is None else max(int(cap_gb * GB), 0))
-    if when_traced is not None:
-        when_traced()
     if baseline_gb is not None and on_gpu:  # the user's figure stands for everything outside the allocator
         outside = {"task.baseline_gb": baseline_gb}
     baseline_gb = baseline_or_measured(baseline_gb, on_gpu, traced.baseline_bytes, outside)

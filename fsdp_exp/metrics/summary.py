@@ -68,8 +68,8 @@ def estimate_ratio(measured: str) -> str:
 assert all(estimated(m) in NAMES and estimate_ratio(m) in NAMES for _, m in ESTIMATED)
 
 NOT_READY = "not ready"
-ESTIMATE_LATER = ("its trace needs longer than this run and was stopped with it; task=estimate with the same "
-                  "settings traces it once, and the later runs of this setup show it at once")
+ESTIMATE_LATER = ("its trace needed longer than the run's end could wait and was stopped with it; task=estimate "
+                  "with the same settings traces it once, and the later runs of this setup show it at once")
 
 
 def estimate_line(summary: Summary) -> str | None:

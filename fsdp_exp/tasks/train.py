@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_exp.checkpoint.resume import resolve_resume
-from fsdp_exp.estimate.beside import EstimateBeside, checked, wait_for_estimate
+from fsdp_exp.estimate.beside import EstimateBeside, checked, longest_wait_s, tracing, wait_for_estimate
 from fsdp_exp.metrics.figures import TrainAnswer
 from fsdp_exp.metrics.summary import ESTIMATE_LATER, Summary, estimate_line
 from fsdp_exp.rank.train import train_rank
@@ -49,9 +49,10 @@ class Train(Task):
         if beside is not None and launcher.runs_here:  # rank 0 sees the file and holds the trace; else the driver adds it
             context.estimate_file = str(beside.path)
             context.estimate_pid = beside.process.pid if beside.process is not None else None
-        context.startup["launched"] = time.time()
+        context.startup["launched"] = launched = time.time()
         try:
-            rank = partial(train_rank, context=context, against_estimate=estimate_checked)
+            rank = partial(train_rank, context=context,
+                           against_estimate=partial(estimate_checked, tracer=context.estimate_pid))
             figures = launcher.launch(rank, exp, run_dir, nproc)
         except BaseException:
             if beside is not None:
@@ -59,14 +60,21 @@ class Train(Task):
             raise
         if beside is not None:
             beside.go_on()  # should rank 0 have ended while it held the trace
-            figures = beside.add_to(figures)
+            figures = beside.add_to(figures, time.time() - launched)
         return TrainAnswer(**figures)
 
 
-def estimate_checked(summary: Summary, path: Path) -> dict:
-    """Rank 0: the driver's estimate of this run beside what it measured, if it is traced
-    by now (fsdp_exp.estimate.beside); if not, how long it looked (the driver stops the trace)."""
-    record, waited = wait_for_estimate(path)
+def estimate_checked(summary: Summary, path: Path, tracer: int | None = None) -> dict:
+    """Rank 0: the driver's estimate of this run beside what it measured: at once if it is
+    written; else, while its trace (process `tracer`) still goes, once it is, waiting at
+    most as long as the run took or FIRST_TRACE_S (fsdp_exp.estimate.beside); if it does not
+    come, how long it waited (the driver stops the trace)."""
+    launched = (summary.startup or {}).get("launched")
+    longest = longest_wait_s(time.time() - launched if launched else 0.0)
+    if tracing(tracer) and not path.exists():
+        log.info("this setup's own estimate is still tracing (once a setup: its later runs have it at once); "
+                 "waiting for it, at most %.0f s (memory.estimate=false runs none)", longest)
+    record, waited = wait_for_estimate(path, tracer, longest)
     if record is None:
         log.info("the estimate of this run is not ready: %s", ESTIMATE_LATER)
         return {"estimate_wait_s": waited}

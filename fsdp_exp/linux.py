@@ -250,6 +250,23 @@ def children() -> list[int]:
     return found
 
 
+def process_running(pid: int) -> bool:
+    """Whether process `pid` runs: it exists and has not ended (an ended child not yet waited
+    for is a zombie, state Z). Without /proc, whether it exists at all."""
+    if PROC:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1] != ["Z"]
+        except OSError:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # there, and another user's
+        pass
+    return True
+
+
 def command_line(pid: int) -> bytes:
     """A process's command line (/proc/<pid>/cmdline), empty where it cannot be read."""
     try:

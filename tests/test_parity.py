@@ -28,6 +28,7 @@ COMMON = [
     "optimizer._target_=torch.optim.SGD",
     "+optimizer.momentum=0.9",
     "checkpoint.export_full=true",
+    "memory.estimate=false",  # parity is the point here; tests/test_own_estimate.py checks a run's estimate
 ]
 TOLERANCE = 1e-5
 

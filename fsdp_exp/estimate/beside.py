@@ -40,6 +40,7 @@ from fsdp_exp.errors import one_line
 from fsdp_exp.estimate.earlier import earlier, keep, setup_key
 from fsdp_exp.estimate.predict import CannotTrace, estimate
 from fsdp_exp.estimate.record import ESTIMATE_FILE, EstimateRecord
+from fsdp_exp.linux import process_running
 from fsdp_exp.metrics.summary import ESTIMATED, NOT_READY, Summary, estimate_ratio, estimated
 
 if TYPE_CHECKING:
@@ -147,20 +148,9 @@ def longest_wait_s(run_s: float) -> float:
 
 
 def tracing(pid: int | None) -> bool:
-    """Whether the tracing process `pid` still runs (an ended one not yet waited for by the
-    driver is a zombie: ended)."""
-    if pid is None:
-        return False
-    if Path("/proc/self/stat").exists():
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-    try:  # no /proc: whether the process is there at all
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """Whether the tracing process `pid` still runs (one ended but not yet waited for by the
+    driver has ended)."""
+    return pid is not None and process_running(pid)
 
 
 def wait_for_estimate(path: Path, pid: int | None, longest_s: float) -> tuple[EstimateRecord | None, float]:

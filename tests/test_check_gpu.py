@@ -352,9 +352,17 @@ def test_the_checks_print_one_row_each_and_a_run_two_checks_read_runs_once(tmp_p
     ran: list[str] = []
     fake_run = passing_runs(tmp_path, ran)
 
+    traced: dict[str, bool] = {}
+
+    def own_estimate_noted(overrides: list[str], out: Path) -> RunResult:
+        traced[out.name] = "memory.estimate=false" not in overrides
+        return fake_run(overrides, out)
+
     lines: list[str] = []
-    assert check_all(GPU, tmp_path, run=fake_run, out=lines.append)
+    assert check_all(GPU, tmp_path, run=own_estimate_noted, out=lines.append)
     assert sorted(ran) == sorted(runs(GPU, tmp_path)) and ran.count("gpt") == 1
+    # a run traces its own estimate only where a check reads it against task=estimate's
+    assert {name for name, on in traced.items() if on} == {"gpt", "estimate_gpt"}
     assert lines[0] == TABLE_HEAD
     assert [line.split(" | ")[:2] for line in lines[1:]] == [["| " + c.name, "pass"] for c in checks(GPU)]
 

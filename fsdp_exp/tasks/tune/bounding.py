@@ -155,15 +155,21 @@ class Bounding:
         """How far samples/s moves between runs of one setup at one batch on this machine,
         SPEED_NOISE at least: the widest spread of the runs at a batch any setup ran twice
         (probes, and runs beside a search but the confirmation); None until one has."""
-        readings: dict[tuple[str, int, int], list[float]] = {}
-        for entry in self.entries:
-            accum = entry.plan.exp.train.grad_accum if entry.plan is not None else 1
-            for p in self.trained(entry):
-                readings.setdefault((entry.setup.name, p.batch_size, accum), []).append(p.samples_per_s or 0.0)
-            for (batch, accum_run), speed in entry.readings:
-                readings.setdefault((entry.setup.name, batch, accum_run), []).append(speed)
+        readings = {(entry.setup.name, *key): speeds for entry in self.entries
+                    for key, speeds in self.runs_of(entry).items()}
         band = between_runs(readings)
         return None if band is None else max(band, SPEED_NOISE)
+
+    def runs_of(self, entry: Any) -> dict[tuple[int, int], list[float]]:
+        """A setup's samples/s readings by (a step's batch on each rank, train.grad_accum): its
+        probes that trained, and its runs beside the search but the confirmation."""
+        readings: dict[tuple[int, int], list[float]] = {}
+        accum = entry.plan.exp.train.grad_accum if entry.plan is not None else 1
+        for p in self.trained(entry):
+            readings.setdefault((p.batch_size, accum), []).append(p.samples_per_s or 0.0)
+        for key, speed in entry.readings:
+            readings.setdefault(key, []).append(speed)
+        return readings
 
     def bounded_words(self, entry: Any) -> str:
         fit = max(self.trained(entry), key=lambda p: p.samples_per_s or 0.0)

@@ -1,5 +1,6 @@
 """The end of task=tune (`Confirming`, a part of fsdp_exp.tasks.tune.tuner.Tuner): before a
-setup is called the winner, the setups as fast as it are run again in turns (`rematch`), and
+setup is called the winner, the setups as fast as it are run again in turns (`rematch`; with
+no noise measured yet, it and the next fastest are run again first, `measure_band`), and
 then its command line, exactly as printed, runs as task=max_batch verifies an answer (`confirm`). A command
 line that does not complete steps its batch down, as task=max_batch's verification does, or
 hands over to the next setup. The budget keeps room for the first confirmation from the
@@ -21,6 +22,7 @@ from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, ties, winner
 log = logging.getLogger("fsdp_exp")
 
 REMATCHES = 2  # rounds of the near-ties' runs, in turns (the second in the opposite order)
+MEAN = "; samples/s the mean of "  # a row's `how`, where its speed is the mean of its runs at its batch
 
 
 class Confirming:
@@ -46,13 +48,22 @@ class Confirming:
     def speed_band(self) -> float | None:
         raise NotImplementedError
 
+    def runs_of(self, entry: Any) -> dict[tuple[int, int], list[float]]:
+        raise NotImplementedError
+
     def rematch(self) -> None:
         """The setups within the speed noise of the winner, run again in turns (REMATCHES
         rounds, the second in the opposite order, so that no setup always runs first), before
-        one of them is called the winner: each one's speed is then the mean of its runs."""
+        one of them is called the winner: each one's speed is then the mean of its runs. The
+        noise is the one measured on this machine (`measure_band` first, where no setup has
+        run twice at one batch yet)."""
         best = winner([e.row for e in self.entries])
         if best is None:
             return
+        if self.speed_band() is None:
+            self.measure_band(best)
+            best = winner([e.row for e in self.entries])
+            assert best is not None
         band = self.speed_band() or SPEED_NOISE
         close = [best, *ties([e.row for e in self.entries], best, band)]
         entries = [e for e in self.entries if any(e.row is r for r in close) and e.row.batch_size]
@@ -60,18 +71,45 @@ class Confirming:
             return
         log.info("task=tune: %s within %.0f%% of each other; running each again, in turns",
                  " and ".join(e.setup.name for e in entries), band * 100)
-        runs = {id(e): [e.row.samples_per_s] for e in entries}
         for round_ in range(REMATCHES):
             for entry in entries if round_ % 2 == 0 else entries[::-1]:
                 if self.budget_spent():
                     break
-                probe = self.extra_probe(entry, f"rematch{round_ + 1}", entry.row.batch_size, entry.row.grad_accum)
-                if probe.status == "ok" and probe.samples_per_s:
-                    runs[id(entry)].append(probe.samples_per_s)
+                self.extra_probe(entry, f"rematch{round_ + 1}", entry.row.batch_size, entry.row.grad_accum)
         for entry in entries:
-            entry.row.samples_per_s = statistics.mean(runs[id(entry)])
-            entry.row.how += f"; samples/s the mean of {len(runs[id(entry)])} runs, in turns with the setups as fast"
+            self.average(entry, ", in turns with the setups as fast")
         self.save()
+
+    def measure_band(self, best: Any) -> None:
+        """Before the winner is told from the next fastest setup by speeds read once each, with
+        no noise measured yet: both run again at their batch (`repeat/`), which measures the
+        noise between runs here, and each is ranked by the mean of its two runs."""
+        runner_up = winner([e.row for e in self.entries if e.row is not best])
+        if runner_up is None or not best.batch_size or not runner_up.batch_size:
+            return
+        log.info("task=tune: the noise between runs is not known yet; running %s and %s again",
+                 best.setup, runner_up.setup)
+        for row in (best, runner_up):
+            if self.budget_spent():
+                return
+            entry = next(e for e in self.entries if e.row is row)
+            self.extra_probe(entry, "repeat", row.batch_size, row.grad_accum)
+            self.average(entry)
+        self.save()
+
+    def average(self, entry: Any, words: str = "") -> None:
+        """A measured row's speed (tokens/s, MFU and step time alike) as the mean of its runs at
+        its batch, where it has more than one, and its `how` saying so."""
+        row = entry.row
+        speeds = self.runs_of(entry).get((row.batch_size * row.grad_accum, row.grad_accum), [])
+        if len(speeds) < 2 or not row.samples_per_s:
+            return
+        mean = statistics.mean(speeds)
+        scale, row.samples_per_s = mean / row.samples_per_s, mean
+        row.tokens_per_s = None if row.tokens_per_s is None else row.tokens_per_s * scale
+        row.mfu = None if row.mfu is None else row.mfu * scale
+        row.step_s = None if row.step_s is None else row.step_s / scale
+        row.how = row.how.split(MEAN)[0] + f"{MEAN}{len(speeds)} runs{words}"
 
     def confirm(self) -> None:
         """The winner's command line, exactly as printed, run as task=max_batch verifies an

@@ -56,7 +56,11 @@ class Confirming:
         rounds, the second in the opposite order, so that no setup always runs first), before
         one of them is called the winner: each one's speed is then the mean of its runs. The
         noise is the one measured on this machine (`measure_band` first, where no setup has
-        run twice at one batch yet)."""
+        run twice at one batch yet). Every measured setup is ranked by the mean of its runs at its
+        batch, not the fastest of them."""
+        for entry in self.entries:
+            if entry.row.status == "measured":
+                self.average(entry)
         best = winner([e.row for e in self.entries])
         if best is None:
             return
@@ -83,17 +87,19 @@ class Confirming:
     def measure_band(self, best: Any) -> None:
         """Before the winner is told from the next fastest setup by speeds read once each, with
         no noise measured yet: both run again at their batch (`repeat/`), which measures the
-        noise between runs here, and each is ranked by the mean of its two runs."""
+        noise between runs here, and each is ranked by the mean of its two runs (both, or
+        neither where the budget ends between them: one mean against a fastest is no fairer)."""
         runner_up = winner([e.row for e in self.entries if e.row is not best])
         if runner_up is None or not best.batch_size or not runner_up.batch_size:
             return
         log.info("task=tune: the noise between runs is not known yet; running %s and %s again",
                  best.setup, runner_up.setup)
-        for row in (best, runner_up):
+        pair = [next(e for e in self.entries if e.row is row) for row in (best, runner_up)]
+        for entry in pair:
             if self.budget_spent():
                 return
-            entry = next(e for e in self.entries if e.row is row)
-            self.extra_probe(entry, "repeat", row.batch_size, row.grad_accum)
+            self.extra_probe(entry, "repeat", entry.row.batch_size, entry.row.grad_accum)
+        for entry in pair:
             self.average(entry)
         self.save()
 
@@ -101,8 +107,10 @@ class Confirming:
         """A measured row's speed (tokens/s, MFU and step time alike) as the mean of its runs at
         its batch, where it has more than one, and its `how` saying so."""
         row = entry.row
+        if not row.batch_size or not row.samples_per_s:
+            return
         speeds = self.runs_of(entry).get((row.batch_size * row.grad_accum, row.grad_accum), [])
-        if len(speeds) < 2 or not row.samples_per_s:
+        if len(speeds) < 2:
             return
         mean = statistics.mean(speeds)
         scale, row.samples_per_s = mean / row.samples_per_s, mean

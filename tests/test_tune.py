@@ -13,7 +13,8 @@ from fsdp_exp.commands.experiment import compose_checked
 from fsdp_exp.config import as_dict
 from fsdp_exp.driver.plan import prepare
 from fsdp_exp.errors import ConfigError
-from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, Row, between_runs, can_win, ranked, speed_bound, table, winner
+from fsdp_exp.tasks.tune.ranking import (SPEED_NOISE, Row, between_runs, can_win, mean_of_runs, ranked, speed_bound,
+                                         table, winner)
 from fsdp_exp.tasks.tune.report import answer_line, command_line, plot, report, rows_of, summary_of, tune_record
 from fsdp_exp.tasks.tune.settings import Budget, default_space, parse_budget
 from fsdp_exp.tasks.tune.space import flatten, fold_on_cpu, setups
@@ -206,6 +207,22 @@ def test_a_runs_step_spread_is_half_its_timed_steps_range_over_their_median(tmp_
     assert step_spread(metrics) == pytest.approx(10 / 102)
     metrics.write_text("".join(json.dumps(r) + "\n" for r in steps[:3]))
     assert step_spread(metrics) is None and step_spread(tmp_path / "none.jsonl") is None
+
+
+def test_a_measured_setup_is_ranked_by_the_mean_of_its_runs_and_says_how_many():
+    """Read at 300 and 270 samples/s: 285, its tokens/s, MFU and step time alike; a row read once
+    keeps its speed; averaged again over more runs, its `how` names the count once."""
+    row = Row("sharding=full", ["sharding=full"], status="measured", how="fastest of 3 probes", batch_size=8,
+              samples_per_s=300.0, tokens_per_s=3000.0, mfu=0.3, step_s=0.5)
+    mean_of_runs(row, [300.0])
+    assert row.samples_per_s == 300.0 and row.how == "fastest of 3 probes"
+    mean_of_runs(row, [300.0, 270.0])
+    assert (row.samples_per_s, row.tokens_per_s, row.mfu) == pytest.approx((285.0, 2850.0, 0.285))
+    assert row.step_s == pytest.approx(0.5 * 300 / 285)
+    assert row.how == "fastest of 3 probes; samples/s the mean of 2 runs"
+    mean_of_runs(row, [300.0, 270.0, 280.0, 290.0], ", in turns with the setups as fast")
+    assert row.samples_per_s == pytest.approx(285.0) and row.tokens_per_s == pytest.approx(2850.0)
+    assert row.how == "fastest of 3 probes; samples/s the mean of 4 runs, in turns with the setups as fast"
 
 
 def test_the_winner_run_again_sets_the_noise_band():

@@ -17,12 +17,11 @@ from fsdp_exp.metrics.sinks import METRICS, JsonLines
 from fsdp_exp.tasks.max_batch.answer import speeds
 from fsdp_exp.tasks.max_batch.verify import step_down
 from fsdp_exp.tasks.tune.accumulation import speed_at
-from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, ties, winner
+from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, mean_of_runs, ties, winner
 
 log = logging.getLogger("fsdp_exp")
 
 REMATCHES = 2  # rounds of the near-ties' runs, in turns (the second in the opposite order)
-MEAN = "; samples/s the mean of "  # a row's `how`, where its speed is the mean of its runs at its batch
 
 
 class Confirming:
@@ -104,20 +103,10 @@ class Confirming:
         self.save()
 
     def average(self, entry: Any, words: str = "") -> None:
-        """A measured row's speed (tokens/s, MFU and step time alike) as the mean of its runs at
-        its batch, where it has more than one, and its `how` saying so."""
+        """A measured row's speed as the mean of its runs at its batch (`mean_of_runs`)."""
         row = entry.row
-        if not row.batch_size or not row.samples_per_s:
-            return
-        speeds = self.runs_of(entry).get((row.batch_size * row.grad_accum, row.grad_accum), [])
-        if len(speeds) < 2:
-            return
-        mean = statistics.mean(speeds)
-        scale, row.samples_per_s = mean / row.samples_per_s, mean
-        row.tokens_per_s = None if row.tokens_per_s is None else row.tokens_per_s * scale
-        row.mfu = None if row.mfu is None else row.mfu * scale
-        row.step_s = None if row.step_s is None else row.step_s / scale
-        row.how = row.how.split(MEAN)[0] + f"{MEAN}{len(speeds)} runs{words}"
+        if row.batch_size:
+            mean_of_runs(row, self.runs_of(entry).get((row.batch_size * row.grad_accum, row.grad_accum), []), words)
 
     def confirm(self) -> None:
         """The winner's command line, exactly as printed, run as task=max_batch verifies an

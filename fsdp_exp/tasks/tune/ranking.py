@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 # samples/s of one setup at one batch moves by about this between runs (docs/BENCHMARKS.md):
 # a bound this far below the best still searches, a measured speed this close to the best ties.
 SPEED_NOISE = 0.05
+MEAN = "; samples/s the mean of "  # a row's `how`, where its speed is the mean of its runs at its batch
 
 STATUSES = ("measured", "bounded", "predicted", "pruned", "does not fit", "refused", "failed", "not reached")
 
@@ -64,6 +65,19 @@ def between_runs(readings: dict[tuple[str, int], list[float]]) -> float | None:
     spread over their mean; None where no setup ran twice at one batch."""
     spreads = [(max(r) - min(r)) / (sum(r) / len(r)) for r in readings.values() if len(r) > 1]
     return max(spreads, default=None)
+
+
+def mean_of_runs(row: Row, speeds: list[float], words: str = "") -> None:
+    """A measured row's speed (tokens/s, MFU and step time alike) as the mean of `speeds`, its
+    runs at its batch, where it has more than one; its `how` says how many (once)."""
+    if len(speeds) < 2 or not row.samples_per_s:
+        return
+    mean = sum(speeds) / len(speeds)
+    scale, row.samples_per_s = mean / row.samples_per_s, mean
+    row.tokens_per_s = None if row.tokens_per_s is None else row.tokens_per_s * scale
+    row.mfu = None if row.mfu is None else row.mfu * scale
+    row.step_s = None if row.step_s is None else row.step_s / scale
+    row.how = row.how.split(MEAN)[0] + f"{MEAN}{len(speeds)} runs{words}"
 
 
 def ranked(rows: list[Row]) -> list[Row]:

@@ -1,6 +1,6 @@
 """The end of task=tune (`Confirming`, a part of fsdp_exp.tasks.tune.tuner.Tuner): before a
 setup is called the winner, the setups as fast as it are run again in turns (`rematch`; with
-no noise measured yet, it and the next fastest are run again first, `measure_band`), and
+no noise measured yet, it and the next fastest run the first round alone, which measures it), and
 then its command line, exactly as printed, runs as task=max_batch verifies an answer (`confirm`). A command
 line that does not complete steps its batch down, as task=max_batch's verification does, or
 hands over to the next setup. The budget keeps room for the first confirmation from the
@@ -21,7 +21,6 @@ from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, mean_of_runs, ties, winner
 
 log = logging.getLogger("fsdp_exp")
 
-REMATCHES = 2  # rounds of the near-ties' runs, in turns (the second in the opposite order)
 
 
 class Confirming:
@@ -51,56 +50,56 @@ class Confirming:
         raise NotImplementedError
 
     def rematch(self) -> None:
-        """The setups within the speed noise of the winner, run again in turns (REMATCHES
-        rounds, the second in the opposite order, so that no setup always runs first), before
+        """The setups within the speed noise of the winner, run again in turns (two rounds, the
+        second in the opposite order, so that no setup always runs first), before
         one of them is called the winner: each one's speed is then the mean of its runs. The
-        noise is the one measured on this machine (`measure_band` first, where no setup has
-        run twice at one batch yet). Every measured setup is ranked by the mean of its runs at its
-        batch, not the fastest of them."""
+        noise is the one measured on this machine: where no setup has run twice at one batch
+        yet, the winner and the next fastest run the first round alone, which measures it. Every
+        measured setup is ranked by the mean of its runs at its batch, not the fastest of them."""
         for entry in self.entries:
             if entry.row.status == "measured":
                 self.average(entry)
         best = winner([e.row for e in self.entries])
         if best is None:
             return
+        first: list = []  # the pair whose first round measured the noise
         if self.speed_band() is None:
-            self.measure_band(best)
+            runner_up = winner([e.row for e in self.entries if e.row is not best])
+            if runner_up is None or not best.batch_size or not runner_up.batch_size:
+                return
+            log.info("task=tune: the noise between runs is not known yet; running %s and %s again, in turns",
+                     best.setup, runner_up.setup)
+            first = [next(e for e in self.entries if e.row is row) for row in (best, runner_up)]
+            if not self.rematch_round(first, 1):
+                return
+            for entry in first:  # both, or neither: one mean against a fastest is no fairer
+                self.average(entry)
             best = winner([e.row for e in self.entries])
             assert best is not None
         band = self.speed_band() or SPEED_NOISE
         close = [best, *ties([e.row for e in self.entries], best, band)]
-        entries = [e for e in self.entries if any(e.row is r for r in close) and e.row.batch_size]
+        ran = {id(e) for e in first}
+        entries = [e for e in first if any(e.row is r for r in close)] + [
+            e for e in self.entries if any(e.row is r for r in close) and e.row.batch_size and id(e) not in ran]
         if len(entries) < 2:
+            self.save()
             return
         log.info("task=tune: %s within %.0f%% of each other; running each again, in turns",
                  " and ".join(e.setup.name for e in entries), band * 100)
-        for round_ in range(REMATCHES):
-            for entry in entries if round_ % 2 == 0 else entries[::-1]:
-                if self.budget_spent():
-                    break
-                self.extra_probe(entry, f"rematch{round_ + 1}", entry.row.batch_size, entry.row.grad_accum)
+        if self.rematch_round([e for e in entries if id(e) not in ran], 1):
+            self.rematch_round(entries[::-1], 2)
         for entry in entries:
             self.average(entry, ", in turns with the setups as fast")
         self.save()
 
-    def measure_band(self, best: Any) -> None:
-        """Before the winner is told from the next fastest setup by speeds read once each, with
-        no noise measured yet: both run again at their batch (`repeat/`), which measures the
-        noise between runs here, and each is ranked by the mean of its two runs (both, or
-        neither where the budget ends between them: one mean against a fastest is no fairer)."""
-        runner_up = winner([e.row for e in self.entries if e.row is not best])
-        if runner_up is None or not best.batch_size or not runner_up.batch_size:
-            return
-        log.info("task=tune: the noise between runs is not known yet; running %s and %s again",
-                 best.setup, runner_up.setup)
-        pair = [next(e for e in self.entries if e.row is row) for row in (best, runner_up)]
-        for entry in pair:
+    def rematch_round(self, entries: list, round_: int) -> bool:
+        """Each setup run again at its batch (`rematch<round_>/`), in this order; False where
+        the budget ended before all had."""
+        for entry in entries:
             if self.budget_spent():
-                return
-            self.extra_probe(entry, "repeat", entry.row.batch_size, entry.row.grad_accum)
-        for entry in pair:
-            self.average(entry)
-        self.save()
+                return False
+            self.extra_probe(entry, f"rematch{round_}", entry.row.batch_size, entry.row.grad_accum)
+        return True
 
     def average(self, entry: Any, words: str = "") -> None:
         """A measured row's speed as the mean of its runs at its batch (`mean_of_runs`)."""

@@ -22,7 +22,6 @@ from fsdp_exp.tasks.tune.ranking import SPEED_NOISE, mean_of_runs, ties, winner
 log = logging.getLogger("fsdp_exp")
 
 
-
 class Confirming:
     """What a tune does once its searches are done; its attributes are the Tuner's."""
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -60,12 +61,16 @@ MODELS = [
 
 
 def run(args: list[str], cwd: Path, exits: tuple[int, ...] = (0,)) -> float:
-    """The command's wall time; `exits`, the exit codes it may end with."""
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "fsdp_exp", *args], cwd=cwd, capture_output=True, text=True)
+    """The command's wall time, with a cache folder of its own (as a first run: no estimate nor
+    replay kept by the commands before it); `exits`, the exit codes it may end with."""
+    with tempfile.TemporaryDirectory() as cache:
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "fsdp_exp", *args], cwd=cwd, capture_output=True, text=True,
+                              env={**os.environ, "FSDP_EXP_CACHE": cache})
+        wall = time.perf_counter() - start
     if done.returncode not in exits:
         raise SystemExit(f"{' '.join(args)}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
-    return time.perf_counter() - start
+    return wall
 
 
 def setup_key(overrides: list[str]) -> str:

@@ -503,6 +503,8 @@ with FakeTensorMode():
             torch.nn.Linear(4096, 512)(torch.zeros(b, 4096, requires_grad=True)).sum().backward()
 library.REPLAY_FLOPS = steps[64].flops()  # batch 128 is past it
 swept = library.kept_by_step(list(steps), list(steps.values()), 1)
+for kept in library.cache_dir().joinpath("library").glob("*.json"):
+    kept.unlink()  # replayed again, not read back
 alone = library.replayed_alone(steps[64], 1)
 one_process = library.Replay()
 after = [one_process.kept(ops, 1) for ops in list(steps.values())[:3]]
@@ -523,6 +525,45 @@ def test_a_trace_of_several_batches_measures_each_as_a_rank_running_it_alone() -
     assert largest == pytest.approx(alone, rel=0.05, abs=64 * 1024), shown.stdout
     assert middle == round(first + (16 - 8) / (64 - 8) * (largest - first))
     assert past == largest > first, shown.stdout
+
+
+KEPT_REPLAY = SEEN + """
+import json, threading
+ops, wider = library.LibraryOps(), library.LibraryOps()
+with FakeTensorMode():
+    with Seen(ops):
+        torch.nn.Linear(1024, 256)(torch.zeros(16, 1024, requires_grad=True)).sum().backward()
+    with Seen(wider):
+        torch.nn.Linear(1024, 256)(torch.zeros(32, 1024, requires_grad=True)).sum().backward()
+described = [(library.op_name(f), a) for f, a in ops.seen]
+path = library.kept_at(described, 1)
+got = {}
+with library.one_at_a_time(path):  # another trace replaying the same ops
+    second = threading.Thread(target=lambda: got.update(kept=library.replayed_alone(ops, 1)))
+    second.start()
+    second.join(1.0)
+    waited = second.is_alive()
+    path.write_text(json.dumps({"in_use_bytes": 7, "data_bytes": 11}))  # what its replay kept
+second.join()
+path.write_text("{damaged")
+replayed = library.replayed_alone(ops, 1)
+print(waited, got["kept"].in_use_bytes, got["kept"].data_bytes, replayed.in_use_bytes,
+      json.loads(path.read_text())["in_use_bytes"], path == library.kept_at(described, 2),
+      path == library.kept_at([(library.op_name(f), a) for f, a in wider.seen], 1))
+"""
+
+
+def test_a_replay_of_the_same_ops_is_read_back_and_traces_side_by_side_take_turns() -> None:
+    """What a fresh process keeps after a set of library ops is kept in the cache folder: a
+    trace that needs the same replay while another makes it waits for it and reads it back
+    (no second replay); a damaged record is replayed again and rewritten; other threads or
+    other shapes are another record."""
+    shown = subprocess.run([sys.executable, "-c", KEPT_REPLAY], capture_output=True, text=True, cwd=REPO, check=True)
+    waited, in_use, data, replayed, rewritten, same_for_threads, same_for_shapes = shown.stdout.split()
+    assert waited == "True", shown.stdout  # it did not replay while the other held the record
+    assert (int(in_use), int(data)) == (7, 11), shown.stdout  # the other's, read back
+    assert int(replayed) != 7 and int(rewritten) == int(replayed), shown.stdout
+    assert same_for_threads == same_for_shapes == "False", shown.stdout
 
 
 def test_what_the_math_libraries_keep_after_a_steps_ops_is_measured() -> None:

@@ -42,8 +42,6 @@ def cache_dir() -> Path:
 
 def setup_key(exp: Experiment, world_size: int, ranks_per_node: int | None, on_gpu: bool) -> str:
     """The key of the estimate of a rank's training at train.batch_size for this setup."""
-    import torch
-
     described = []
     for f in fields(exp):
         value = getattr(exp, f.name)
@@ -53,12 +51,19 @@ def setup_key(exp: Experiment, world_size: int, ranks_per_node: int | None, on_g
             value = {t.name: getattr(value, t.name) for t in fields(value) if t.name not in LEFT_OUT_OF[f.name]}
         described.append(f"{f.name}={value!r}")
     described += [f"world_size={world_size}", f"ranks_per_node={ranks_per_node}", f"on_gpu={on_gpu}",
-                  f"machine={platform.node()} {platform.machine()}", f"torch={torch.__version__}",
-                  f"python={sys.version_info[:2]}"]
+                  *this_machine()]
     digest = hashlib.sha256("\n".join(described).encode())
     for path in sorted(_sources(exp)):
         digest.update(path.encode() + b"\0" + Path(path).read_bytes())
     return digest.hexdigest()[:32]
+
+
+def this_machine() -> list[str]:
+    """What a kept figure measured on this machine holds for: the machine, torch and Python."""
+    import torch
+
+    return [f"machine={platform.node()} {platform.machine()}", f"torch={torch.__version__}",
+            f"python={sys.version_info[:2]}"]
 
 
 def _sources(exp: Experiment) -> set[str]:

@@ -15,22 +15,30 @@ The libraries keep their buffers and code per shape, so a replay after another h
 replayed one after another in one process, a GPT's batches 1 to 32 measured 4.0 to 11.9 MB
 where each alone keeps 4.0 to 4.7. A rank runs one batch size, so a trace of several
 (`kept_by_step`) replays its first here and its largest in a fresh process (`python -m
-fsdp_exp.estimate.library`), and puts those between on the line through the two.
+fsdp_exp.estimate.library`), and puts those between on the line through the two. What a
+fresh process keeps after a set of ops is kept in fsdp_exp's cache folder (`library/`), by the
+ops, the threads and this machine: a trace of the same shapes (a tune's setups that differ only
+in how they shard, the same setup traced again) reads it back instead of replaying it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import math
 import pickle
 import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
+from fsdp_exp.estimate.earlier import cache_dir, this_machine
 from fsdp_exp.linux import heap_in_use_bytes, map_large_blocks, proc_status
 from fsdp_exp.torch_private import op, op_name
 
@@ -143,8 +151,44 @@ def kept_by_step(batch_sizes: Sequence[int], ops: Sequence[LibraryOps], threads:
 
 
 def replayed_alone(ops: LibraryOps, threads: int) -> Kept | None:
-    """`Replay().kept(ops, threads)` in a fresh process (None where it fails)."""
+    """`Replay().kept(ops, threads)` in a fresh process (None where it fails), or what an earlier
+    replay of the same ops kept (`library/` of the cache folder). Traces side by side that need
+    the same replay take turns: the first replays it, the others read it."""
     described = [(op_name(func), args) for func, args in ops.seen]
+    path = kept_at(described, threads)
+    with one_at_a_time(path):
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            return Kept(**json.loads(path.read_text()))
+        kept = replay_in_a_fresh_process(described, threads)
+        if kept is not None:
+            with contextlib.suppress(OSError):
+                path.write_text(json.dumps(asdict(kept)))
+        return kept
+
+
+def kept_at(described: list, threads: int) -> Path:
+    """Where a replay is kept: named by the ops (by name and their arguments' shapes, strides and
+    dtypes), the threads, this machine and this module's code."""
+    digest = hashlib.sha256(repr((described, threads, this_machine())).encode())
+    digest.update(Path(__file__).read_bytes())
+    return cache_dir() / "library" / f"{digest.hexdigest()[:32]}.json"
+
+
+@contextlib.contextmanager
+def one_at_a_time(path: Path) -> Iterator[None]:
+    """Held by one process at a time (a lock file beside `path`; none where the folder cannot be written)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = path.with_suffix(".lock").open("a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # given back when the file closes, or the process ends
+        yield
+
+
+def replay_in_a_fresh_process(described: list, threads: int) -> Kept | None:
     try:
         done = subprocess.run([sys.executable, "-m", "fsdp_exp.estimate.library"], capture_output=True, timeout=300,
                               input=pickle.dumps((described, threads)), check=True)

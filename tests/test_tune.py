@@ -823,9 +823,13 @@ def test_setups_within_the_noise_of_the_winner_are_run_again_in_turns_before_one
         assert len(runs) >= 3 and row["samples_per_s"] == pytest.approx(statistics.mean(runs))
         assert f"samples/s the mean of {len(runs)} runs, in turns with the setups as fast" in row["how"], row["how"]
         assert not (out / row["dir"] / "repeat").exists()  # no run beside the two rounds
+        # each run in turns as long as the setup's probe at its batch (a probe trains on until its peak settles)
+        probed = next(p["steps"] for p in searched if p["status"] == "ok" and p["batch_size"] == row["batch_size"])
         for n in (1, 2):
             (done,) = (out / row["dir"] / f"rematch{n}").iterdir()
-            started[(row["setup"], n)] = read_json(done / "summary.json")["startup"]["rank_started"]
+            summary = read_json(done / "summary.json")
+            started[(row["setup"], n)] = summary["startup"]["rank_started"]
+            assert summary["steps"] == probed, (summary["steps"], probed)
     first, second = (r["setup"] for r in rows)
     # the first round in one order, the second in the other
     order = sorted(started, key=started.__getitem__)

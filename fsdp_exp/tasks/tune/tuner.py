@@ -61,7 +61,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("fsdp_exp")
 
 EXTRA_PROBES = "extra_probes.json"
-REMATCH_STEPS = 10  # a setup within the noise of the winner run again: steps, the first warm-up
+# A setup within the noise of the winner run again (in turns) runs as many steps as its first
+# run at its batch did (the first a warm-up), so that the runs its mean takes are alike; at most:
+REMATCH_STEPS = 10
 # The estimate is at most about 1% above a run's peak (bench/estimate_accuracy.py): a setup
 # whose smallest batch it puts this far over the limit is pruned without a probe.
 PRUNE_OVER = 0.02
@@ -80,6 +82,8 @@ class TunedSetup:
     extra_probes: int = 0  # beside its search: task.global_batch's splits, the winner's confirmation
     # the speeds of the runs beside its search, by (a rank's batch, train.grad_accum), but the confirmation's
     readings: list[tuple[tuple[int, int], float]] = field(default_factory=list)
+    # the steps of its first run beside its search at each (a rank's batch, train.grad_accum)
+    lengths: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
@@ -354,7 +358,8 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
         path = search.run_dir / EXTRA_PROBES
         recorded = json.loads(path.read_text()) if path.is_file() else []
         length = self.settings.verify_length()
-        steps = length.steps if kind == "confirm" else REMATCH_STEPS if kind.startswith("rematch") else search.steps
+        steps = length.steps if kind == "confirm" else self.turn_steps(entry, micro * accum, accum) \
+            if kind.startswith("rematch") else search.steps
         key = {"kind": kind, "batch_size": micro, "grad_accum": accum, "steps": steps,
                "until_settled": kind == "confirm" and length.until_settled, "fingerprint": search.fingerprint}
         earlier = next((r for r in recorded if {k: r.get(k) for k in key} == key), None)
@@ -378,12 +383,21 @@ class Tuner(Bounding, Accumulating, Confirming, Predicting, SetupsSideBySide):
             write_json(path, [*recorded, {**key, "probe": probe.to_json()}])
         if kind != "confirm" and probe.status == "ok" and probe.samples_per_s:
             entry.readings.append(((micro * accum, accum), probe.samples_per_s))
+            entry.lengths.setdefault((micro * accum, accum), probe.steps or steps)
         with self.lock:
             self.probes_run += earlier is None
             entry.extra_probes += 1
             entry.row.probes += 1
             self.save()
         return probe
+
+    def turn_steps(self, entry: TunedSetup, batch: int, accum: int) -> int:
+        """The steps of a run in turns at `batch` (a step's, on each rank): as many as the setup's
+        first run there trained (a probe trains on until its peak settles), REMATCH_STEPS at most."""
+        assert entry.search is not None and entry.plan is not None
+        first = next((p.steps for p in self.trained(entry) if p.batch_size == batch and p.steps
+                      and accum == entry.plan.exp.train.grad_accum), None) or entry.lengths.get((batch, accum))
+        return min(max(first or REMATCH_STEPS, entry.search.steps), REMATCH_STEPS)
 
     def conclude(self, entry: TunedSetup, status: str, how: str) -> None:
         with self.lock:

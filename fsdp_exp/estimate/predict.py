@@ -5,8 +5,8 @@ by it."""
 
 from __future__ import annotations
 
+import importlib
 import math
-import multiprocessing
 import signal
 import tempfile
 import time
@@ -22,6 +22,7 @@ from fsdp_exp.estimate.host import HostSetup, host_memory
 from fsdp_exp.estimate.record import EstimateRecord
 from fsdp_exp.estimate.speed import StepWork
 from fsdp_exp.launcher.core import POLL_S, RunFailed, alongside
+from fsdp_exp.launcher.rank_server import RANK_MODULES, process_context
 from fsdp_exp.linux import anonymous_bytes
 from fsdp_exp.memory import set_for_measuring
 from fsdp_exp.metrics.wandb_sink import Wandb, WandbMode
@@ -171,8 +172,10 @@ def trace_in_child(exp: Experiment, world_size: int, batch_sizes: list[int], on_
                    cap_bytes: int | None = None) -> Any:
     """The trace, in a fresh process: the fake process group is this process's own, nothing
     of the driver's (threads, a sweep's other runs) is in the way, and what the process
-    holds before tracing is what a rank holds before building its model (the baseline)."""
-    context = multiprocessing.get_context("spawn")
+    holds before tracing is what a rank holds before building its model (the baseline): forked
+    from the rank server, as a run's ranks are, where the command started one (no second
+    import of torch, seconds on a small machine), else spawned."""
+    context = process_context()
     parent, child = context.Pipe(duplex=False)
     process = context.Process(target=_traced, args=(child, exp, world_size, batch_sizes, on_gpu, baseline_gb,
                                                     stop_above_gb, outside or {}, workspaces, cap_bytes), daemon=True)
@@ -217,9 +220,13 @@ class CannotTrace(RunFailed):
 def _traced(pipe: Any, exp: Experiment, world_size: int, batch_sizes: list[int], on_gpu: bool,
             baseline_gb: float | None, stop_above_gb: float | None, outside: dict[str, float],
             workspaces: tuple[int, ...], cap_bytes: int | None) -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # forked from the rank server: Ctrl-C is the driver's
     warnings.filterwarnings("ignore")
     try:
         from fsdp_exp.estimate.trace import trace  # here, in the child: tracing's imports cost the driver 0.5 s
+
+        for module in RANK_MODULES:  # what a rank forked from the rank server holds (a spawned child: 9 MB)
+            importlib.import_module(module)
 
         # the environment of the run it predicts: a GPU run's wandb keeps its error reporting
         set_for_measuring("cuda" if on_gpu else "cpu", None, estimated=True)

@@ -61,6 +61,13 @@ def stop_rank_server() -> None:
                 os.waitpid(pid, 0)
 
 
+def process_context() -> Any:
+    """The multiprocessing context of a fresh process for work of a rank's kind: forked from the
+    rank server, when this process started one (torch and the models imported already), else
+    spawned."""
+    return multiprocessing.get_context("forkserver" if started else "spawn")
+
+
 def in_a_fork(check: Callable[..., T], *args: Any) -> T:
     """`check(*args)` in a process forked from the rank server, when this process started
     one, else here; its ConfigError is raised here as it was raised there."""

@@ -10,8 +10,9 @@
 Each model runs grid, tune, grid, tune (`--rounds`), so that a drift of the machine falls on
 both. The table: each command's wall time (the whole command, as typed), its probes and its
 answer; tune's wall time over the grid's; whether tune's answer (its winner at its batch, at
-the speed its command line ran) is within the grid's noise of the grid's best (the grid's two
-rounds give that noise: how far each setup's fastest samples/s moved between them, at least 5%).
+the speed its command line ran) is within the grid's noise of the grid's best (how far a
+setup's fastest samples/s moved between the grid's rounds, and between its `offload=false`
+and `offload=true` rows, which on a CPU are one setup run twice; at least 5%).
 
     python bench/tune.py                  # every model (hours on 2 cores)
     python bench/tune.py cnn --rounds 1   # one model, one round
@@ -112,12 +113,19 @@ def tune(model: Model, out: Path) -> dict:
 
 
 def grid_noise(grids: list[dict]) -> float:
-    """How far a setup's fastest samples/s moved between the grid's rounds (SPEED_NOISE at least)."""
+    """How far a setup's fastest samples/s moved between the grid's rounds, and within one
+    round between each setup with `offload=true` and without (on a CPU offload moves nothing,
+    so the two are one setup run twice); SPEED_NOISE at least."""
     moves = [SPEED_NOISE]
     for setup in grids[0]["rows"]:
         speeds = [g["rows"].get(setup, {}).get("speed") for g in grids]
         if len(speeds) > 1 and all(speeds):
             moves.append(max(speeds) / min(speeds) - 1)
+    for g in grids:
+        for setup, row in g["rows"].items():
+            twin = g["rows"].get(setup.replace("offload=false", "offload=true"), {}).get("speed")
+            if "offload=false" in setup and row["speed"] and twin:
+                moves.append(max(row["speed"], twin) / min(row["speed"], twin) - 1)
     return max(moves)
 
 

@@ -121,7 +121,7 @@ def test_an_answer_that_a_run_of_the_command_does_not_hold_steps_down_to_one_tha
 def test_the_verification_runs_until_the_peak_settles_whatever_train_steps_is(tmp_path: Path) -> None:
     """SettlingNet's memory grows for 30 steps, past its 5-step probes, then holds. With
     train.steps=5000, the answer is run only until its peak settles (no new high over
-    VERIFY_WINDOW steps, read from step 3 on: 38 steps here), not for 5000: the size the probes found runs
+    VERIFY_WINDOW steps, read from step 3 on: 38 steps here, 43 at most), not for 5000: the size the probes found runs
     out of memory within those steps and the answer steps down to one whose run settled."""
     out = tmp_path / "search"
     result = run_cli("task=max_batch", "model=custom", f"model._target_={__name__}.SettlingNet",
@@ -135,14 +135,16 @@ def test_the_verification_runs_until_the_peak_settles_whatever_train_steps_is(tm
     assert {p["steps"] for p in record["probes"] if p["status"] == "ok"} == {5}  # settled to the probes' eyes
     done = check["runs"][-1]
     # read at step 3 (task.steps_per_probe), then every VERIFY_WINDOW steps: grown at each read until
-    # one a whole window past step 30, when it stopped growing
+    # one a whole window past step 30, when it stopped growing; or one window later, where a rank's
+    # allocator took its last MB (more than the 0.6 MB it may rise by) after that read, as it
+    # sometimes does on a CPU
     settled = next(step for step in range(3, 101, VERIFY_WINDOW) if step - VERIFY_WINDOW >= GROW_FOR)
-    assert (done["status"], done["steps"], done["settled_at_step"]) == ("ok", settled, settled)
-    assert read_json(out / done["dir"] / "summary.json")["steps"] == settled
+    assert done["status"] == "ok" and done["steps"] == done["settled_at_step"] in (settled, settled + VERIFY_WINDOW)
+    assert read_json(out / done["dir"] / "summary.json")["steps"] == done["steps"]
     assert check["ran_out_of_memory_at"] and min(check["ran_out_of_memory_at"]) > done["batch_size"]
     assert record["max_batch_size"] == done["batch_size"] < record["searched_max_batch_size"]
     line = next(x for x in (result.stdout + result.stderr).splitlines() if "max batch: " in x)
-    assert f"verified: a run of the command at {done['batch_size']} held for {settled} steps, its peak settled" in line
+    assert f"verified: a run of the command at {done['batch_size']} held for {done['steps']} steps, its peak settled" in line
 
 
 def test_the_verifications_length_is_task_verify_steps_or_bounded_never_train_steps() -> None:

@@ -144,7 +144,8 @@ def test_the_verification_runs_until_the_peak_settles_whatever_train_steps_is(tm
     assert check["ran_out_of_memory_at"] and min(check["ran_out_of_memory_at"]) > done["batch_size"]
     assert record["max_batch_size"] == done["batch_size"] < record["searched_max_batch_size"]
     line = next(x for x in (result.stdout + result.stderr).splitlines() if "max batch: " in x)
-    assert f"verified: a run of the command at {done['batch_size']} held for {done['steps']} steps, its peak settled" in line
+    held = f"verified: a run of the command at {done['batch_size']} held for {done['steps']} steps, its peak settled"
+    assert held in line
 
 
 def test_the_verifications_length_is_task_verify_steps_or_bounded_never_train_steps() -> None:

@@ -164,16 +164,28 @@ def map_large_blocks() -> None:
 
 # --- limits ---
 
+_uncapped: int | None = None  # RLIMIT_DATA's soft limit before cap_data_segment; None: not capped
+
+
 def cap_data_segment(limit_bytes: int) -> None:
     """An allocation past `limit_bytes` of data segment fails for real (RLIMIT_DATA)."""
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    global _uncapped
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if _uncapped is None:
+        _uncapped = soft
     resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, hard))
 
 
 def lift_data_cap() -> None:
-    """RLIMIT_DATA back up to its hard limit: a failed rank's teardown needs room (a thread)."""
+    """RLIMIT_DATA back to what it was before cap_data_segment (nothing to do where it was not
+    capped): once a rank's work is done or has failed, what carries its result or error out
+    (a thread, Ray's or submitit's serialising of it) needs room."""
+    global _uncapped
+    if _uncapped is None:
+        return
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+    resource.setrlimit(resource.RLIMIT_DATA, (_uncapped, hard))
+    _uncapped = None
 
 
 def thread_stack_bytes() -> int:

@@ -56,31 +56,45 @@ def test_a_failed_rank_whose_teardown_blocks_ends_itself() -> None:
 
 
 OUT_OF_ROOM = """
-import threading
+import os, resource, sys, threading
 from fsdp_exp import linux
-from fsdp_exp.rank.worker import exit_if_stuck
-linux.cap_data_segment(linux.proc_status()["VmData:"] * 1024 + 2**20)  # as a rank out of memory under its limit
-try:
-    threading.Thread(target=print).start()
-except RuntimeError as err:
-    print("no room:", err, flush=True)
-try:
+from fsdp_exp.rank.worker import run_rank
+
+before = resource.getrlimit(resource.RLIMIT_DATA)
+
+def at_the_limit(cfg, run_dir):  # as a rank out of memory under its CPU limit
+    linux.cap_data_segment(linux.proc_status()["VmData:"] * 1024 + 2**20)
+    if cfg == "returns":
+        return "its result"
+    try:
+        threading.Thread(target=print).start()
+    except RuntimeError as err:
+        print("no room:", err, flush=True)
     raise MemoryError("the rank's own error")
+
+os.environ["RANK"] = "0"
+try:
+    run_rank(at_the_limit, "fails", sys.argv[1])
 except MemoryError as err:
-    exit_if_stuck(0.5)
+    threading.Thread(target=print, args=("room again",)).start()
     print("kept:", err, flush=True)
-threading.Event().wait()
+print("lifted:", resource.getrlimit(resource.RLIMIT_DATA) == before, flush=True)
+print(run_rank(at_the_limit, "returns", sys.argv[1]), flush=True)
+print("lifted:", resource.getrlimit(resource.RLIMIT_DATA) == before, flush=True)
 """
 
 
-def test_a_rank_out_of_memory_under_its_cpu_limit_still_ends_itself_with_its_own_error() -> None:
-    """No room for exit_if_stuck's thread under a CPU memory.limit_gb: the limit is lifted
-    first, so the rank's error is not replaced by "can't start new thread" (seen in the slow
-    suite), and the stuck rank still ends."""
-    done = subprocess.run([sys.executable, "-c", OUT_OF_ROOM], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert done.stdout.splitlines() == ["no room: can't start new thread", "kept: the rank's own error"], \
-        done.stdout + done.stderr[-2000:]
-    assert done.returncode == 1
+def test_a_rank_at_its_cpu_memory_limit_gets_its_error_and_result_out(tmp_path: Path) -> None:
+    """Under a CPU memory.limit_gb a rank can end at the limit, with no room for what carries
+    its error or result out: a thread (exit_if_stuck's), Ray's reply from its worker (without
+    room, Ray reported the worker as dead: "killed by a signal"). run_rank lifts the limit, which
+    has done its work, once its task ends, failed or not, in a process that no launcher of
+    ours started (as Ray's and SLURM's)."""
+    done = subprocess.run([sys.executable, "-c", OUT_OF_ROOM, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert done.stdout.splitlines() == ["no room: can't start new thread", "room again", "kept: the rank's own error",
+                                        "lifted: True", "its result", "lifted: True"], done.stdout + done.stderr[-2000:]
+    assert done.returncode == 0
 
 
 def test_a_rank_ended_by_a_fatal_signal_is_named_and_its_log_keeps_its_python_stack(tmp_path: Path) -> None:

@@ -243,6 +243,22 @@ def test_a_killed_worker_restarts_from_rays_latest_checkpoint_and_ends_the_same(
 
 
 @pytest.mark.slow
+def test_a_rank_out_of_memory_under_a_cpu_limit_makes_the_run_an_oom(tmp_path: Path, cluster: str) -> None:
+    """The worker ran out of memory at its CPU limit, with no room left for Ray's reply: the
+    rank lifts the limit once it failed, so that its own error reaches the driver (before, Ray
+    reported the worker as dead, "killed by a signal", and a search tried the size again)."""
+    out = tmp_path / "run"
+    result = run_cli(*RAY, f"launcher.address={cluster}", "launcher.num_workers=1", "model=cnn", "sharding=grad_op",
+                     "memory.limit_gb=0.6", "train.batch_size=127", "train.steps=2", "wandb.mode=disabled",
+                     f"hydra.run.dir={out}", cwd=tmp_path, extra_env=AUTH)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "oom", summary
+    assert summary["error"].startswith("rank 0 failed: OutOfMemory: ran out of memory under memory.limit_gb=0.6")
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
 def test_a_probe_past_its_timeout_is_ended_and_recorded_as_timed_out(tmp_path: Path, cluster: str) -> None:
     """run_rank's SIGALRM ends the Ray worker although Ray runs the task in a thread."""
     run_dir = tmp_path / "search"

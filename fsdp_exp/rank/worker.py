@@ -165,9 +165,8 @@ def exit_if_stuck(after_s: float) -> None:
     wait for the other rank, which waits the same way, for good. Its error and traceback are written
     by then; a daemon thread, so a rank that exits in time takes it with it. A rank that ran
     out of memory under a CPU memory.limit_gb has no room for the thread's stack: the limit,
-    which has done its work, is lifted first, so that the rank's own error is what gets out
-    (not "can't start new thread")."""
-    linux.lift_data_cap()
+    which has done its work, was lifted first (run_rank), so that the rank's own error is what
+    gets out (not "can't start new thread")."""
     timer = threading.Timer(after_s, os._exit, args=(1,))
     timer.daemon = True
     with contextlib.suppress(RuntimeError):  # no thread: the error still gets out, unguarded
@@ -195,6 +194,10 @@ def run_rank(task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: 
     try:
         return task(cfg, Path(run_dir))
     except Exception as err:
+        # The limit of a CPU memory.limit_gb has done its work: what gets the error out (a thread;
+        # under launcher=ray the worker's own reply, which Ray cannot send at the limit and
+        # reports as a dead process) needs room.
+        linux.lift_data_cap()
         logging.getLogger("fsdp_exp.rank_file").exception("this rank failed")
         line = one_line(err, named=True, whole=True)
         with contextlib.suppress(OSError):  # the error itself is what must get out
@@ -204,6 +207,7 @@ def run_rank(task: Callable[[Experiment, Path], Any], cfg: Experiment, run_dir: 
         raise
     finally:
         signal.alarm(0)
+        linux.lift_data_cap()  # as above, for what carries its result out (Ray's reply, submitit's pickle)
         if multiprocessing.parent_process() is not None:
             # A rank of launcher=local or torchrun, its work done or stopped, waits for the
             # launcher to read what it returned: a second Ctrl-C there (the launcher passing the

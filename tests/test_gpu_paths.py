@@ -44,7 +44,8 @@ def _unscale_cpu_gradients(rank: int, backends: list[str], init_dir: str, found:
 
     dist.Backend.register_backend("cudaonly", _cuda_only_backend, devices=["cuda"])
     for backend in backends:
-        dist.init_process_group(backend, init_method=f"file://{init_dir}/{backend}", rank=rank, world_size=2)
+        store = dist.FileStore(f"{init_dir}/{backend}", 2)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=2)
         try:
             weight = torch.nn.Parameter(torch.ones(4))
             weight.grad = torch.full((4,), float("inf") if rank == 1 else 1.0)
@@ -58,6 +59,11 @@ def _unscale_cpu_gradients(rank: int, backends: list[str], init_dir: str, found:
             except RuntimeError as err:
                 found[(backend, rank)] = str(err).splitlines()[0]
         finally:
+            # The plain group's error comes without a word between the ranks: a rank that left
+            # at once closed its connections while the other's were still being made.
+            if store.add("left", 1) == 2:
+                store.set("both left", "")
+            store.wait(["both left"])
             dist.destroy_process_group()
 
 

@@ -76,7 +76,9 @@ os.environ["RANK"] = "0"
 try:
     run_rank(at_the_limit, "fails", sys.argv[1])
 except MemoryError as err:
-    threading.Thread(target=print, args=("room again",)).start()
+    room = threading.Thread(target=print, args=("room again",), kwargs={"flush": True})
+    room.start()
+    room.join()
     print("kept:", err, flush=True)
 print("lifted:", resource.getrlimit(resource.RLIMIT_DATA) == before, flush=True)
 print(run_rank(at_the_limit, "returns", sys.argv[1]), flush=True)

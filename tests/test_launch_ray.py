@@ -268,10 +268,16 @@ def test_a_probe_past_its_timeout_is_ended_and_recorded_as_timed_out(tmp_path: P
     assert time.monotonic() - start < 200
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "batch 1 does not train: ran past task.probe_timeout=1 s" in result.stdout
-    # the estimate's first size, then the smallest: both ran past it
-    probes = read_json(run_dir / "max_batch.json")["probes"]
-    assert [p["batch_size"] for p in probes][-1] == 1 and len(probes) <= 2
-    assert all(p["status"] == "failed" and p["timed_out"] and "task.probe_timeout=1" in p["reason"] for p in probes)
+    # The estimate's first size, then the smallest, which ran past it. A Ray worker holds some
+    # 70 MB that the estimate does not count (docs/clusters.md, "Known limits"): at the
+    # estimate's size a rank can reach memory.limit_gb before its second has passed, an oom,
+    # as a run of it would.
+    *first, smallest = read_json(run_dir / "max_batch.json")["probes"]
+    assert smallest["batch_size"] == 1 and smallest["status"] == "failed" and smallest["timed_out"]
+    assert "task.probe_timeout=1" in smallest["reason"] and len(first) <= 1
+    for probe in first:
+        timed_out = probe["status"] == "failed" and probe["timed_out"] and "task.probe_timeout=1" in probe["reason"]
+        assert timed_out or (probe["status"] == "oom" and not probe["timed_out"]), probe
     assert read_json(run_dir / "summary.json")["status"] == "failed"
 
 
